@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import time
 
 log = logging.getLogger("fourbit")
@@ -44,8 +45,10 @@ def _clock(seconds: float) -> str:
 
 
 def setup_logging(log_path: str | None = None) -> None:
-    """Send fourbit's log lines to ``log_path`` (a rule's log) or stderr."""
-    handler = logging.FileHandler(log_path) if log_path else logging.StreamHandler()
+    """Send log lines and stderr (warnings, tracebacks) to a rule's log file."""
+    if log_path:
+        sys.stderr = open(log_path, "a", buffering=1)  # noqa: SIM115  lives as long as the job
+    handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]

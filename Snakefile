@@ -1,0 +1,24 @@
+# fourbit: which 4-bit CPU build of a causal LM to ship, measured end to end.
+# This file only declares; the rules live in workflow/rules/, the logic in src/fourbit/.
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "config.yaml"
+
+
+report: "workflow/report/workflow.rst"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/prepare.smk"
+include: "workflow/rules/quantize.smk"
+include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/report.smk"
+
+
+rule all:
+    input:
+        f"{RESULTS}/report.md",
+    default_target: True

@@ -1,0 +1,5 @@
+from fourbit.dequantize import dequantize_checkpoint
+from fourbit.progress import setup_logging
+
+setup_logging(snakemake.log[0])
+dequantize_checkpoint(snakemake.input.checkpoint, snakemake.output.checkpoint)

@@ -1,0 +1,7 @@
+from pathlib import Path
+
+from fourbit.corpus import prepare_corpus
+from fourbit.progress import setup_logging
+
+setup_logging(snakemake.log[0])
+prepare_corpus(dict(snakemake.params.spec), Path(snakemake.output.manifest).parent)

@@ -1,0 +1,12 @@
+from fourbit.progress import setup_logging
+from fourbit.report import write_report
+
+setup_logging(snakemake.log[0])
+write_report(
+    dict(snakemake.params.study),
+    results=list(snakemake.input.results),
+    arm_manifests=list(snakemake.input.arms),
+    markdown_path=snakemake.output.markdown,
+    table_path=snakemake.output.table,
+    training_path=snakemake.params.training,
+)

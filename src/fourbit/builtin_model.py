@@ -1,0 +1,324 @@
+"""The study's default model: a small Llama trained here, from scratch, on a prepared corpus.
+
+It needs no download, so the whole study runs offline; and because every
+source of randomness is seeded, the thread count fixed and deterministic
+kernels forced, the same corpus and spec give the same weights bit for bit
+(on the same CPU type and library versions: another instruction set may round
+differently).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from fourbit.atomic import atomic_dir
+from fourbit.progress import Progress
+from fourbit.tokenizer import BOS_ID, EOS_ID, UNK_ID, check_roundtrip, train_tokenizer
+
+log = logging.getLogger("fourbit")
+
+DEFAULT_SPEC = {
+    "vocab_size": 4096,
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_layers": 4,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "seq_len": 256,
+    "batch_size": 16,
+    "steps": 600,
+    "lr": 3e-3,
+    "weight_decay": 0.1,
+    "seed": 0,
+    # Fixed, not "all cores": CPU kernels split reductions by thread, so the
+    # thread count changes the rounding and with it the weights.
+    "threads": 2,
+    "eval_windows": 128,
+}
+
+# For workflow tests: trains in seconds and still learns something.
+TINY_SPEC = {
+    **DEFAULT_SPEC,
+    "vocab_size": 512,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_layers": 1,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "seq_len": 128,
+    "batch_size": 8,
+    "steps": 40,
+    "eval_windows": 16,
+}
+
+# Row lengths that are multiples of 256 let every 4-bit format in the study
+# (groups of 64 or 128, llama.cpp's 256-wide K-quant super-blocks) cover whole
+# rows, so no tensor silently falls back to another format.
+MULTIPLE_OF_256 = ("vocab_size", "hidden_size", "intermediate_size")
+FLOAT_KEYS = ("lr", "weight_decay")
+MAY_BE_ZERO = ("seed", "weight_decay")
+WARMUP_FRACTION = 0.1  # of the steps, rising linearly to lr before the cosine decay
+FINAL_LR_FRACTION = 0.1  # the cosine ends at this fraction of lr, not at zero
+LOSS_AVERAGE_STEPS = 10  # final_train_loss averages the last steps: one batch is noisy
+GRADIENT_CLIP = 1.0
+ROUNDTRIP_SNIPPETS = 8
+ROUNDTRIP_SNIPPET_CHARS = 2000
+
+
+def resolve_spec(spec: dict) -> dict:
+    """``spec`` over the defaults, validated; errors name the key and what it must be."""
+    unknown = sorted(set(spec) - set(DEFAULT_SPEC))
+    if unknown:
+        raise ValueError(f"builtin model spec has unknown key(s) {unknown}; known keys are {sorted(DEFAULT_SPEC)}")
+    resolved = {key: _number(key, value) for key, value in {**DEFAULT_SPEC, **spec}.items()}
+    for key in MULTIPLE_OF_256:
+        if resolved[key] % 256:
+            raise ValueError(
+                f"builtin model spec {key}={resolved[key]} must be a multiple of 256 "
+                f"(e.g. {max(256, round(resolved[key] / 256) * 256)}) so 4-bit groups and K-quants fit"
+            )
+    _check_heads(resolved)
+    if resolved["seq_len"] < 2:
+        raise ValueError(f"builtin model spec seq_len={resolved['seq_len']} must be at least 2 (BOS plus a token)")
+    return resolved
+
+
+def _number(key: str, value: object) -> int | float:
+    wanted = float if key in FLOAT_KEYS else int
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or (wanted is int and value != int(value))
+    ):
+        kind = "a number" if wanted is float else "a whole number"
+        raise ValueError(f"builtin model spec {key}={value!r} must be {kind}")
+    value = wanted(value)
+    if value < 0 or (value == 0 and key not in MAY_BE_ZERO):
+        bound = "zero or more" if key in MAY_BE_ZERO else "more than zero"
+        raise ValueError(f"builtin model spec {key}={value!r} must be {bound}")
+    return value
+
+
+def _check_heads(spec: dict) -> None:
+    hidden, heads, kv_heads = spec["hidden_size"], spec["num_heads"], spec["num_kv_heads"]
+    if hidden % heads or (hidden // heads) % 2:
+        raise ValueError(
+            f"builtin model spec hidden_size={hidden} / num_heads={heads} must give a whole, even "
+            "head_dim (rotary embeddings rotate pairs)"
+        )
+    if heads % kv_heads:
+        raise ValueError(f"builtin model spec num_heads={heads} must be a multiple of num_kv_heads={kv_heads}")
+
+
+def train_builtin_model(corpus_dir: Path, out_dir: Path, spec: dict) -> dict:
+    """Train tokenizer and model on ``corpus_dir``/train.txt; save a Hugging Face folder to ``out_dir``.
+
+    ``out_dir`` gets model.safetensors (float32, tied embeddings), config.json,
+    generation_config.json, the tokenizer files and training.json, whose
+    contents (what was trained, how long, how well) are returned.
+    """
+    spec = resolve_spec(spec)
+    corpus_dir = Path(corpus_dir)
+    train_path, evaluation_path = corpus_dir / "train.txt", corpus_dir / "evaluation.txt"
+    for path in (train_path, evaluation_path):
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist; prepare the corpus into {corpus_dir} first")
+    evaluation_text = evaluation_path.read_text(encoding="utf-8")
+    with atomic_dir(out_dir) as temp, _deterministic_torch(spec["threads"]):
+        _train_tokenizer_into(temp, train_path, evaluation_text, spec)
+        train_stream = _token_stream(temp, train_path.read_text(encoding="utf-8"))
+        evaluation_stream = _token_stream(temp, evaluation_text)
+        _require_enough_tokens(train_stream, evaluation_stream, spec)
+        model = _new_model(spec)
+        started = time.monotonic()
+        final_loss = _train(model, train_stream, spec)
+        wall_seconds = time.monotonic() - started
+        model.save_pretrained(temp)
+        report = _training_report(spec, temp, train_stream, wall_seconds, final_loss)
+        report.update(_held_out_perplexity(model, evaluation_stream, spec))
+        (temp / "training.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    log.info(
+        "builtin model: held-out perplexity %.2f (uniform %d) after %d steps in %.0f s",
+        report["held_out_perplexity"], report["uniform_perplexity"], spec["steps"], wall_seconds,
+    )
+    return report
+
+
+@contextmanager
+def _deterministic_torch(threads: int) -> Iterator[None]:
+    """Fix threads and force deterministic kernels, restoring the caller's settings afterwards."""
+    import torch
+
+    saved_threads = torch.get_num_threads()
+    saved_deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved_threads)
+        torch.use_deterministic_algorithms(saved_deterministic)
+
+
+def _train_tokenizer_into(folder: Path, train_path: Path, evaluation_text: str, spec: dict) -> None:
+    """Train the tokenizer, check it on held-out text, and put its files beside the model's."""
+    tokenizer_dir = folder / "tokenizer"
+    train_tokenizer(train_path, tokenizer_dir, spec["vocab_size"], seed=spec["seed"])
+    check_roundtrip(tokenizer_dir, _snippets(evaluation_text))
+    for file in tokenizer_dir.iterdir():
+        file.rename(folder / file.name)
+    tokenizer_dir.rmdir()
+
+
+def _snippets(text: str) -> list[str]:
+    """Evenly spaced pieces of ``text``, cut at line starts so indentation is included."""
+    step = max(1, len(text) // ROUNDTRIP_SNIPPETS)
+    snippets = []
+    for start in range(0, len(text), step):
+        line_start = text.rfind("\n", 0, start) + 1
+        snippets.append(text[line_start : line_start + ROUNDTRIP_SNIPPET_CHARS])
+    return snippets[:ROUNDTRIP_SNIPPETS]
+
+
+def _token_stream(tokenizer_dir: Path, text: str):
+    import sentencepiece as spm
+    import torch
+
+    sp = spm.SentencePieceProcessor(model_file=str(tokenizer_dir / "tokenizer.model"))
+    return torch.tensor(sp.encode(text), dtype=torch.long)
+
+
+def _require_enough_tokens(train_stream, evaluation_stream, spec: dict) -> None:
+    window = spec["seq_len"] - 1  # text tokens per window; the first position holds BOS
+    for split, stream in (("train", train_stream), ("evaluation", evaluation_stream)):
+        if len(stream) < window + 1:
+            raise ValueError(
+                f"the {split} split has {len(stream)} tokens, fewer than one window of "
+                f"seq_len={spec['seq_len']}; use a larger corpus or a smaller seq_len"
+            )
+
+
+def _new_model(spec: dict):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=spec["vocab_size"],
+        hidden_size=spec["hidden_size"],
+        intermediate_size=spec["intermediate_size"],
+        num_hidden_layers=spec["num_layers"],
+        num_attention_heads=spec["num_heads"],
+        num_key_value_heads=spec["num_kv_heads"],
+        head_dim=spec["hidden_size"] // spec["num_heads"],
+        max_position_embeddings=spec["seq_len"],
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        dtype="float32",
+    )
+    torch.manual_seed(spec["seed"])
+    return LlamaForCausalLM(config).to(torch.float32)
+
+
+def _windows(stream, starts, seq_len: int):
+    """Rows of BOS followed by ``seq_len - 1`` stream tokens from each start."""
+    import torch
+
+    offsets = torch.arange(seq_len - 1)
+    text = stream[starts[:, None] + offsets[None, :]]
+    bos = torch.full((len(starts), 1), BOS_ID, dtype=torch.long)
+    return torch.cat([bos, text], dim=1)
+
+
+def _learning_rate(step: int, spec: dict) -> float:
+    warmup = max(1, round(spec["steps"] * WARMUP_FRACTION))
+    if step < warmup:
+        return spec["lr"] * (step + 1) / warmup
+    progress = (step - warmup) / max(1, spec["steps"] - warmup)
+    cosine = 0.5 * (1 + math.cos(math.pi * progress))
+    return spec["lr"] * (FINAL_LR_FRACTION + (1 - FINAL_LR_FRACTION) * cosine)
+
+
+def _train(model, stream, spec: dict) -> float:
+    """Run the fixed number of steps; return the mean loss of the last few."""
+    import torch
+
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=spec["lr"], betas=(0.9, 0.95), weight_decay=spec["weight_decay"]
+    )
+    # Its own generator: batches depend only on the seed, not on what else drew random numbers.
+    batches = torch.Generator().manual_seed(spec["seed"])
+    last_start = len(stream) - (spec["seq_len"] - 1)
+    tokens_per_step = spec["batch_size"] * (spec["seq_len"] - 1)
+    progress = Progress("train builtin model", spec["steps"], unit="step")
+    recent_losses: list[float] = []
+    started = time.monotonic()
+    model.train()
+    for step in range(spec["steps"]):
+        for group in optimizer.param_groups:
+            group["lr"] = _learning_rate(step, spec)
+        starts = torch.randint(0, last_start + 1, (spec["batch_size"],), generator=batches)
+        inputs = _windows(stream, starts, spec["seq_len"])
+        loss = model(input_ids=inputs, labels=inputs).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), GRADIENT_CLIP)
+        optimizer.step()
+        recent_losses = (recent_losses + [loss.item()])[-LOSS_AVERAGE_STEPS:]
+        tokens_per_second = tokens_per_step * (step + 1) / (time.monotonic() - started)
+        progress.update(note=f"loss {recent_losses[-1]:.3f}, {tokens_per_second:,.0f} tokens/s")
+    model.eval()
+    return sum(recent_losses) / len(recent_losses)
+
+
+def _held_out_perplexity(model, stream, spec: dict) -> dict:
+    """Perplexity over non-overlapping windows of the evaluation split (BOS + seq_len-1 tokens)."""
+    import torch
+
+    window = spec["seq_len"] - 1
+    count = min(spec["eval_windows"], len(stream) // window)
+    starts = torch.arange(count) * window
+    total_nll, total_tokens = 0.0, 0
+    with torch.no_grad():
+        for batch in starts.split(spec["batch_size"]):
+            inputs = _windows(stream, batch, spec["seq_len"])
+            logits = model(input_ids=inputs).logits[:, :-1]
+            targets = inputs[:, 1:]
+            total_nll += torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
+            ).item()
+            total_tokens += targets.numel()
+    return {
+        "held_out_perplexity": math.exp(total_nll / total_tokens),
+        "held_out_windows": count,
+        "held_out_tokens": total_tokens,
+        "uniform_perplexity": spec["vocab_size"],
+    }
+
+
+def _training_report(spec: dict, folder: Path, train_stream, wall_seconds: float, final_loss: float) -> dict:
+    import torch
+    import transformers
+
+    tokens_seen = spec["steps"] * spec["batch_size"] * (spec["seq_len"] - 1)
+    return {
+        "spec": spec,
+        "steps": spec["steps"],
+        "train_tokens_seen": tokens_seen,
+        "train_split_tokens": len(train_stream),
+        "epochs": tokens_seen / len(train_stream),
+        "wall_seconds": wall_seconds,
+        "tokens_per_second": tokens_seen / wall_seconds,
+        "final_train_loss": final_loss,
+        "model_sha256": hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest(),
+        "special_token_ids": {"unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID},
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+    }

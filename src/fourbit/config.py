@@ -1,0 +1,217 @@
+"""Validate a study config and derive its ids: model, corpus, engines, arms.
+
+Validate first, then derive (STYLE.md 3): defaults from the JSON schema are
+filled in before anything is hashed, so omitting a default and spelling it out
+give the same id. Every id is ``<readable part>-<hash>``; the hash covers the
+canonical JSON of exactly the settings that change that thing's outputs.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+from fourbit.hashing import file_sha256, short_hash
+
+SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
+ID_PATTERN = r"[a-z0-9][a-z0-9_.]*-[0-9a-f]{10}"
+
+
+class ConfigError(ValueError):
+    """A config problem, reported before any job runs."""
+
+
+def load_schema(path: Path = SCHEMA_PATH) -> dict:
+    return yaml.safe_load(Path(path).read_text())
+
+
+def _with_defaults(validator_class):
+    """A validator that also fills in ``default`` values (the jsonschema recipe)."""
+    validate_properties = validator_class.VALIDATORS["properties"]
+
+    def set_defaults(validator, properties, instance, schema):
+        if isinstance(instance, dict):
+            for name, subschema in properties.items():
+                if "default" in subschema:
+                    instance.setdefault(name, copy.deepcopy(subschema["default"]))
+        yield from validate_properties(validator, properties, instance, schema)
+
+    return jsonschema.validators.extend(validator_class, {"properties": set_defaults})
+
+
+_Validator = _with_defaults(jsonschema.Draft202012Validator)
+
+
+def _validate(instance: Any, schema: dict, where: str) -> None:
+    errors = sorted(_Validator(schema).iter_errors(instance), key=lambda e: list(e.path))
+    if errors:
+        lines = []
+        for error in errors:
+            path = ".".join(str(p) for p in error.absolute_path) or "(top level)"
+            hint = ""
+            if error.validator == "additionalProperties":
+                allowed = sorted(error.schema.get("properties", {}))
+                hint = f"; allowed keys: {', '.join(allowed)}"
+            elif error.validator in ("enum", "const"):
+                allowed = error.schema.get("enum", [error.schema.get("const")])
+                hint = f"; allowed: {', '.join(map(str, allowed))}"
+            lines.append(f"{where}{'.' + path if path != '(top level)' else ''}: {error.message}{hint}")
+        raise ConfigError("invalid config:\n  " + "\n  ".join(lines))
+
+
+def canonical_quant(quant: dict, schema: dict, where: str = "quant") -> dict:
+    """Validate one arm's quant config against its method's schema; fill defaults."""
+    methods = schema["$defs"]["methods"]
+    method = quant.get("method")
+    if method not in methods:
+        raise ConfigError(
+            f"{where}.method: {method!r} is not a known quantization method; "
+            f"allowed: {', '.join(sorted(methods))}"
+        )
+    filled = copy.deepcopy(quant)
+    _validate(filled, {**methods[method], "$defs": schema["$defs"]}, where)
+    return filled
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    quant: dict
+    id: str
+
+    @property
+    def needs_calibration(self) -> bool:
+        """Methods that read calibration data carry a ``calibration`` block."""
+        return "calibration" in self.quant
+
+    def manifest(self) -> dict:
+        return {"name": self.name, "id": self.id, "quant": self.quant}
+
+
+@dataclass(frozen=True)
+class Engine:
+    name: str
+    settings: dict
+    id: str
+
+
+@dataclass
+class Study:
+    config: dict
+    results: str
+    model_id: str
+    corpus_id: str
+    engines: dict[str, Engine]
+    arms: dict[str, Arm] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, config: dict, schema: dict | None = None) -> "Study":
+        schema = schema or load_schema()
+        config = copy.deepcopy(config)
+        quant_parts = [arm.get("quant") for arm in config.get("arms", []) if isinstance(arm, dict)]
+        _validate(config, schema, "config")
+        corpus_id = corpus_identity(config["corpus"])
+        arms: dict[str, Arm] = {}
+        for index, (arm, quant) in enumerate(zip(config["arms"], quant_parts)):
+            canonical = canonical_quant(quant, schema, f"arms[{index}].quant")
+            if "calibration" in canonical:
+                # Calibration data is part of a calibrated arm's identity.
+                canonical["calibration"]["corpus"] = corpus_id
+            arm["quant"] = canonical
+            arm_id = f"{arm['name']}-{short_hash('arm', canonical)}"
+            if arm_id in arms:
+                raise ConfigError(
+                    f"arms[{index}] ({arm['name']}) has the same id {arm_id} as an earlier arm: "
+                    "same name and same quantization config; remove one or rename it"
+                )
+            if any(a.quant != canonical and a.id == arm_id for a in arms.values()):
+                raise ConfigError(f"hash collision on {arm_id}; change the arm's name")
+            arms[arm_id] = Arm(arm["name"], canonical, arm_id)
+        engines = {
+            name: Engine(name, settings, f"{name}-{short_hash('engine', settings)}")
+            for name, settings in sorted(config["engines"].items())
+        }
+        return cls(
+            config=config,
+            results=config["results"],
+            model_id=model_identity(config["model"], corpus_id),
+            corpus_id=corpus_id,
+            engines=engines,
+            arms=arms,
+        )
+
+    def summary(self) -> dict:
+        """What the report needs to know about the study, as plain data."""
+        return {
+            "model": {"id": self.model_id, **self.config["model"]},
+            "corpus": {"id": self.corpus_id, **self.config["corpus"]},
+            "evaluation": self.config["evaluation"],
+            "engines": {e.id: {"name": e.name, **e.settings} for e in self.engines.values()},
+            "arms": [arm.manifest() for arm in self.arms.values()],
+        }
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "Study":
+        return cls.from_config(yaml.safe_load(Path(path).read_text()))
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9_.]+", "_", text.lower()).strip("_") or "model"
+
+
+def corpus_identity(corpus: dict) -> str:
+    identity = dict(corpus)
+    if corpus["source"] == "builtin":
+        # The text is this interpreter's standard library: another Python
+        # release is another corpus.
+        identity["python"] = ".".join(map(str, sys.version_info[:3]))
+    elif corpus["source"] == "file":
+        path = Path(corpus["path"])
+        if not path.is_file():
+            raise ConfigError(f"corpus.path: {path} is not a file")
+        identity["sha256"] = file_sha256(path)
+    return f"{corpus['source']}-{short_hash('corpus', identity)}"
+
+
+def model_identity(model: dict, corpus_id: str) -> str:
+    source = model["source"]
+    if source == "builtin":
+        # Trained on the corpus's train split: the corpus is part of the model.
+        return f"builtin_{model['preset']}-{short_hash('model', {**model, 'corpus': corpus_id})}"
+    if source == "hf":
+        org, name = model["repo_id"].split("/")
+        return f"hf_{_slug(org)}__{_slug(name)}-{short_hash('model', model)}"
+    if source == "path":
+        return f"path_{_slug(Path(model['path']).name)}-{short_hash('model', _path_fingerprint(model))}"
+    return f"synthetic_{_slug(Path(model['architecture']).stem)}-{short_hash('model', model)}"
+
+
+def _path_fingerprint(model: dict) -> dict:
+    """Cheap identity of a local model folder: its config plus weight file sizes.
+
+    Reading gigabytes at DAG-build time would break the 5-second dry run; the
+    download rule records the full content hashes in its manifest.
+    """
+    folder = Path(model["path"])
+    config = folder / "config.json"
+    if not config.is_file():
+        raise ConfigError(f"model.path: {folder} has no config.json; expected a Hugging Face model folder")
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights:
+        raise ConfigError(
+            f"model.path: {folder} has no *.safetensors files; fourbit loads safetensors only "
+            "(convert pickle checkpoints with transformers' save_pretrained(safe_serialization=True))"
+        )
+    return {
+        "path": str(folder.resolve()),
+        "config": json.loads(config.read_text()),
+        "weights": {w.name: w.stat().st_size for w in weights},
+    }

@@ -1,0 +1,354 @@
+"""Text corpora for training, calibrating and evaluating, chosen by a spec's ``kind``.
+
+Every kind turns a spec into three lists of documents (train, calibration,
+evaluation); :func:`prepare_corpus` writes them as plain text plus a manifest
+that says exactly what was taken, so a corpus can be checked and reproduced.
+
+A new kind is a function ``spec -> Selection`` decorated with
+``@register_corpus("name")``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import re
+import sys
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from fourbit.atomic import atomic_dir
+
+log = logging.getLogger("fourbit")
+
+SPLITS = ("train", "calibration", "evaluation")
+DEFAULT_CALIBRATION_FRACTION = 0.05
+DEFAULT_EVALUATION_FRACTION = 0.05
+
+
+@dataclass
+class Document:
+    name: str
+    text: str
+
+
+@dataclass
+class Selection:
+    """What a corpus kind chose: documents per split, a fingerprint, kind-specific facts."""
+
+    splits: dict[str, list[Document]]
+    sha256: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+CORPUS_KINDS: dict[str, Callable[[dict], Selection]] = {}
+
+
+def register_corpus(name: str) -> Callable[[Callable[[dict], Selection]], Callable[[dict], Selection]]:
+    def register(make: Callable[[dict], Selection]) -> Callable[[dict], Selection]:
+        if name in CORPUS_KINDS:
+            raise ValueError(f"corpus kind {name!r} is registered twice; kind names must be unique")
+        CORPUS_KINDS[name] = make
+        return make
+
+    return register
+
+
+def prepare_corpus(spec: dict, out_dir: Path) -> dict:
+    """Write ``out_dir``/{train,calibration,evaluation}.txt and manifest.json; return the manifest."""
+    kind = spec.get("kind")
+    if kind not in CORPUS_KINDS:
+        raise ValueError(
+            f"unknown corpus kind {kind!r}; the spec's 'kind' must be one of {sorted(CORPUS_KINDS)}"
+        )
+    selection = CORPUS_KINDS[kind](spec)
+    _require_non_empty_splits(selection)
+    split_texts = {split: join_documents(selection.splits[split]) for split in SPLITS}
+    manifest = {
+        "kind": kind,
+        "spec": spec,
+        "selection_sha256": selection.sha256,
+        "splits": {
+            split: {
+                "bytes": len(text.encode("utf-8")),
+                "documents": len(selection.splits[split]),
+                "sha256": _sha256_text(text),
+            }
+            for split, text in split_texts.items()
+        },
+        **selection.details,
+    }
+    with atomic_dir(out_dir) as temp:
+        for split, text in split_texts.items():
+            # newline="" keeps the documents' own line endings byte for byte.
+            with open(temp / f"{split}.txt", "w", encoding="utf-8", newline="") as f:
+                f.write(text)
+        (temp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    log.info(
+        "corpus %s: %s",
+        kind,
+        ", ".join(f"{s} {manifest['splits'][s]['bytes']:,} bytes" for s in SPLITS),
+    )
+    return manifest
+
+
+def join_documents(documents: list[Document]) -> str:
+    """Documents separated by exactly one blank line, the text ending in one newline."""
+    return "\n\n".join(doc.text.rstrip("\n") for doc in documents) + "\n"
+
+
+def _require_non_empty_splits(selection: Selection) -> None:
+    sizes = {split: len(selection.splits.get(split, [])) for split in SPLITS}
+    for split, count in sizes.items():
+        if count == 0:
+            raise ValueError(
+                f"corpus split {split!r} came out empty (documents per split: {sizes}); "
+                "every split needs at least one document: give more text or larger fractions"
+            )
+
+
+def _options(spec: dict, defaults: dict[str, Any], required: tuple[str, ...] = ()) -> dict:
+    """The spec's options with defaults filled in; unknown or missing keys are errors."""
+    allowed = {"kind", *defaults, *required}
+    unknown = sorted(set(spec) - allowed)
+    if unknown:
+        raise ValueError(
+            f"corpus kind {spec['kind']!r} does not take {unknown}; allowed keys are {sorted(allowed)}"
+        )
+    missing = [key for key in required if key not in spec]
+    if missing:
+        raise ValueError(f"corpus kind {spec['kind']!r} needs the key(s) {missing}")
+    return {**defaults, **spec}
+
+
+def _fractions(options: dict) -> tuple[float, float]:
+    calibration = float(options["calibration_fraction"])
+    evaluation = float(options["evaluation_fraction"])
+    if not (0 < calibration < 1 and 0 < evaluation < 1 and calibration + evaluation < 1):
+        raise ValueError(
+            f"calibration_fraction={calibration} and evaluation_fraction={evaluation} must each "
+            "lie in (0, 1) and sum to less than 1, leaving text for training"
+        )
+    return calibration, evaluation
+
+
+def _sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _fingerprint(lines: list[str]) -> str:
+    return _sha256_text("".join(line + "\n" for line in lines))
+
+
+# --- builtin: the running Python's standard library ---------------------------------------
+
+SKIPPED_STDLIB_DIRS = {"site-packages", "test", "tests", "idlelib", "__pycache__"}
+
+
+def _written_by_the_build(relpath: str) -> bool:
+    """Files generated when Python was built: they hold that machine's paths and flags.
+
+    Leaving them out keeps the corpus identical on every machine with the same Python.
+    """
+    return relpath.startswith("config-") or relpath.startswith("_sysconfigdata_")
+
+
+@register_corpus("builtin")
+def builtin_corpus(spec: dict) -> Selection:
+    """Python's own standard-library sources: real text that ships with the pinned Python.
+
+    Files are taken in sorted order of their relative POSIX path until the next
+    one would exceed ``max_bytes``; each file is one document, assigned to a
+    split by the sha256 of its path, so a file never straddles two splits and
+    the assignment does not depend on which other files exist.
+    """
+    options = _options(
+        spec,
+        {
+            "max_bytes": 8_000_000,
+            "calibration_fraction": DEFAULT_CALIBRATION_FRACTION,
+            "evaluation_fraction": DEFAULT_EVALUATION_FRACTION,
+        },
+    )
+    calibration, evaluation = _fractions(options)
+    root = Path(sysconfig.get_paths()["stdlib"])
+    documents = _take_until(_stdlib_sources(root), int(options["max_bytes"]))
+    splits: dict[str, list[Document]] = {split: [] for split in SPLITS}
+    for doc in documents:
+        splits[_split_of_path(doc.name, calibration, evaluation)].append(doc)
+    return Selection(
+        splits=splits,
+        sha256=_fingerprint([f"{d.name}\t{_sha256_text(d.text)}" for d in documents]),
+        details={
+            "python_version": sys.version,
+            "source_root": str(root),
+            "files": {split: [d.name for d in docs] for split, docs in splits.items()},
+        },
+    )
+
+
+def _stdlib_sources(root: Path) -> list[Document]:
+    if not root.is_dir():
+        raise FileNotFoundError(f"the standard library folder {root} does not exist")
+    documents = []
+    for path in sorted(root.rglob("*.py"), key=lambda p: p.relative_to(root).as_posix()):
+        relpath = path.relative_to(root).as_posix()
+        if SKIPPED_STDLIB_DIRS & set(relpath.split("/")[:-1]) or _written_by_the_build(relpath):
+            continue
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        documents.append(Document(relpath, text))
+    return documents
+
+
+def _take_until(documents: list[Document], max_bytes: int) -> list[Document]:
+    taken, total = [], 0
+    for doc in documents:
+        size = len(doc.text.encode("utf-8"))
+        if total + size > max_bytes:
+            break
+        taken.append(doc)
+        total += size
+    return taken
+
+
+def _split_of_path(relpath: str, calibration: float, evaluation: float) -> str:
+    # sha256, not hash(): Python salts str hashes per process.
+    position = int(hashlib.sha256(relpath.encode("utf-8")).hexdigest()[:16], 16) / 16**16
+    if position < evaluation:
+        return "evaluation"
+    if position < evaluation + calibration:
+        return "calibration"
+    return "train"
+
+
+# --- file: one local text file -------------------------------------------------------------
+
+
+@register_corpus("file")
+def file_corpus(spec: dict) -> Selection:
+    """A local UTF-8 text file, cut into paragraphs at blank lines.
+
+    The splits are contiguous blocks of paragraphs: the last
+    ``evaluation_fraction`` of them is evaluation, the ``calibration_fraction``
+    before that is calibration, the rest (the beginning) is train.
+    """
+    options = _options(
+        spec,
+        {
+            "calibration_fraction": DEFAULT_CALIBRATION_FRACTION,
+            "evaluation_fraction": DEFAULT_EVALUATION_FRACTION,
+        },
+        required=("path",),
+    )
+    calibration, evaluation = _fractions(options)
+    path = Path(options["path"])
+    text = _read_utf8(path)
+    paragraphs = split_paragraphs(text)
+    splits = _contiguous_splits(paragraphs, calibration, evaluation)
+    return Selection(
+        splits={split: [Document(f"paragraph {i}", p) for i, p in block] for split, block in splits.items()},
+        sha256=_sha256_text(text),
+        details={
+            "source": str(path),
+            "paragraph_ranges": {
+                split: [block[0][0], block[-1][0] + 1] if block else [] for split, block in splits.items()
+            },
+        },
+    )
+
+
+def split_paragraphs(text: str) -> list[str]:
+    """Paragraphs separated by one or more blank (or whitespace-only) lines; indentation is kept."""
+    return [p for p in re.split(r"\n(?:[ \t\r]*\n)+", text) if p.strip()]
+
+
+def _contiguous_splits(
+    paragraphs: list[str], calibration: float, evaluation: float
+) -> dict[str, list[tuple[int, str]]]:
+    numbered = list(enumerate(paragraphs))
+    n = len(numbered)
+    evaluation_start = n - round(n * evaluation)
+    calibration_start = evaluation_start - round(n * calibration)
+    return {
+        "train": numbered[:calibration_start],
+        "calibration": numbered[calibration_start:evaluation_start],
+        "evaluation": numbered[evaluation_start:],
+    }
+
+
+def _read_utf8(path: Path) -> str:
+    if not path.is_file():
+        raise FileNotFoundError(f"corpus file {path} does not exist; give the path of a UTF-8 text file")
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"corpus file {path} is not valid UTF-8 ({error}); convert it to UTF-8") from error
+
+
+# --- hf: files of a Hugging Face dataset repository at a pinned commit -------------------------
+
+COMMIT_HASH = re.compile(r"[0-9a-f]{40}")
+
+
+@register_corpus("hf")
+def hf_corpus(spec: dict) -> Selection:
+    """One file per split from a Hugging Face dataset repository, at a pinned commit.
+
+    ``files`` maps each split to a file in the repository: plain text (cut into
+    paragraphs at blank lines) or parquet with a ``text`` column (one document
+    per row). Files come through ``huggingface_hub.hf_hub_download``, so the
+    usual cache and HF_HUB_OFFLINE apply.
+    """
+    options = _options(spec, {}, required=("repo_id", "revision", "files"))
+    revision = str(options["revision"])
+    if not COMMIT_HASH.fullmatch(revision):
+        raise ValueError(
+            f"hf corpus revision {revision!r} is not pinned: give the full 40-hex-digit commit hash, "
+            "not a branch or tag, so the corpus cannot change under the same spec"
+        )
+    files = options["files"]
+    if not isinstance(files, dict) or sorted(files) != sorted(SPLITS):
+        raise ValueError(f"hf corpus 'files' must map exactly the splits {list(SPLITS)} to file names; got {files!r}")
+    splits, fingerprint_lines = {}, []
+    for split in SPLITS:
+        path = _download(options["repo_id"], files[split], revision)
+        splits[split] = _documents_of_file(path, files[split])
+        fingerprint_lines.append(f"{split}\t{files[split]}\t{hashlib.sha256(path.read_bytes()).hexdigest()}")
+    return Selection(
+        splits=splits,
+        sha256=_fingerprint(fingerprint_lines),
+        details={"repo_id": options["repo_id"], "revision": revision},
+    )
+
+
+def _download(repo_id: str, filename: str, revision: str) -> Path:
+    from huggingface_hub import hf_hub_download  # only this kind needs it
+
+    return Path(hf_hub_download(repo_id, filename, revision=revision, repo_type="dataset"))
+
+
+def _documents_of_file(path: Path, filename: str) -> list[Document]:
+    if filename.endswith(".parquet"):
+        return [Document(f"{filename} row {i}", text) for i, text in enumerate(_parquet_texts(path))]
+    return [Document(f"{filename} paragraph {i}", p) for i, p in enumerate(split_paragraphs(_read_utf8(path)))]
+
+
+def _parquet_texts(path: Path) -> list[str]:
+    if importlib.util.find_spec("pyarrow") is None:
+        raise RuntimeError(
+            f"reading the parquet file {path} needs pyarrow, which is not installed; "
+            "add a pinned pyarrow to envs/requirements.txt (or use a plain-text file)"
+        )
+    import pandas as pd
+
+    frame = pd.read_parquet(path)
+    if "text" not in frame.columns:
+        raise ValueError(f"parquet file {path} has no 'text' column; its columns are {list(frame.columns)}")
+    return [text for text in frame["text"].astype(str) if text.strip()]

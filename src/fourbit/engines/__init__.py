@@ -1,0 +1,27 @@
+"""Engines score checkpoints; each is one module registered by name.
+
+An engine module provides:
+
+    score_windows(checkpoint: Path, windows: list[list[int]], settings: dict, threads: int)
+        -> list[{"nll_sum": float, "tokens": int}]   (see fourbit.ppl for the definition)
+    runtime(checkpoint: Path, settings: dict) -> str  (what actually executes the weights)
+
+Adding an engine: a new module here, one line in ENGINE_MODULES, and its
+settings block in workflow/schemas/config.schema.yaml.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+# name -> module; imported lazily so that a study without vLLM never loads it.
+ENGINE_MODULES = {
+    "reference": "fourbit.engines.reference",
+}
+
+
+def get_engine(name: str) -> ModuleType:
+    if name not in ENGINE_MODULES:
+        raise ValueError(f"engine {name!r} is not known; allowed: {', '.join(sorted(ENGINE_MODULES))}")
+    return importlib.import_module(ENGINE_MODULES[name])

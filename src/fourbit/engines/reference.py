@@ -1,0 +1,93 @@
+"""The reference engine: Hugging Face transformers on the CPU.
+
+Dense checkpoints load as usual. Quantized checkpoints (any fourbit format) load
+their dense tensors into the model and replace each quantized nn.Linear by an
+``Int4Linear`` that runs PyTorch's CPU int4 kernel (tinygemm) on the stored
+codes: the 4-bit weights are executed in 4 bits, not expanded first. That is
+what makes comparing an arm with its dense expansion (the control) meaningful.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from fourbit.checkpoint import read_config, skeleton
+from fourbit.kernels import tinygemm
+from fourbit.progress import Progress
+from fourbit.quant.qweight import QuantizedWeight
+from fourbit.quantized_checkpoint import is_quantized, read_quantized
+
+log = logging.getLogger("fourbit")
+BATCH_WINDOWS = 4
+DTYPES = {"float32": torch.float32}
+
+
+class Int4Linear(torch.nn.Module):
+    """y = x W_hatᵀ (+ b) with W_hat held in tinygemm's packed int4 layout."""
+
+    def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape
+        self.group_size = qweight.group_size
+        packed, scales_and_zeros = tinygemm.to_tinygemm(qweight, dtype)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales_and_zeros", scales_and_zeros)
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = tinygemm.int4_linear(x, self.packed, self.scales_and_zeros, self.group_size, self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def runtime(checkpoint: Path, settings: dict) -> str:
+    kind = "int4 tinygemm (torch.ops.aten._weight_int4pack_mm_for_cpu)" if is_quantized(checkpoint) else "dense"
+    return f"transformers {settings['dtype']} {kind}"
+
+
+def load_model(checkpoint: Path, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    if not is_quantized(checkpoint):
+        return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).eval()
+    _, dense, qweights = read_quantized(checkpoint)
+    model = skeleton(checkpoint)  # every tensor on the meta device, nothing allocated
+    state = {n: t.to(dtype) if t.is_floating_point() else t for n, t in dense.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if unexpected:
+        raise ValueError(f"{checkpoint}: tensors the model does not have: {sorted(unexpected)[:5]}")
+    for name, qweight in qweights.items():
+        parent_name, _, child = name.rpartition(".")
+        linear = model.get_submodule(name)
+        bias = None if linear.bias is None else linear.bias.to(dtype)
+        setattr(model.get_submodule(parent_name), child, Int4Linear(qweight, bias, dtype))
+    still_missing = sorted(n for n in missing if n.rpartition(".")[0] not in qweights)
+    if still_missing:
+        raise ValueError(f"{checkpoint}: missing tensors {still_missing[:5]}")
+    # Rotary inverse frequencies are non-persistent buffers: rebuild them off the meta device.
+    rotary = model.get_decoder().rotary_emb
+    rotary.__init__(rotary.config)
+    on_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if on_meta:
+        raise ValueError(f"{checkpoint}: tensors left unloaded: {on_meta[:5]}")
+    return model.eval()
+
+
+def score_windows(checkpoint: Path, windows: list[list[int]], settings: dict, threads: int) -> list[dict]:
+    torch.set_num_threads(settings["threads"])
+    dtype = DTYPES[settings["dtype"]]
+    model = load_model(checkpoint, dtype)
+    progress = Progress(f"scoring {checkpoint.name}", len(windows), "windows")
+    results = []
+    with torch.inference_mode():
+        for start in range(0, len(windows), BATCH_WINDOWS):
+            batch = torch.tensor(windows[start : start + BATCH_WINDOWS])  # [B, W]
+            logits = model(batch).logits.float()  # [B, W, V]
+            logprobs = torch.log_softmax(logits[:, :-1], dim=-1)  # predict positions 1..W-1
+            token_logprobs = logprobs.gather(-1, batch[:, 1:, None]).squeeze(-1)  # [B, W-1]
+            for row in token_logprobs:
+                results.append({"nll_sum": -row.double().sum().item(), "tokens": row.numel()})
+            progress.update(len(batch))
+    return results

@@ -1,0 +1,104 @@
+"""Teacher-forced perplexity, defined once and applied identically to every engine.
+
+Definition (written next to every number this module produces):
+the evaluation split is tokenized once, as one stream, without BOS or other
+special tokens; the stream is cut into non-overlapping windows of W tokens (a
+trailing partial window is dropped; at most ``max_windows`` windows, from the
+start). Each window is scored on its own: position 0 is context only, positions
+1..W-1 are scored as -log p(token_t | tokens_<t of the same window). So every
+window contributes W-1 scored tokens, and perplexity is exp(total NLL / total
+scored tokens). Every engine scores exactly the same token ids, read from one
+windows file, so tokenizer and chunking differences cannot enter.
+
+Outputs keep per-window NLL sums and token counts, so confidence intervals and
+paired comparisons need no rerun.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+from pathlib import Path
+
+from fourbit.atomic import write_json
+from fourbit.engines import get_engine
+from fourbit.hashing import canonical_json, file_sha256
+
+log = logging.getLogger("fourbit")
+
+DEFINITION = (
+    "teacher-forced; evaluation split tokenized as one stream without BOS; "
+    "non-overlapping windows of {window} tokens; positions 1..{last} of each window "
+    "scored (position 0 is context only); ppl = exp(sum NLL / scored tokens)"
+)
+
+
+def tokenize_windows(
+    model_dir: str | os.PathLike,
+    evaluation_text: str | os.PathLike,
+    out_path: str | os.PathLike,
+    *,
+    window: int,
+    max_windows: int,
+) -> dict:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    text = Path(evaluation_text).read_text(encoding="utf-8")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    available = len(ids) // window
+    if available == 0:
+        raise ValueError(
+            f"{evaluation_text}: {len(ids)} tokens is less than one window of {window}; "
+            "use a larger evaluation split or a smaller evaluation.window"
+        )
+    count = min(available, max_windows)
+    windows = [ids[i * window : (i + 1) * window] for i in range(count)]
+    result = {
+        "definition": DEFINITION.format(window=window, last=window - 1),
+        "window": window,
+        "windows": windows,
+        "available_windows": available,
+        "scored_tokens": count * (window - 1),
+        "evaluation_sha256": file_sha256(evaluation_text),
+        "token_ids_sha256": hashlib.sha256(canonical_json(windows).encode()).hexdigest(),
+    }
+    write_json(out_path, result)
+    log.info("%d windows of %d tokens (%d available); %d tokens scored per engine",
+             count, window, available, result["scored_tokens"])
+    return result
+
+
+def score_checkpoint(
+    checkpoint: str | os.PathLike,
+    windows_path: str | os.PathLike,
+    out_path: str | os.PathLike,
+    engine_settings: dict,
+    *,
+    threads: int,
+) -> dict:
+    windows_file = json.loads(Path(windows_path).read_text())
+    engine = get_engine(engine_settings["name"])
+    per_window = engine.score_windows(Path(checkpoint), windows_file["windows"], engine_settings, threads)
+    nll = [w["nll_sum"] for w in per_window]
+    tokens = [w["tokens"] for w in per_window]
+    total_nll, total_tokens = math.fsum(nll), sum(tokens)
+    result = {
+        "definition": windows_file["definition"],
+        "token_ids_sha256": windows_file["token_ids_sha256"],
+        "engine": engine_settings,
+        "checkpoint": str(checkpoint),
+        "runtime": engine.runtime(Path(checkpoint), engine_settings),
+        "window_nll_sum": nll,
+        "window_tokens": tokens,
+        "nll_sum": total_nll,
+        "tokens": total_tokens,
+        "mean_nll": total_nll / total_tokens,
+        "ppl": math.exp(total_nll / total_tokens),
+    }
+    write_json(out_path, result)
+    log.info("%s: ppl %.4f over %d tokens (%s)", checkpoint, result["ppl"], total_tokens, result["runtime"])
+    return result

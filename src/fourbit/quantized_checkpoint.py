@@ -1,0 +1,106 @@
+"""Quantized checkpoints: Hugging Face folders whose linears are stored packed.
+
+A quantized module ``m`` stores its format's tensors as ``m.<suffix>`` (see
+fourbit.formats) instead of ``m.weight``; everything else (embeddings, norms,
+biases) stays dense. config.json carries the format's ``quantization_config``,
+which is how a reader finds the format again.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from fourbit.checkpoint import (
+    load_tensors,
+    module_name,
+    read_config,
+    skeleton,
+    weight_files,
+    write_checkpoint,
+)
+from fourbit.formats import format_for_config, get_format
+from fourbit.quant.qweight import QuantizedWeight
+
+
+def is_quantized(folder: str | os.PathLike) -> bool:
+    return "quantization_config" in read_config(folder)
+
+
+def write_quantized(
+    folder: Path,
+    source: str | os.PathLike,
+    qweights: dict[str, QuantizedWeight],
+    format_name: str,
+    quant: dict,
+) -> None:
+    fmt = get_format(format_name)
+    if not fmt.supports(quant["sym"]):
+        raise ValueError(f"format {format_name} cannot store a {'sym' if quant['sym'] else 'asym'}metric grid")
+    model = skeleton(source)
+    head = module_name(model, model.get_output_embeddings())
+    tensors = load_tensors(source)
+    for name, qweight in qweights.items():
+        del tensors[f"{name}.weight"]
+        for suffix, tensor in fmt.pack(qweight).items():
+            tensors[f"{name}.{suffix}"] = tensor
+    config = read_config(source)
+    config["quantization_config"] = fmt.quantization_config(
+        quant["group_size"], quant["sym"], lm_head=head in qweights
+    )
+    write_checkpoint(folder, tensors, config, copy_from=source)
+
+
+def read_quantized(folder: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
+    """(config, dense tensors, QuantizedWeight by module name) of a quantized checkpoint."""
+    config = read_config(folder)
+    if "quantization_config" not in config:
+        raise ValueError(f"{folder}: config.json has no quantization_config; not a quantized checkpoint")
+    fmt = format_for_config(config["quantization_config"])
+    group_size = fmt.group_size_from_config(config["quantization_config"])
+    tensors = load_tensors(folder)
+    marker = f".{fmt.layout[0].suffix}"
+    modules = sorted(name[: -len(marker)] for name in tensors if name.endswith(marker))
+    if not modules:
+        raise ValueError(f"{folder}: {fmt.name} checkpoint without any '*{marker}' tensor")
+    model = skeleton(folder)
+    qweights = {}
+    for name in modules:
+        linear = model.get_submodule(name)
+        parts = {spec.suffix: tensors.pop(f"{name}.{spec.suffix}") for spec in fmt.layout}
+        qweights[name] = fmt.unpack(parts, linear.out_features, linear.in_features, group_size)
+    return config, tensors, qweights
+
+
+def storage_stats(folder: str | os.PathLike) -> dict:
+    """Bits per weight from what is stored, not from a nominal 4.
+
+    ``quantized_bits_per_weight``: every stored bit of the quantized modules
+    (codes, scales, zeros and any index tensors) over their weight count.
+    ``file_bits_per_param``: every stored tensor over the model's parameter count
+    (embeddings, norms and the untied head's copy included).
+    """
+    _, dense, qweights = read_quantized(folder)
+    stored = load_tensors(folder)
+    quantized_bits = sum(
+        _bits(tensor) for name, tensor in stored.items() if name.rpartition(".")[0] in qweights
+    )
+    total_bits = sum(_bits(tensor) for tensor in stored.values())
+    quantized_weights = sum(q.codes.numel() for q in qweights.values())
+    params = quantized_weights + sum(t.numel() for t in dense.values())
+    size = sum(p.stat().st_size for p in weight_files(folder))
+    return {
+        "quantized_modules": len(qweights),
+        "quantized_weights": quantized_weights,
+        "quantized_bits_per_weight": quantized_bits / quantized_weights,
+        "file_bits_per_param": total_bits / params,
+        "parameters": params,
+        "size_bytes": size,
+        "size_mib": size / 2**20,
+    }
+
+
+def _bits(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size() * 8

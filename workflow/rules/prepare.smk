@@ -1,0 +1,55 @@
+rule prepare_corpus:
+    output:
+        manifest=f"{RESULTS}/corpus/{{corpus}}/manifest.json",
+        train=f"{RESULTS}/corpus/{{corpus}}/train.txt",
+        calibration=f"{RESULTS}/corpus/{{corpus}}/calibration.txt",
+        evaluation=f"{RESULTS}/corpus/{{corpus}}/evaluation.txt",
+    log:
+        f"{RESULTS}/logs/prepare_corpus/{{corpus}}.log",
+    params:
+        spec=config["corpus"],
+    script:
+        "../../scripts/prepare_corpus.py"
+
+
+rule download:
+    input:
+        unpack(get_download_input),
+    output:
+        model=directory(f"{RESULTS}/{{model}}/source"),
+    log:
+        f"{RESULTS}/logs/download/{{model}}.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/download/{{model}}.tsv"
+    params:
+        spec=config["model"],
+        corpus_dir=f"{RESULTS}/corpus/{CORPUS}",
+    threads: workflow.cores
+    script:
+        "../../scripts/download.py"
+
+
+rule untie_head:
+    input:
+        model=rules.download.output.model,
+    output:
+        model=directory(f"{RESULTS}/{{model}}/untied"),
+    log:
+        f"{RESULTS}/logs/untie_head/{{model}}.log",
+    script:
+        "../../scripts/untie_head.py"
+
+
+rule tokenize_evaluation:
+    input:
+        model=rules.untie_head.output.model,
+        evaluation=rules.prepare_corpus.output.evaluation,
+    output:
+        windows=f"{RESULTS}/{{model}}/eval/{{corpus}}/windows.json",
+    log:
+        f"{RESULTS}/logs/tokenize_evaluation/{{model}}/{{corpus}}.log",
+    params:
+        window=config["evaluation"]["window"],
+        max_windows=config["evaluation"]["max_windows"],
+    script:
+        "../../scripts/tokenize_evaluation.py"

@@ -1,0 +1,16 @@
+rule report:
+    input:
+        results=all_results(),
+        arms=expand(rules.quantize.output.arm, arm=STUDY.arms),
+        corpus=expand(rules.prepare_corpus.output.manifest, corpus=CORPUS),
+        model=expand(rules.untie_head.output.model, model=MODEL),
+    output:
+        markdown=report(f"{RESULTS}/report.md", caption="../report/report.rst", category="Report"),
+        table=report(f"{RESULTS}/report.tsv", caption="../report/table.rst", category="Report"),
+    log:
+        f"{RESULTS}/logs/report.log",
+    params:
+        study=STUDY.summary(),
+        training=f"{MODEL_DIR}/untied/training.json",
+    script:
+        "../../scripts/report.py"
