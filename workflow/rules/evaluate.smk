@@ -8,9 +8,11 @@ rule ppl:
         f"{RESULTS}/logs/ppl/{MODEL}/{CORPUS}/{{engine}}/{{arm}}.{{form}}.log",
     benchmark:
         f"{RESULTS}/benchmarks/ppl/{MODEL}/{CORPUS}/{{engine}}/{{arm}}.{{form}}.tsv"
+    conda:
+        "../../envs/fourbit.yaml"
+    threads: workflow.cores
     params:
         engine=get_engine_settings,
-    threads: workflow.cores
     script:
         "../../scripts/ppl.py"
 
@@ -24,6 +26,8 @@ rule bench:
         bench=f"{EVAL_DIR}/{{engine}}/{{arm}}/bench.json",
     log:
         f"{RESULTS}/logs/bench/{MODEL}/{CORPUS}/{{engine}}/{{arm}}.log",
+    conda:
+        "../../envs/fourbit.yaml"
     params:
         engine=get_engine_settings,
     script:

@@ -6,6 +6,8 @@ rule prepare_corpus:
         evaluation=f"{RESULTS}/corpus/{{corpus}}/evaluation.txt",
     log:
         f"{RESULTS}/logs/prepare_corpus/{{corpus}}.log",
+    conda:
+        "../../envs/fourbit.yaml"
     params:
         spec=config["corpus"],
     script:
@@ -21,10 +23,12 @@ rule download:
         f"{RESULTS}/logs/download/{{model}}.log",
     benchmark:
         f"{RESULTS}/benchmarks/download/{{model}}.tsv"
+    conda:
+        "../../envs/fourbit.yaml"
+    threads: workflow.cores
     params:
         spec=config["model"],
         corpus_dir=f"{RESULTS}/corpus/{CORPUS}",
-    threads: workflow.cores
     script:
         "../../scripts/download.py"
 
@@ -36,6 +40,8 @@ rule untie_head:
         model=directory(f"{RESULTS}/{{model}}/untied"),
     log:
         f"{RESULTS}/logs/untie_head/{{model}}.log",
+    conda:
+        "../../envs/fourbit.yaml"
     script:
         "../../scripts/untie_head.py"
 
@@ -48,6 +54,8 @@ rule tokenize_evaluation:
         windows=f"{RESULTS}/{{model}}/eval/{{corpus}}/windows.json",
     log:
         f"{RESULTS}/logs/tokenize_evaluation/{{model}}/{{corpus}}.log",
+    conda:
+        "../../envs/fourbit.yaml"
     params:
         window=config["evaluation"]["window"],
         max_windows=config["evaluation"]["max_windows"],

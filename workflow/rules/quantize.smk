@@ -8,9 +8,11 @@ rule quantize:
         f"{RESULTS}/logs/quantize/{MODEL}/{{arm}}.log",
     benchmark:
         f"{RESULTS}/benchmarks/quantize/{MODEL}/{{arm}}.tsv"
+    conda:
+        "../../envs/fourbit.yaml"
+    threads: workflow.cores
     params:
         arm=get_arm_manifest,
-    threads: workflow.cores
     script:
         "../../scripts/quantize.py"
 
@@ -22,5 +24,7 @@ rule dequantize:
         checkpoint=directory(f"{MODEL_DIR}/arms/{{arm}}/dense"),
     log:
         f"{RESULTS}/logs/dequantize/{MODEL}/{{arm}}.log",
+    conda:
+        "../../envs/fourbit.yaml"
     script:
         "../../scripts/dequantize.py"

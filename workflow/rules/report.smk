@@ -9,6 +9,8 @@ rule report:
         table=report(f"{RESULTS}/report.tsv", caption="../report/table.rst", category="Report"),
     log:
         f"{RESULTS}/logs/report.log",
+    conda:
+        "../../envs/fourbit.yaml"
     params:
         study=STUDY.summary(),
         training=f"{MODEL_DIR}/untied/training.json",

