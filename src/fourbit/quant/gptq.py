@@ -70,7 +70,7 @@ def gptq_quantize(
     if block_size % g:
         raise ValueError(f"{where}: block_size={block_size} is not a multiple of group {g}")
     if not torch.isfinite(weight).all():
-        raise ValueError(f"{where}: weight has {(~torch.isfinite(weight)).sum()} non-finite values")
+        raise ValueError(f"{where}: weight has {(~torch.isfinite(weight)).sum().item()} non-finite values")
 
     W = weight.float().clone()
     H = hessian.double().clone()  # factorised in float64: H can be near singular
