@@ -82,12 +82,18 @@ class Format(abc.ABC):
 
     @abc.abstractmethod
     def unpack(
-        self, tensors: Mapping[str, torch.Tensor], out_features: int, in_features: int, group_size: int
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        out_features: int,
+        in_features: int,
+        group_size: int,
     ) -> QuantizedWeight:
         """The exact inverse of ``pack``."""
 
     @abc.abstractmethod
-    def quantization_config(self, group_size: int, sym: bool, *, lm_head: bool = False) -> dict[str, Any]:
+    def quantization_config(
+        self, group_size: int, sym: bool, *, lm_head: bool = False
+    ) -> dict[str, Any]:
         """config.json["quantization_config"] for a checkpoint in this format."""
 
     @abc.abstractmethod
@@ -102,11 +108,17 @@ class Format(abc.ABC):
         """Whether the format (as its loader reads it) can express this kind of grid."""
         return True
 
-    def shapes(self, out_features: int, in_features: int, group_size: int) -> dict[str, tuple[int, ...]]:
+    def shapes(
+        self, out_features: int, in_features: int, group_size: int
+    ) -> dict[str, tuple[int, ...]]:
         return {t.suffix: t.dims(out_features, in_features, group_size) for t in self.layout}
 
     def stored_bits(
-        self, out_features: int, in_features: int, group_size: int, scale_dtype: torch.dtype = torch.float16
+        self,
+        out_features: int,
+        in_features: int,
+        group_size: int,
+        scale_dtype: torch.dtype = torch.float16,
     ) -> int:
         """Bits the checkpoint stores for one N x K layer, summed over the layout table."""
         total = 0
@@ -118,14 +130,20 @@ class Format(abc.ABC):
         return total
 
     def checked(
-        self, tensors: Mapping[str, torch.Tensor], out_features: int, in_features: int, group_size: int
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        out_features: int,
+        in_features: int,
+        group_size: int,
     ) -> dict[str, torch.Tensor]:
         """The layout's tensors from ``tensors``, each verified against the table."""
         want = self.shapes(out_features, in_features, group_size)
         out = {}
         for spec in self.layout:
             if spec.suffix not in tensors:
-                raise ValueError(f"{self.name}: missing tensor {spec.suffix!r} (have {sorted(tensors)})")
+                raise ValueError(
+                    f"{self.name}: missing tensor {spec.suffix!r} (have {sorted(tensors)})"
+                )
             t = tensors[spec.suffix]
             if tuple(t.shape) != want[spec.suffix]:
                 raise ValueError(
@@ -136,7 +154,8 @@ class Format(abc.ABC):
             dtype_ok = t.dtype.is_floating_point if spec.dtype is None else t.dtype == spec.dtype
             if not dtype_ok:
                 raise ValueError(
-                    f"{self.name}: {spec.suffix} has dtype {t.dtype}, expected {spec.dtype or 'a float dtype'}"
+                    f"{self.name}: {spec.suffix} has dtype {t.dtype}, "
+                    f"expected {spec.dtype or 'a float dtype'}"
                 )
             out[spec.suffix] = t
         return out
@@ -166,7 +185,8 @@ def format_for_config(quantization_config: Mapping[str, Any]) -> Format:
         found = ", ".join(f.name for f in readers) or "none"
         raise ValueError(
             f"quantization_config with quant_method={quantization_config.get('quant_method')!r} "
-            f"is read by {found}; exactly one expected (known formats: {', '.join(sorted(FORMATS))})"
+            f"is read by {found}; exactly one expected "
+            f"(known formats: {', '.join(sorted(FORMATS))})"
         )
     return readers[0]
 
@@ -187,10 +207,10 @@ def pack_nibbles_int32(codes: torch.Tensor, dim: int) -> torch.Tensor:
     pattern is what counts.
     """
     moved = codes.movedim(dim, -1)  # packed dim last: [..., L]
-    runs = moved.reshape(*moved.shape[:-1], -1, CODES_PER_INT32).to(torch.int64)  # [..., L] -> [..., L/8, 8]
-    words = (runs << _NIBBLE_SHIFTS.to(torch.int64)).sum(-1)  # [..., L/8, 8] -> [..., L/8], 0 .. 2^32-1
-    words = torch.where(words >= 1 << 31, words - (1 << 32), words)  # same 32 bits, read as signed
-    return words.to(torch.int32).movedim(-1, dim).contiguous()  # [..., L/8] -> packed dim back in place
+    runs = moved.reshape(*moved.shape[:-1], -1, CODES_PER_INT32)  # [..., L] -> [..., L/8, 8]
+    words = (runs.long() << _NIBBLE_SHIFTS.long()).sum(-1)  # -> [..., L/8], in 0 .. 2^32-1
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words)  # same bits, as signed
+    return words.to(torch.int32).movedim(-1, dim).contiguous()  # packed dim back in place
 
 
 def unpack_nibbles_int32(words: torch.Tensor, dim: int) -> torch.Tensor:

@@ -69,9 +69,16 @@ VERSION = "0.17.0"  # the compressed-tensors release whose sources this layout w
 class CompressedTensors(Format):
     name = "compressed_tensors"
     layout = (
-        TensorSpec("weight_packed", ("N", "K/8"), torch.int32, "bits 4i..4i+3 of [n, j] = codes[n, 8j+i]"),
+        TensorSpec(
+            "weight_packed", ("N", "K/8"), torch.int32, "bits 4i..4i+3 of [n, j] = codes[n, 8j+i]"
+        ),
         TensorSpec("weight_scale", ("N", "K/G"), None, "scales[n, g]"),
-        TensorSpec("weight_zero_point", ("N/8", "K/G"), torch.int32, "bits 4i..4i+3 of [j, g] = zeros[8j+i, g]"),
+        TensorSpec(
+            "weight_zero_point",
+            ("N/8", "K/G"),
+            torch.int32,
+            "bits 4i..4i+3 of [j, g] = zeros[8j+i, g]",
+        ),
         TensorSpec("weight_shape", ("2",), torch.int64, "(N, K)"),
     )
 
@@ -87,7 +94,11 @@ class CompressedTensors(Format):
         }
 
     def unpack(
-        self, tensors: Mapping[str, torch.Tensor], out_features: int, in_features: int, group_size: int
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        out_features: int,
+        in_features: int,
+        group_size: int,
     ) -> QuantizedWeight:
         t = self.checked(tensors, out_features, in_features, group_size)
         if t["weight_shape"].tolist() != [out_features, in_features]:
@@ -98,7 +109,9 @@ class CompressedTensors(Format):
         zeros = unpack_nibbles_int32(t["weight_zero_point"], dim=0)  # [N/8, K/G] -> [N, K/G]
         return QuantizedWeight(codes, t["weight_scale"].clone(), zeros, group_size)
 
-    def quantization_config(self, group_size: int, sym: bool, *, lm_head: bool = False) -> dict[str, Any]:
+    def quantization_config(
+        self, group_size: int, sym: bool, *, lm_head: bool = False
+    ) -> dict[str, Any]:
         # Keys as ModelCompressor.update_config writes them
         # (compressed_tensors/compressors/model_compressors/model_compressor.py:222-228).
         # ``sym`` does not change the layout: zero points are always stored (module doc).
@@ -138,7 +151,9 @@ class CompressedTensors(Format):
         if cfg.get("quant_method") != QUANT_METHOD or cfg.get("format") != PACK_QUANTIZED:
             return False
         groups = cfg.get("config_groups") or {}
-        return bool(groups) and all(self._is_ours(group.get("weights") or {}) for group in groups.values())
+        return bool(groups) and all(
+            self._is_ours(group.get("weights") or {}) for group in groups.values()
+        )
 
     @staticmethod
     def _is_ours(weights: Mapping[str, Any]) -> bool:

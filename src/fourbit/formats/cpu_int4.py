@@ -34,7 +34,9 @@ FORMAT_VERSION = 1
 class CpuInt4(Format):
     name = "cpu_int4"
     layout = (
-        TensorSpec("qweight", ("N", "K/2"), torch.uint8, "byte (n, j) = codes[n, 2j] | codes[n, 2j+1] << 4"),
+        TensorSpec(
+            "qweight", ("N", "K/2"), torch.uint8, "byte (n, j) = codes[n, 2j] | codes[n, 2j+1] << 4"
+        ),
         TensorSpec("scales", ("N", "K/G"), None, "scales[n, g]"),
         TensorSpec("zeros", ("N", "K/G"), torch.uint8, "zeros[n, g], integer 0..15"),
     )
@@ -45,18 +47,30 @@ class CpuInt4(Format):
         self.shapes(n, k, qw.group_size)  # raises on K odd
         pairs = qw.codes.reshape(n, k // 2, 2)  # [N, K] -> [N, K/2, 2]: (even k, odd k)
         qweight = pairs[..., 0] | (pairs[..., 1] << 4)  # [N, K/2, 2] -> [N, K/2]
-        return {"qweight": qweight.contiguous(), "scales": qw.scales.clone(), "zeros": qw.zeros.clone()}
+        return {
+            "qweight": qweight.contiguous(),
+            "scales": qw.scales.clone(),
+            "zeros": qw.zeros.clone(),
+        }
 
     def unpack(
-        self, tensors: Mapping[str, torch.Tensor], out_features: int, in_features: int, group_size: int
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        out_features: int,
+        in_features: int,
+        group_size: int,
     ) -> QuantizedWeight:
         t = self.checked(tensors, out_features, in_features, group_size)
         q = t["qweight"]
         pairs = torch.stack([q & 0xF, q >> 4], dim=-1)  # [N, K/2] -> [N, K/2, 2]
         codes = pairs.reshape(out_features, in_features)  # [N, K/2, 2] -> [N, K]
-        return QuantizedWeight(codes.contiguous(), t["scales"].clone(), t["zeros"].clone(), group_size)
+        return QuantizedWeight(
+            codes.contiguous(), t["scales"].clone(), t["zeros"].clone(), group_size
+        )
 
-    def quantization_config(self, group_size: int, sym: bool, *, lm_head: bool = False) -> dict[str, Any]:
+    def quantization_config(
+        self, group_size: int, sym: bool, *, lm_head: bool = False
+    ) -> dict[str, Any]:
         return {
             "quant_method": QUANT_METHOD,
             "format_version": FORMAT_VERSION,

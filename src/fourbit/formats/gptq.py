@@ -18,7 +18,7 @@ The zero-point convention, and the v1 trap. GPTQ v1 stores zero - 1. On a symmet
 grid the zero is 8, so every stored nibble is 7 and every qzeros word is 0x77777777;
 readers add the 1 back: stored 7 -> zero 8 -> W = (code - 8) * scale. A reader that
 forgets the +1 shifts every weight by one step; a v1 writer asked for zero 0 stores
--1, which wraps to nibble 15 and reads back as zero 16 -- the famous v1 bug. vLLM
+-1, which wraps to nibble 15 and reads back as zero 16 -- the v1 bug. vLLM
 documents the +1 where it synthesizes zeros for the exllama kernel:
 vllm/model_executor/kernels/linear/mixed_precision/exllama.py:81-93 ("-1 due to a bug
 in the original GPTQ checkpoint format leading to exllama kernel adding 1 to the zero
@@ -35,9 +35,10 @@ silently wrong, so ``pack`` refuses it. ``unpack`` still decodes any v1 qzeros
 vLLM discards g_idx on load (layers/quantization/base_config.py:256) and rejects
 desc_act=True (layers/quantization/utils/gptq_utils.py:32-37); it is written because
 GPTQ readers expect it, and checked on unpack so an act-order checkpoint is refused
-rather than decoded with the wrong groups. Its packing order (element 8j + i in
-bits 4i) is vLLM's unpack_quantized_values_into_int32
-(layers/quantization/utils/quant_utils.py:596-614).
+rather than decoded with the wrong groups. The nibble order of qweight and qzeros
+(element 8j + i in bits 4i) is how vLLM's CPU kernel unpacks qweight
+(kernels/linear/mixed_precision/cpu.py:75-77 via unpack_quantized_values_into_int32,
+layers/quantization/utils/quant_utils.py:596-614).
 """
 
 from __future__ import annotations
@@ -64,8 +65,12 @@ V1_ZERO_OFFSET = 1  # stored zero = zero - 1
 class Gptq(Format):
     name = "gptq"
     layout = (
-        TensorSpec("qweight", ("K/8", "N"), torch.int32, "bits 4i..4i+3 of [j, n] = codes[n, 8j+i]"),
-        TensorSpec("qzeros", ("K/G", "N/8"), torch.int32, "bits 4i..4i+3 of [g, j] = zeros[8j+i, g] - 1"),
+        TensorSpec(
+            "qweight", ("K/8", "N"), torch.int32, "bits 4i..4i+3 of [j, n] = codes[n, 8j+i]"
+        ),
+        TensorSpec(
+            "qzeros", ("K/G", "N/8"), torch.int32, "bits 4i..4i+3 of [g, j] = zeros[8j+i, g] - 1"
+        ),
         TensorSpec("scales", ("K/G", "N"), None, "scales[g, n] = qw.scales[n, g]"),
         TensorSpec("g_idx", ("K",), torch.int32, "k // G"),
     )
@@ -91,7 +96,11 @@ class Gptq(Format):
         return {"qweight": qweight, "qzeros": qzeros, "scales": scales, "g_idx": g_idx}
 
     def unpack(
-        self, tensors: Mapping[str, torch.Tensor], out_features: int, in_features: int, group_size: int
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        out_features: int,
+        in_features: int,
+        group_size: int,
     ) -> QuantizedWeight:
         t = self.checked(tensors, out_features, in_features, group_size)
         if not torch.equal(t["g_idx"], torch.arange(in_features, dtype=torch.int32) // group_size):
@@ -100,13 +109,21 @@ class Gptq(Format):
         stored = unpack_nibbles_int32(t["qzeros"], dim=1).T  # [K/G, N/8] -> [K/G, N] -> [N, K/G]
         zeros = stored + V1_ZERO_OFFSET
         if torch.any(zeros > 15):
-            raise ValueError("gptq qzeros hold nibble 15, i.e. zero 16 (the v1 zero-0 wrap); not a 4-bit zero")
+            raise ValueError(
+                "gptq qzeros hold nibble 15, i.e. zero 16 (the v1 zero-0 wrap); not a 4-bit zero"
+            )
         scales = t["scales"].T  # [K/G, N] -> [N, K/G]
-        return QuantizedWeight(codes.contiguous(), scales.contiguous(), zeros.contiguous(), group_size)
+        return QuantizedWeight(
+            codes.contiguous(), scales.contiguous(), zeros.contiguous(), group_size
+        )
 
-    def quantization_config(self, group_size: int, sym: bool, *, lm_head: bool = False) -> dict[str, Any]:
+    def quantization_config(
+        self, group_size: int, sym: bool, *, lm_head: bool = False
+    ) -> dict[str, Any]:
         if not self.supports(sym):
-            raise ValueError("gptq stores symmetric grids only (vLLM's GPTQ loader accepts sym=True only)")
+            raise ValueError(
+                "gptq stores symmetric grids only (vLLM's GPTQ loader accepts sym=True only)"
+            )
         return {
             "quant_method": "gptq",
             "checkpoint_format": "gptq",  # v1: stored zero = zero - 1

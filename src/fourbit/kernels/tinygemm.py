@@ -71,10 +71,14 @@ def check_shape(out_features: int, in_features: int, group_size: int) -> None:
 
 
 def _pack(codes: torch.Tensor) -> torch.Tensor:
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), INNER_K_TILES)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        codes.to(torch.int32).contiguous(), INNER_K_TILES
+    )
 
 
-def to_tinygemm(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def to_tinygemm(
+    qw: QuantizedWeight, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed uint8 [N, K/2] in the kernel's layout, scales_and_zeros [K/G, N, 2] in ``dtype``)."""
     n, k = qw.shape
     check_shape(n, k, qw.group_size)
@@ -87,13 +91,18 @@ def to_tinygemm(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> tupl
 
 
 def int4_linear(
-    x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, out_features: int
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales_and_zeros: torch.Tensor,
+    group_size: int,
+    out_features: int,
 ) -> torch.Tensor:
     """x [..., K] @ W_hat.T -> [..., N], computed in scales_and_zeros' dtype, returned in x's."""
     if packed.shape[0] != out_features:
         raise ValueError(f"packed has {packed.shape[0]} rows, expected out_features={out_features}")
     x2 = x.reshape(-1, x.shape[-1]).to(scales_and_zeros.dtype).contiguous()  # [..., K] -> [M, K]
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, group_size, scales_and_zeros)  # [M, K] -> [M, N]
+    # [M, K] -> [M, N]
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, group_size, scales_and_zeros)
     return y.reshape(*x.shape[:-1], out_features).to(x.dtype)  # [M, N] -> [..., N]
 
 
@@ -112,7 +121,9 @@ class PackedLayout:
 
     def blocks(self, out_features: int) -> list[tuple[int, int]]:
         """(first channel, width) of each block along N."""
-        return [(s, min(self.block_n, out_features - s)) for s in range(0, out_features, self.block_n)]
+        return [
+            (s, min(self.block_n, out_features - s)) for s in range(0, out_features, self.block_n)
+        ]
 
     def predict(self, out_features: int, in_features: int) -> torch.Tensor:
         """For each nibble of the packed tensor, in byte order, the flat index n*K + k it holds."""
@@ -120,17 +131,19 @@ class PackedLayout:
         parts = []
         for start, nb in self.blocks(out_features):
             channels = start + torch.tensor(self.rows[nb])  # [nb]
-            parts.append((channels[None, :] * in_features + k[:, None]).reshape(-1))  # [K, nb] -> [K*nb]
+            flat_index = channels[None, :] * in_features + k[:, None]  # [K, nb]
+            parts.append(flat_index.reshape(-1))  # [K, nb] -> [K*nb]
         return torch.cat(parts)
 
 
 def _where_nibbles_land(out_features: int, in_features: int) -> torch.Tensor:
-    """Pack an index pattern, one bit plane at a time, and read back which code each nibble holds."""
+    """Pack an index pattern one bit plane at a time; read back which code each nibble holds."""
     index = torch.arange(out_features * in_features).reshape(out_features, in_features)  # [N, K]
     landed = torch.zeros(out_features * in_features, dtype=torch.int64)
     for bit in range((out_features * in_features - 1).bit_length()):
         packed = _pack((index >> bit) & 1)  # [N, K] codes 0/1 -> [N, K/2] bytes
-        nibbles = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(-1)  # [N, K/2] -> [N*K], low first
+        nibbles = torch.stack([packed & 0xF, packed >> 4], dim=-1)  # [N, K/2] -> [N, K/2, 2]
+        nibbles = nibbles.reshape(-1)  # [N, K/2, 2] -> [N*K], low nibble first
         landed |= nibbles.to(torch.int64) << bit
     return landed
 
@@ -146,12 +159,14 @@ def _measure() -> PackedLayout:
     if block_n % N_MULTIPLE or PROBE_N % block_n:
         raise ValueError(f"first k-row holds {block_n} channels; not a block of 16s")
     rows = {block_n: tuple((landed[:block_n] // PROBE_K).tolist())}
-    for tail in range(N_MULTIPLE, block_n, N_MULTIPLE):
-        tail_landed = _where_nibbles_land(block_n + tail, PROBE_K)[block_n * PROBE_K :]  # the tail block
-        rows[tail] = tuple((tail_landed[:tail] // PROBE_K - block_n).tolist())
+    tails = range(N_MULTIPLE, block_n, N_MULTIPLE)
+    for tail in tails:
+        tail_block = _where_nibbles_land(block_n + tail, PROBE_K)[block_n * PROBE_K :]
+        rows[tail] = tuple((tail_block[:tail] // PROBE_K - block_n).tolist())
     layout = PackedLayout(torch.backends.cpu.get_cpu_capability(), block_n, rows)
-    # Validate the block model on shapes it was not read from: several full blocks, every tail, odd K.
-    for n in [3 * block_n] + [2 * block_n + tail for tail in range(N_MULTIPLE, block_n, N_MULTIPLE)]:
+    # Validate the block model on shapes it was not read from: several full blocks, every
+    # tail, and K = 6 (an odd number of bytes per channel).
+    for n in [3 * block_n, *(2 * block_n + tail for tail in tails)]:
         if not torch.equal(layout.predict(n, 6), _where_nibbles_land(n, 6)):
             raise ValueError(f"block model does not predict the packing of N={n}, K=6")
     return layout
@@ -175,9 +190,14 @@ def supports_direct_dequant(out_features: int, in_features: int) -> bool:
 
 
 def dequantize_packed(
-    packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, out_features: int, in_features: int
+    packed: torch.Tensor,
+    scales_and_zeros: torch.Tensor,
+    group_size: int,
+    out_features: int,
+    in_features: int,
 ) -> torch.Tensor | None:
-    """W_hat float32 [N, K] read straight from the kernel's tensors; None where the layout is not understood.
+    """W_hat float32 [N, K] read straight from the kernel's tensors; None where the layout
+    is not understood.
 
     Computes (q - 8) * scale + zero_f in float32, as the kernel does; with float32
     scales_and_zeros from a float16-scale QuantizedWeight this equals qw.dequantize() bit for bit.
@@ -187,16 +207,18 @@ def dequantize_packed(
     n, k, g = out_features, in_features, group_size
     if tuple(packed.shape) != (n, k // 2) or tuple(scales_and_zeros.shape) != (k // g, n, 2):
         raise ValueError(
-            f"packed {tuple(packed.shape)} / scales_and_zeros {tuple(scales_and_zeros.shape)} do not fit "
-            f"N={n} K={k} G={g}: expected {(n, k // 2)} / {(k // g, n, 2)}"
+            f"packed {tuple(packed.shape)} / scales_and_zeros {tuple(scales_and_zeros.shape)} "
+            f"do not fit N={n} K={k} G={g}: expected {(n, k // 2)} / {(k // g, n, 2)}"
         )
     layout = probe_layout()
     codes = torch.empty(n, k, dtype=torch.uint8)
     flat = packed.reshape(-1)  # [N, K/2] -> [N*K/2] bytes in kernel order
     for start, nb in layout.blocks(n):
-        block = flat[start * k // 2 : (start + nb) * k // 2].reshape(k, nb // 2)  # this block: [K, nb/2] bytes
-        nibbles = torch.stack([block & 0xF, block >> 4], dim=-1).reshape(k, nb)  # [K, nb/2] -> [K, nb]
-        channel_order = torch.argsort(torch.tensor(layout.rows[nb]))  # nibble holding channel c of the block
+        block = flat[start * k // 2 : (start + nb) * k // 2]  # this block's K*nb/2 bytes
+        block = block.reshape(k, nb // 2)  # -> [K, nb/2]
+        nibbles = torch.stack([block & 0xF, block >> 4], dim=-1)  # -> [K, nb/2, 2]
+        nibbles = nibbles.reshape(k, nb)  # [K, nb/2, 2] -> [K, nb], nibble j holds rows[nb][j]
+        channel_order = torch.argsort(torch.tensor(layout.rows[nb]))  # nibble of channel c
         codes[start : start + nb] = nibbles[:, channel_order].T  # [K, nb] -> [nb, K]
     sz = scales_and_zeros.float().transpose(0, 1)  # [K/G, N, 2] -> [N, K/G, 2]
     scales = sz[..., 0].repeat_interleave(g, dim=1)  # [N, K/G] -> [N, K]
