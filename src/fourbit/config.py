@@ -57,7 +57,10 @@ def _validate(instance: Any, schema: dict, where: str) -> None:
         for error in errors:
             path = ".".join(str(p) for p in error.absolute_path) or "(top level)"
             hint = ""
-            if error.validator == "additionalProperties":
+            context = _message_of(error, schema)
+            if context:
+                hint = f" ({context})"
+            elif error.validator == "additionalProperties":
                 allowed = sorted(error.schema.get("properties", {}))
                 hint = f"; allowed keys: {', '.join(allowed)}"
             elif error.validator in ("enum", "const"):
@@ -65,6 +68,18 @@ def _validate(instance: Any, schema: dict, where: str) -> None:
                 hint = f"; allowed: {', '.join(map(str, allowed))}"
             lines.append(f"{where}{'.' + path if path != '(top level)' else ''}: {error.message}{hint}")
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines))
+
+
+def _message_of(error, root: dict) -> str | None:
+    """The deepest ``errorMessage`` written in the schema on the way to the failed rule."""
+    message, node = None, root
+    for step in error.absolute_schema_path:
+        if not isinstance(node, (dict, list)):
+            break
+        node = node[step]
+        if isinstance(node, dict) and "errorMessage" in node:
+            message = node["errorMessage"]
+    return message
 
 
 def canonical_quant(quant: dict, schema: dict, where: str = "quant") -> dict:

@@ -58,11 +58,11 @@ def quantize_checkpoint(
     qweights, facts = method.quantize(job)
     seconds = time.monotonic() - started
     with atomic_dir(out_dir) as folder:
-        write_quantized(folder, model_dir, qweights, method.format, quant)
+        write_quantized(folder, model_dir, qweights, method.format(quant), quant)
         stats = storage_stats(folder)
     manifest = {
         **arm,
-        "format": method.format,
+        "format": method.format(quant),
         "method_facts": facts,
         "quantized_modules": sorted(qweights),
         "storage": stats,
