@@ -8,10 +8,11 @@ Surgeon) gives the update
     err   = (w_i - q_i) / U[i, i]
     W[:, j] -= err * U[i, j]          for j > i,
 
-where U is the upper Cholesky factor of H^-1: its row i is the inverse Hessian of
-columns i.. restricted to those columns, scaled by 1 / U[i, i], so one factorisation
-serves every step. Updates within a block of columns are applied immediately, to
-the rest of the matrix once per block (one matmul instead of block_size rank-1 ones).
+where U is the upper Cholesky factor of H^-1: its row i is row i of the inverse of
+H restricted to the columns not yet quantized (i, i+1, ...), divided by U[i, i], so
+one factorisation serves every step. Updates within a block of columns are applied
+at once, to the rest of the matrix once per block (one matmul, not block_size rank-1
+updates).
 
 This file knows nothing about models: a weight, a Hessian and a grid go in, a
 QuantizedWeight comes out. Follows IST-DASLab/gptq's gptq.py.
@@ -70,7 +71,8 @@ def gptq_quantize(
     if block_size % g:
         raise ValueError(f"{where}: block_size={block_size} is not a multiple of group {g}")
     if not torch.isfinite(weight).all():
-        raise ValueError(f"{where}: weight has {(~torch.isfinite(weight)).sum().item()} non-finite values")
+        bad = (~torch.isfinite(weight)).sum().item()
+        raise ValueError(f"{where}: weight has {bad} non-finite values")
 
     W = weight.float().clone()
     H = hessian.double().clone()  # factorised in float64: H can be near singular
@@ -88,8 +90,10 @@ def gptq_quantize(
     if static_groups:
         scales[:], zeros[:] = find_params(W.view(n, n_groups, g), torch.arange(k).view(n_groups, g))
 
-    perm = torch.argsort(H.diagonal(), descending=True, stable=True) if act_order else torch.arange(k)
-    W, H = W[:, perm], H[perm][:, perm]
+    perm = torch.arange(k)
+    if act_order:
+        perm = torch.argsort(H.diagonal(), descending=True, stable=True)
+        W, H = W[:, perm], H[perm][:, perm]
     U, damp_used = _upper_cholesky_of_inverse(H, damp_percent, max_damp_percent, where)
 
     codes = torch.empty(n, k, dtype=torch.uint8)  # in processing (permuted) order
@@ -100,7 +104,8 @@ def gptq_quantize(
         for i in range(i2 - i1):
             col = i1 + i
             if not static_groups and col % g == 0:  # the group lies inside this block
-                scales[:, col // g], zeros[:, col // g] = find_params(W1[:, i : i + g], perm[col : col + g])
+                group = find_params(W1[:, i : i + g], perm[col : col + g])
+                scales[:, col // g], zeros[:, col // g] = group
             j = perm[col] // g
             q = grid.quantize(W1[:, i], scales[:, j], zeros[:, j])
             codes[:, col] = q.to(torch.uint8)
@@ -143,7 +148,8 @@ def _upper_cholesky_of_inverse(H, damp_percent, max_damp_percent, where):
         pct = min(pct * 10, max_damp_percent)
     if pct != damp_percent:
         log.warning(
-            "%s: Cholesky of H failed at damp %g x mean(diag H); succeeded at %g", where, damp_percent, pct
+            "%s: Cholesky of H failed at damp %g x mean(diag H); succeeded at %g",
+            where, damp_percent, pct,
         )
     return U.float(), pct
 
