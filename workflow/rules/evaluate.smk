@@ -1,7 +1,7 @@
 rule ppl:
     input:
         checkpoint=get_scored_checkpoint,
-        windows=expand(rules.tokenize_evaluation.output.windows, model=MODEL, corpus=CORPUS),
+        windows=f"{EVAL_DIR}/windows.json",
     output:
         ppl=f"{EVAL_DIR}/{{engine}}/{{arm}}/{{form}}.ppl.json",
     log:

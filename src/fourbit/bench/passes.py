@@ -1,0 +1,128 @@
+"""The pass discipline: paired, order-rotated, gated passes, reported with their spread.
+
+Whatever the engine, an arm is only compared with its baseline timed in the
+same conditions: each pass runs both, alternating which goes first (A B, B A,
+A B, ...) so that drift (thermal, a neighbour's job ramping up) does not always
+favour the same one. Every timed run is preceded by ``before_pass`` (the
+contention gate and residency check) and its record is kept. At least three
+passes: one pass is an anecdote, and with fewer than three the spread says
+nothing about the noise.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Callable
+
+MIN_PASSES = 3
+TG128_OUTPUT_TOKENS = 129  # 1 from the prompt's prefill + 128 decode steps; see tg_from_runs
+
+Run = Callable[[], dict]
+
+
+def run_paired(
+    arm: Run, baseline: Run, *, passes: int, warmup: int, before_pass: Callable[[int], dict]
+) -> dict:
+    """Time ``arm`` and ``baseline`` over ``passes`` passes after ``warmup`` untimed rounds.
+
+    Each callable returns metrics where higher is better (e.g. {"pp512_tok_s": ..,
+    "tg128_tok_s": ..}); the ratio is arm / baseline, so above 1 means the arm is
+    faster. ``before_pass`` gets the 1-based pass number before each timed run.
+    """
+    if passes < MIN_PASSES:
+        raise ValueError(
+            f"passes={passes}: a single pass is never a result; ask for at least {MIN_PASSES} "
+            "so the spread across passes shows how noisy the host is"
+        )
+    if warmup < 1:
+        raise ValueError(
+            f"warmup={warmup}: the first run pays for compilation and cold caches; "
+            "ask for at least 1 untimed round"
+        )
+    for _ in range(warmup):
+        arm()
+        baseline()
+
+    runs = {"arm": arm, "baseline": baseline}
+    records = []
+    for number in range(1, passes + 1):
+        order = ["arm", "baseline"] if number % 2 else ["baseline", "arm"]
+        record = {"pass": number, "order": order, "checks": {}}
+        for name in order:
+            record["checks"][name] = before_pass(number)
+            record[name] = _metrics(runs[name](), name, number)
+        if record["arm"].keys() != record["baseline"].keys():
+            raise ValueError(
+                f"pass {number}: arm returned {sorted(record['arm'])} but baseline returned "
+                f"{sorted(record['baseline'])}; both must report the same metrics"
+            )
+        if records and record["arm"].keys() != records[0]["arm"].keys():
+            raise ValueError(
+                f"pass {number} reported {sorted(record['arm'])}, pass 1 reported "
+                f"{sorted(records[0]['arm'])}; every pass must report the same metrics"
+            )
+        record["ratio"] = {key: record["arm"][key] / record["baseline"][key] for key in record["arm"]}
+        records.append(record)
+
+    return {
+        "passes": passes,
+        "warmup": warmup,
+        "runs": records,
+        **{side: _summaries(records, side) for side in ("arm", "baseline", "ratio")},
+    }
+
+
+def _metrics(values: dict, name: str, number: int) -> dict:
+    if not values:
+        raise ValueError(
+            f"pass {number}: {name} returned no metrics; return e.g. {{'tg128_tok_s': 12.3}}"
+        )
+    for key, value in values.items():
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ValueError(
+                f"pass {number}: {name} reported {key}={value!r}; metrics must be positive finite rates"
+            )
+    return dict(values)
+
+
+def _summaries(records: list[dict], side: str) -> dict:
+    return {key: summarize([r[side][key] for r in records]) for key in records[0][side]}
+
+
+def summarize(values: list[float]) -> dict:
+    """min, median, max, and spread = (max - min) / median, with the values themselves."""
+    median = statistics.median(values)
+    low, high = min(values), max(values)
+    return {
+        "values": list(values), "min": low, "median": median, "max": high,
+        "spread": (high - low) / median,
+    }
+
+
+
+def tg_from_runs(t_one_token_s: float, t_n_tokens_s: float, n: int) -> float:
+    """Decode tokens/s from two timed generations, as llama-bench's tg counts it.
+
+    llama-bench's tg128 times 128 forward passes of one token each. An engine's
+    generate() from a 1-token prompt spends one prefill forward on the prompt
+    (which yields output token 1) and one decode step per further output token.
+    So with
+
+        t_one_token_s = time(prompt of 1 token -> 1 output token)
+        t_n_tokens_s  = time(prompt of 1 token -> n output tokens)
+
+    the difference is exactly n - 1 single-token decode steps, the prefill and the
+    fixed per-request cost cancelling out, and the rate is (n - 1) / (t_n - t_1).
+    For tg128 pass n = TG128_OUTPUT_TOKENS (129), which gives 128 decode steps.
+    Both runs must really produce their n tokens: turn off stopping at EOS
+    (e.g. vLLM's ignore_eos=True), or an early stop inflates the rate.
+    """
+    if n < 2:
+        raise ValueError(f"n={n}: need at least 2 output tokens for one decode step (129 for tg128)")
+    if not 0 < t_one_token_s < t_n_tokens_s:
+        raise ValueError(
+            f"t_n_tokens_s ({t_n_tokens_s} s) must exceed t_one_token_s ({t_one_token_s} s) > 0: "
+            "the runs were too noisy to subtract or the n-token run stopped early (ignore EOS)"
+        )
+    return (n - 1) / (t_n_tokens_s - t_one_token_s)

@@ -1,0 +1,113 @@
+"""The pass discipline with fake engines: rotation, gating, ratios, stats, refusals."""
+
+from __future__ import annotations
+
+import pytest
+
+from fourbit.bench.passes import TG128_OUTPUT_TOKENS, run_paired, summarize, tg_from_runs
+
+
+class Recorder:
+    """Fake arm, baseline and gate that log every call in order."""
+
+    def __init__(self, arm_values, baseline_values):
+        self.log = []
+        self.arm_values, self.baseline_values = iter(arm_values), iter(baseline_values)
+
+    def arm(self):
+        self.log.append("arm")
+        return next(self.arm_values)
+
+    def baseline(self):
+        self.log.append("baseline")
+        return next(self.baseline_values)
+
+    def gate(self, number):
+        self.log.append(f"gate {number}")
+        return {"busy": {0: 0.01}, "pass": number}
+
+
+def rates(*pairs):
+    return [{"pp512_tok_s": pp, "tg128_tok_s": tg} for pp, tg in pairs]
+
+
+WARMUP = rates((1, 1))
+ARM = WARMUP + rates((200, 20), (220, 22), (180, 18))
+BASELINE = WARMUP + rates((100, 10), (100, 10), (100, 12))
+
+
+def test_warmup_then_passes_alternate_order_with_a_gate_before_every_timed_run():
+    fake = Recorder(ARM, BASELINE)
+    result = run_paired(fake.arm, fake.baseline, passes=3, warmup=1, before_pass=fake.gate)
+    assert fake.log == [
+        "arm", "baseline",  # warm-up: untimed and ungated
+        "gate 1", "arm", "gate 1", "baseline",
+        "gate 2", "baseline", "gate 2", "arm",
+        "gate 3", "arm", "gate 3", "baseline",
+    ]
+    assert [run["order"] for run in result["runs"]] == [
+        ["arm", "baseline"], ["baseline", "arm"], ["arm", "baseline"],
+    ]
+    assert result["runs"][1]["checks"] == {
+        "baseline": {"busy": {0: 0.01}, "pass": 2}, "arm": {"busy": {0: 0.01}, "pass": 2},
+    }
+
+
+def test_per_pass_ratios_and_their_statistics():
+    fake = Recorder(ARM, BASELINE)
+    result = run_paired(fake.arm, fake.baseline, passes=3, warmup=1, before_pass=fake.gate)
+    assert [run["ratio"] for run in result["runs"]] == rates((2.0, 2.0), (2.2, 2.2), (1.8, 1.5))
+    assert result["passes"] == 3 and result["warmup"] == 1
+    assert result["arm"]["pp512_tok_s"] == {
+        "values": [200, 220, 180], "min": 180, "median": 200, "max": 220, "spread": 0.2,
+    }
+    assert result["baseline"]["tg128_tok_s"]["values"] == [10, 10, 12]
+    tg_ratio = result["ratio"]["tg128_tok_s"]
+    assert tg_ratio["min"] == pytest.approx(1.5)
+    assert tg_ratio["median"] == pytest.approx(2.0)
+    assert tg_ratio["spread"] == pytest.approx((2.2 - 1.5) / 2.0)
+
+
+def test_summarize_even_count_uses_the_middle_pair():
+    assert summarize([1.0, 3.0, 2.0, 4.0])["median"] == 2.5
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+def test_fewer_than_three_passes_are_refused(passes):
+    fake = Recorder(ARM, BASELINE)
+    with pytest.raises(ValueError, match=f"passes={passes}: a single pass is never a result"):
+        run_paired(fake.arm, fake.baseline, passes=passes, warmup=1, before_pass=fake.gate)
+    assert fake.log == []  # refused before anything ran
+
+
+def test_no_warmup_is_refused():
+    fake = Recorder(ARM, BASELINE)
+    with pytest.raises(ValueError, match="warmup=0: the first run pays for compilation"):
+        run_paired(fake.arm, fake.baseline, passes=3, warmup=0, before_pass=fake.gate)
+
+
+def test_arm_and_baseline_must_report_the_same_metrics():
+    baseline = WARMUP + [{"pp512_tok_s": 100}] * 3
+    fake = Recorder(ARM, baseline)
+    with pytest.raises(ValueError, match=r"pass 1: arm returned \['pp512_tok_s', 'tg128_tok_s'\] but baseline"):
+        run_paired(fake.arm, fake.baseline, passes=3, warmup=1, before_pass=fake.gate)
+
+
+def test_a_zero_rate_is_refused_naming_pass_and_metric():
+    arm = WARMUP + rates((200, 20), (0, 22), (180, 18))
+    fake = Recorder(arm, BASELINE)
+    with pytest.raises(ValueError, match="pass 2: arm reported pp512_tok_s=0"):
+        run_paired(fake.arm, fake.baseline, passes=3, warmup=1, before_pass=fake.gate)
+
+
+def test_tg128_counts_the_128_decode_steps_between_a_1_and_a_129_token_generation():
+    # 0.1 s for prefill + first token, then 128 steps of 10 ms.
+    assert tg_from_runs(0.1, 0.1 + 128 * 0.01, TG128_OUTPUT_TOKENS) == pytest.approx(100.0)
+    assert tg_from_runs(1.0, 2.0, 2) == pytest.approx(1.0)
+
+
+def test_tg_refuses_impossible_timings():
+    with pytest.raises(ValueError, match="n=1: need at least 2 output tokens"):
+        tg_from_runs(0.1, 0.2, 1)
+    with pytest.raises(ValueError, match=r"t_n_tokens_s \(0.05 s\) must exceed t_one_token_s \(0.1 s\)"):
+        tg_from_runs(0.1, 0.05, 129)
