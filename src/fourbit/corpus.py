@@ -1,6 +1,7 @@
-"""Text corpora for training, calibrating and evaluating, chosen by a spec's ``kind``.
+"""Text corpora for training, calibrating and evaluating, one kind per ``source``.
 
-Every kind turns a spec into three lists of documents (train, calibration,
+Every kind turns a spec (the workflow config's ``corpus`` block, whose
+``source`` names the kind) into three lists of documents (train, calibration,
 evaluation); :func:`prepare_corpus` writes them as plain text plus a manifest
 that says exactly what was taken, so a corpus can be checked and reproduced.
 
@@ -48,7 +49,9 @@ class Selection:
 CORPUS_KINDS: dict[str, Callable[[dict], Selection]] = {}
 
 
-def register_corpus(name: str) -> Callable[[Callable[[dict], Selection]], Callable[[dict], Selection]]:
+def register_corpus(
+    name: str,
+) -> Callable[[Callable[[dict], Selection]], Callable[[dict], Selection]]:
     def register(make: Callable[[dict], Selection]) -> Callable[[dict], Selection]:
         if name in CORPUS_KINDS:
             raise ValueError(f"corpus kind {name!r} is registered twice; kind names must be unique")
@@ -59,11 +62,12 @@ def register_corpus(name: str) -> Callable[[Callable[[dict], Selection]], Callab
 
 
 def prepare_corpus(spec: dict, out_dir: Path) -> dict:
-    """Write ``out_dir``/{train,calibration,evaluation}.txt and manifest.json; return the manifest."""
-    kind = spec.get("kind")
+    """Write the three split files and manifest.json into ``out_dir``; return the manifest."""
+    kind = spec.get("source")
     if kind not in CORPUS_KINDS:
         raise ValueError(
-            f"unknown corpus kind {kind!r}; the spec's 'kind' must be one of {sorted(CORPUS_KINDS)}"
+            f"unknown corpus source {kind!r}; the spec's 'source' must be one of "
+            f"{sorted(CORPUS_KINDS)}"
         )
     selection = CORPUS_KINDS[kind](spec)
     _require_non_empty_splits(selection)
@@ -113,15 +117,16 @@ def _require_non_empty_splits(selection: Selection) -> None:
 
 def _options(spec: dict, defaults: dict[str, Any], required: tuple[str, ...] = ()) -> dict:
     """The spec's options with defaults filled in; unknown or missing keys are errors."""
-    allowed = {"kind", *defaults, *required}
+    allowed = {"source", *defaults, *required}
     unknown = sorted(set(spec) - allowed)
     if unknown:
         raise ValueError(
-            f"corpus kind {spec['kind']!r} does not take {unknown}; allowed keys are {sorted(allowed)}"
+            f"corpus source {spec['source']!r} does not take {unknown}; "
+            f"allowed keys are {sorted(allowed)}"
         )
     missing = [key for key in required if key not in spec]
     if missing:
-        raise ValueError(f"corpus kind {spec['kind']!r} needs the key(s) {missing}")
+        raise ValueError(f"corpus source {spec['source']!r} needs the key(s) {missing}")
     return {**defaults, **spec}
 
 
@@ -161,10 +166,11 @@ def _written_by_the_build(relpath: str) -> bool:
 def builtin_corpus(spec: dict) -> Selection:
     """Python's own standard-library sources: real text that ships with the pinned Python.
 
-    Files are taken in sorted order of their relative POSIX path until the next
-    one would exceed ``max_bytes``; each file is one document, assigned to a
-    split by the sha256 of its path, so a file never straddles two splits and
-    the assignment does not depend on which other files exist.
+    The *.py files under the stdlib folder, except site-packages, test suites,
+    idlelib, files that are not UTF-8 or hold only whitespace, and files the
+    build generated, are taken in sorted order of their relative POSIX path
+    until the next one would exceed ``max_bytes``. Each file is one document,
+    so a file never straddles two splits; see :func:`_split_by_path_hash`.
     """
     options = _options(
         spec,
@@ -177,9 +183,7 @@ def builtin_corpus(spec: dict) -> Selection:
     calibration, evaluation = _fractions(options)
     root = Path(sysconfig.get_paths()["stdlib"])
     documents = _take_until(_stdlib_sources(root), int(options["max_bytes"]))
-    splits: dict[str, list[Document]] = {split: [] for split in SPLITS}
-    for doc in documents:
-        splits[_split_of_path(doc.name, calibration, evaluation)].append(doc)
+    splits = _split_by_path_hash(documents, calibration, evaluation)
     return Selection(
         splits=splits,
         sha256=_fingerprint([f"{d.name}\t{_sha256_text(d.text)}" for d in documents]),
@@ -203,14 +207,15 @@ def _stdlib_sources(root: Path) -> list[Document]:
             text = path.read_bytes().decode("utf-8")
         except UnicodeDecodeError:
             continue
-        documents.append(Document(relpath, text))
+        if text.strip():  # empty __init__.py files are not text, just extra blank lines
+            documents.append(Document(relpath, text))
     return documents
 
 
 def _take_until(documents: list[Document], max_bytes: int) -> list[Document]:
     taken, total = [], 0
     for doc in documents:
-        size = len(doc.text.encode("utf-8"))
+        size = _size(doc)
         if total + size > max_bytes:
             break
         taken.append(doc)
@@ -218,14 +223,30 @@ def _take_until(documents: list[Document], max_bytes: int) -> list[Document]:
     return taken
 
 
-def _split_of_path(relpath: str, calibration: float, evaluation: float) -> str:
-    # sha256, not hash(): Python salts str hashes per process.
-    position = int(hashlib.sha256(relpath.encode("utf-8")).hexdigest()[:16], 16) / 16**16
-    if position < evaluation:
-        return "evaluation"
-    if position < evaluation + calibration:
-        return "calibration"
-    return "train"
+def _split_by_path_hash(
+    documents: list[Document], calibration: float, evaluation: float
+) -> dict[str, list[Document]]:
+    """Deal whole files, in the order of their paths' sha256, to evaluation then calibration.
+
+    Each of the two takes files until it holds its fraction of the bytes
+    (overshooting by at most one file); the rest is train. Filling by bytes
+    rather than flipping a hash-weighted coin per file keeps small corpora of a
+    few large files from leaving a split empty or a few bytes long. sha256, not
+    hash(): Python salts str hashes per process.
+    """
+    total = sum(_size(doc) for doc in documents)
+    queue = sorted(documents, key=lambda doc: hashlib.sha256(doc.name.encode("utf-8")).hexdigest())
+    splits: dict[str, list[Document]] = {split: [] for split in SPLITS}
+    for split, fraction in (("evaluation", evaluation), ("calibration", calibration)):
+        while queue and sum(_size(doc) for doc in splits[split]) < fraction * total:
+            splits[split].append(queue.pop(0))
+    splits["train"] = queue
+    # Within a split, path order: neighbouring modules read alike, as in the source tree.
+    return {split: sorted(docs, key=lambda doc: doc.name) for split, docs in splits.items()}
+
+
+def _size(doc: Document) -> int:
+    return len(doc.text.encode("utf-8"))
 
 
 # --- file: one local text file -------------------------------------------------------------
@@ -253,12 +274,16 @@ def file_corpus(spec: dict) -> Selection:
     paragraphs = split_paragraphs(text)
     splits = _contiguous_splits(paragraphs, calibration, evaluation)
     return Selection(
-        splits={split: [Document(f"paragraph {i}", p) for i, p in block] for split, block in splits.items()},
+        splits={
+            split: [Document(f"paragraph {i}", p) for i, p in block]
+            for split, block in splits.items()
+        },
         sha256=_sha256_text(text),
         details={
             "source": str(path),
             "paragraph_ranges": {
-                split: [block[0][0], block[-1][0] + 1] if block else [] for split, block in splits.items()
+                split: [block[0][0], block[-1][0] + 1] if block else []
+                for split, block in splits.items()
             },
         },
     )
@@ -285,11 +310,15 @@ def _contiguous_splits(
 
 def _read_utf8(path: Path) -> str:
     if not path.is_file():
-        raise FileNotFoundError(f"corpus file {path} does not exist; give the path of a UTF-8 text file")
+        raise FileNotFoundError(
+            f"corpus file {path} does not exist; give the path of a UTF-8 text file"
+        )
     try:
         return path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as error:
-        raise ValueError(f"corpus file {path} is not valid UTF-8 ({error}); convert it to UTF-8") from error
+        raise ValueError(
+            f"corpus file {path} is not valid UTF-8 ({error}); convert it to UTF-8"
+        ) from error
 
 
 # --- hf: files of a Hugging Face dataset repository at a pinned commit -------------------------
@@ -310,17 +339,22 @@ def hf_corpus(spec: dict) -> Selection:
     revision = str(options["revision"])
     if not COMMIT_HASH.fullmatch(revision):
         raise ValueError(
-            f"hf corpus revision {revision!r} is not pinned: give the full 40-hex-digit commit hash, "
-            "not a branch or tag, so the corpus cannot change under the same spec"
+            f"hf corpus revision {revision!r} is not pinned: give the full 40-hex-digit "
+            "commit hash, not a branch or tag, so the corpus cannot change under the same spec"
         )
     files = options["files"]
     if not isinstance(files, dict) or sorted(files) != sorted(SPLITS):
-        raise ValueError(f"hf corpus 'files' must map exactly the splits {list(SPLITS)} to file names; got {files!r}")
+        raise ValueError(
+            f"hf corpus 'files' must map exactly the splits {list(SPLITS)} to file names; "
+            f"got {files!r}"
+        )
     splits, fingerprint_lines = {}, []
     for split in SPLITS:
         path = _download(options["repo_id"], files[split], revision)
         splits[split] = _documents_of_file(path, files[split])
-        fingerprint_lines.append(f"{split}\t{files[split]}\t{hashlib.sha256(path.read_bytes()).hexdigest()}")
+        fingerprint_lines.append(
+            f"{split}\t{files[split]}\t{hashlib.sha256(path.read_bytes()).hexdigest()}"
+        )
     return Selection(
         splits=splits,
         sha256=_fingerprint(fingerprint_lines),
@@ -336,8 +370,13 @@ def _download(repo_id: str, filename: str, revision: str) -> Path:
 
 def _documents_of_file(path: Path, filename: str) -> list[Document]:
     if filename.endswith(".parquet"):
-        return [Document(f"{filename} row {i}", text) for i, text in enumerate(_parquet_texts(path))]
-    return [Document(f"{filename} paragraph {i}", p) for i, p in enumerate(split_paragraphs(_read_utf8(path)))]
+        return [
+            Document(f"{filename} row {i}", text) for i, text in enumerate(_parquet_texts(path))
+        ]
+    return [
+        Document(f"{filename} paragraph {i}", p)
+        for i, p in enumerate(split_paragraphs(_read_utf8(path)))
+    ]
 
 
 def _parquet_texts(path: Path) -> list[str]:
@@ -350,5 +389,7 @@ def _parquet_texts(path: Path) -> list[str]:
 
     frame = pd.read_parquet(path)
     if "text" not in frame.columns:
-        raise ValueError(f"parquet file {path} has no 'text' column; its columns are {list(frame.columns)}")
+        raise ValueError(
+            f"parquet file {path} has no 'text' column; its columns are {list(frame.columns)}"
+        )
     return [text for text in frame["text"].astype(str) if text.strip()]

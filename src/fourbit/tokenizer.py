@@ -27,9 +27,9 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
+import tempfile
 from pathlib import Path
-
-from fourbit.atomic import atomic_dir
 
 log = logging.getLogger("fourbit")
 
@@ -60,11 +60,13 @@ CODE_SAMPLES = [
 def train_tokenizer(train_text: Path, out_dir: Path, vocab_size: int, seed: int = 0) -> None:
     """Train a BPE SentencePiece model on ``train_text`` and save it as a Hugging Face tokenizer.
 
-    ``out_dir`` receives tokenizer.model (read by llama.cpp's converter),
-    tokenizer.json and tokenizer_config.json (read by AutoTokenizer). The same
-    text, vocab_size and seed give the same files.
+    Adds tokenizer.model (read by llama.cpp's converter), tokenizer.json and
+    tokenizer_config.json (read by AutoTokenizer) to ``out_dir``, keeping any
+    other files there, so a model folder being built can receive them. The
+    files are built and checked in a temporary folder first and each lands
+    atomically. The same text, vocab_size and seed give the same files.
     """
-    train_text = Path(train_text)
+    train_text, out_dir = Path(train_text), Path(out_dir)
     if not train_text.is_file():
         raise FileNotFoundError(f"tokenizer training text {train_text} does not exist")
     if vocab_size < MIN_VOCAB_SIZE:
@@ -72,10 +74,14 @@ def train_tokenizer(train_text: Path, out_dir: Path, vocab_size: int, seed: int 
             f"vocab_size={vocab_size} is too small: 259 ids go to bytes and specials, "
             f"so it must be at least {MIN_VOCAB_SIZE}"
         )
-    with atomic_dir(out_dir) as temp:
-        (temp / "tokenizer.model").write_bytes(_train_sentencepiece(train_text, vocab_size, seed))
-        _save_hugging_face_files(temp)
-        check_roundtrip(temp, CODE_SAMPLES)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out_dir.name}.tokenizer-", dir=out_dir.parent) as temp:
+        built = Path(temp)
+        (built / "tokenizer.model").write_bytes(_train_sentencepiece(train_text, vocab_size, seed))
+        _save_hugging_face_files(built)
+        check_roundtrip(built, CODE_SAMPLES)
+        for file in sorted(built.iterdir()):
+            os.replace(file, out_dir / file.name)
     log.info("tokenizer: %d pieces trained on %s, saved to %s", vocab_size, train_text, out_dir)
 
 
@@ -143,13 +149,15 @@ def check_roundtrip(tokenizer_dir: Path, samples: list[str]) -> None:
     for sample in samples:
         problem = _roundtrip_problem(hf, sp, sample)
         if problem:
-            raise ValueError(f"tokenizer in {tokenizer_dir} fails on sample {_shorten(sample)}: {problem}")
+            raise ValueError(
+                f"tokenizer in {tokenizer_dir} fails on sample {_shorten(sample)}: {problem}"
+            )
 
 
 def _roundtrip_problem(hf, sp, sample: str) -> str | None:
     ids = hf.encode(sample, add_special_tokens=False)
     if sample and not ids:
-        return "transformers encodes it to no ids at all (was tokenizer.json written without protobuf?)"
+        return "transformers encodes it to no ids (was tokenizer.json written without protobuf?)"
     sp_ids = sp.encode(sample)
     if ids != sp_ids:
         return f"transformers ids {_shorten(ids)} differ from sentencepiece ids {_shorten(sp_ids)}"
