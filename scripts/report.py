@@ -8,5 +8,6 @@ write_report(
     arm_manifests=list(snakemake.input.arms),
     markdown_path=snakemake.output.markdown,
     table_path=snakemake.output.table,
+    baseline_checkpoint=snakemake.input.model[0],
     training_path=snakemake.params.training,
 )

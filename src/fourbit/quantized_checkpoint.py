@@ -16,6 +16,7 @@ import torch
 from fourbit.checkpoint import (
     load_tensors,
     module_name,
+    quantizable_linears,
     read_config,
     skeleton,
     weight_files,
@@ -77,25 +78,29 @@ def read_quantized(folder: str | os.PathLike) -> tuple[dict, dict[str, torch.Ten
 def storage_stats(folder: str | os.PathLike) -> dict:
     """Bits per weight from what is stored, not from a nominal 4.
 
-    ``quantized_bits_per_weight``: every stored bit of the quantized modules
-    (codes, scales, zeros and any index tensors) over their weight count.
+    ``quantized_bits_per_weight``: every stored bit of the linear layers a
+    quantizer would touch (codes, scales, zeros and index tensors when quantized;
+    the plain weights when dense) over their weight count.
     ``file_bits_per_param``: every stored tensor over the model's parameter count
     (embeddings, norms and the untied head's copy included).
     """
-    _, dense, qweights = read_quantized(folder)
     stored = load_tensors(folder)
-    quantized_bits = sum(
-        _bits(tensor) for name, tensor in stored.items() if name.rpartition(".")[0] in qweights
-    )
-    total_bits = sum(_bits(tensor) for tensor in stored.values())
-    quantized_weights = sum(q.codes.numel() for q in qweights.values())
-    params = quantized_weights + sum(t.numel() for t in dense.values())
+    if is_quantized(folder):
+        _, dense, qweights = read_quantized(folder)
+        modules = set(qweights)
+        weights = sum(q.codes.numel() for q in qweights.values())
+        params = weights + sum(t.numel() for t in dense.values())
+    else:
+        modules = set(quantizable_linears(skeleton(folder)))
+        weights = sum(stored[f"{name}.weight"].numel() for name in modules)
+        params = sum(t.numel() for t in stored.values())
+    linear_bits = sum(_bits(t) for name, t in stored.items() if name.rpartition(".")[0] in modules)
     size = sum(p.stat().st_size for p in weight_files(folder))
     return {
-        "quantized_modules": len(qweights),
-        "quantized_weights": quantized_weights,
-        "quantized_bits_per_weight": quantized_bits / quantized_weights,
-        "file_bits_per_param": total_bits / params,
+        "quantized_modules": len(modules) if is_quantized(folder) else 0,
+        "linear_weights": weights,
+        "quantized_bits_per_weight": linear_bits / weights,
+        "file_bits_per_param": sum(_bits(t) for t in stored.values()) / params,
         "parameters": params,
         "size_bytes": size,
         "size_mib": size / 2**20,

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from fourbit.atomic import write_text
+from fourbit.quantized_checkpoint import storage_stats
 
 log = logging.getLogger("fourbit")
 
@@ -46,14 +47,17 @@ def _by_suffix(paths: list[str]) -> dict[tuple[str, str, str], str]:
     return index
 
 
-def build_rows(study: dict, results: list[str], arm_manifests: list[str]) -> list[dict]:
+def build_rows(
+    study: dict, results: list[str], arm_manifests: list[str], baseline_storage: dict
+) -> list[dict]:
     index = _by_suffix(results)
     arms = {m["id"]: m for m in (read_result(p) for p in arm_manifests)}
     tolerance = study["evaluation"]["control_tolerance"]
     rows = []
     for engine_id in study["engines"]:
         baseline = read_result(index[(engine_id, "baseline", "dense.ppl.json")])
-        rows.append(_row(engine_id, "baseline", None, baseline, baseline, None, None, tolerance))
+        unquantized = {"quant": {}, "storage": baseline_storage}
+        rows.append(_row(engine_id, "baseline", unquantized, baseline, baseline, None, None, tolerance))
         for arm in study["arms"]:
             arm_id = arm["id"]
             quantized = read_result(index[(engine_id, arm_id, "quantized.ppl.json")])
@@ -66,8 +70,7 @@ def build_rows(study: dict, results: list[str], arm_manifests: list[str]) -> lis
 def _row(engine_id, arm_id, manifest, scored, baseline, dense, bench, tolerance) -> dict:
     if scored["token_ids_sha256"] != baseline["token_ids_sha256"]:
         raise ReportInputError(f"{arm_id} on {engine_id} scored other token ids than its baseline")
-    quant = manifest["quant"] if manifest else {}
-    storage = manifest["storage"] if manifest else {}
+    quant, storage = manifest["quant"], manifest["storage"]
     row = {
         "engine": engine_id,
         "arm_id": arm_id,
@@ -120,8 +123,9 @@ def render_markdown(study: dict, rows: list[dict], facts: dict) -> str:
     if "training" in facts:
         t = facts["training"]
         lines += [
-            f"The builtin model's held-out perplexity after training: {t['eval_ppl']:.2f} "
-            f"(uniform over its {t['vocab_size']} tokens would be {t['vocab_size']}).",
+            f"The builtin model was trained by this workflow ({t['train_tokens_seen']} tokens, "
+            f"{t['wall_seconds']:.0f} s); its held-out perplexity is {t['held_out_perplexity']:.2f} "
+            f"over {t['held_out_tokens']} tokens, against {t['uniform_perplexity']} for a uniform guess.",
             "",
         ]
     lines += [
@@ -148,8 +152,8 @@ def render_markdown(study: dict, rows: list[dict], facts: dict) -> str:
         "the same token ids for every row.",
         "- **Δppl vs baseline**: the arm's perplexity minus the unquantized (untied) model's, "
         "both on the same engine.",
-        "- **bits/weight**: bits stored for the quantized layers (codes, scales, zeros) divided by "
-        "their weight count; **file bits/param**: every stored tensor (embeddings, norms, the "
+        "- **bits/weight**: bits stored for the linear layers (codes, scales, zeros when "
+        "quantized; the plain weights for the baseline) divided by their weight count; **file bits/param**: every stored tensor (embeddings, norms, the "
         "untied head's copy included) divided by the model's parameter count.",
         "- **control**: the arm run by its 4-bit runtime against its dense float32 expansion on the "
         "same engine; the mean NLL difference in nats/token. *faithful* if within "
@@ -171,9 +175,10 @@ def write_report(
     arm_manifests: list[str],
     markdown_path: str | os.PathLike,
     table_path: str | os.PathLike,
+    baseline_checkpoint: str | os.PathLike,
     training_path: str | os.PathLike | None = None,
 ) -> None:
-    rows = build_rows(study, results, arm_manifests)
+    rows = build_rows(study, results, arm_manifests, storage_stats(baseline_checkpoint))
     first = read_result(next(p for p in results if p.endswith("dense.ppl.json")))
     facts = {
         "definition": first["definition"],
