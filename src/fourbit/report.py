@@ -15,12 +15,14 @@ from pathlib import Path
 
 from fourbit.atomic import write_text
 from fourbit.quantized_checkpoint import storage_stats
+from fourbit.stats import CONFIDENCE, delta_ppl_interval, overlapping
 
 log = logging.getLogger("fourbit")
 
 COLUMNS = [
     "engine", "arm_id", "method", "group_size", "sym", "bits_per_weight", "file_bits_per_param",
-    "size_mib", "ppl", "baseline_ppl", "delta_ppl", "delta_ppl_pct", "dense_ppl",
+    "size_mib", "ppl", "baseline_ppl", "delta_ppl", "delta_ppl_ci_low", "delta_ppl_ci_high",
+    "delta_ppl_pct", "dense_ppl",
     "control_delta_nll", "control", "runtime", "throughput",
 ]
 
@@ -71,6 +73,9 @@ def _row(engine_id, arm_id, manifest, scored, baseline, dense, bench, tolerance)
     if scored["token_ids_sha256"] != baseline["token_ids_sha256"]:
         raise ReportInputError(f"{arm_id} on {engine_id} scored other token ids than its baseline")
     quant, storage = manifest["quant"], manifest["storage"]
+    delta, lower, upper = delta_ppl_interval(
+        scored["window_nll_sum"], baseline["window_nll_sum"], baseline["window_tokens"]
+    )
     row = {
         "engine": engine_id,
         "arm_id": arm_id,
@@ -82,7 +87,9 @@ def _row(engine_id, arm_id, manifest, scored, baseline, dense, bench, tolerance)
         "size_mib": storage.get("size_mib", ""),
         "ppl": scored["ppl"],
         "baseline_ppl": baseline["ppl"],
-        "delta_ppl": scored["ppl"] - baseline["ppl"],
+        "delta_ppl": delta,
+        "delta_ppl_ci_low": lower,
+        "delta_ppl_ci_high": upper,
         "delta_ppl_pct": 100 * (scored["ppl"] / baseline["ppl"] - 1),
         "dense_ppl": dense["ppl"] if dense else "",
         "control_delta_nll": "",
@@ -103,6 +110,28 @@ def _fmt(value) -> str:
     return str(value)
 
 
+def separability(rows: list[dict]) -> list[str]:
+    """Say which differences the evaluation split resolves, instead of ranking noise."""
+    notes = []
+    arms = [r for r in rows if r["arm_id"] != "baseline"]
+    for r in arms:
+        if r["delta_ppl_ci_low"] <= 0 <= r["delta_ppl_ci_high"]:
+            notes.append(
+                f"- `{r['arm_id']}` ({r['engine']}): its interval includes 0; the evaluation split is "
+                "too small to tell it from the unquantized model."
+            )
+    for i, a in enumerate(arms):
+        for b in arms[i + 1 :]:
+            if a["engine"] == b["engine"] and overlapping(
+                (a["delta_ppl_ci_low"], a["delta_ppl_ci_high"]), (b["delta_ppl_ci_low"], b["delta_ppl_ci_high"])
+            ):
+                notes.append(
+                    f"- `{a['arm_id']}` and `{b['arm_id']}` ({a['engine']}): intervals overlap; "
+                    "not separable on this corpus, so the table does not rank them."
+                )
+    return notes or ["- Every arm's interval excludes 0 and no two arms' intervals overlap."]
+
+
 def render_tsv(rows: list[dict]) -> str:
     out = io.StringIO()
     writer = csv.DictWriter(out, fieldnames=COLUMNS, delimiter="\t", lineterminator="\n")
@@ -113,7 +142,7 @@ def render_tsv(rows: list[dict]) -> str:
 
 def render_markdown(study: dict, rows: list[dict], facts: dict) -> str:
     headers = ["engine", "arm", "method", "group", "sym", "bits/weight", "file bits/param", "size MiB",
-               "ppl", "Δppl vs baseline", "control (arm vs dense Δ nats/token)"]
+               "ppl", f"Δppl vs baseline [{CONFIDENCE:.0%} CI]", "control (arm vs dense Δ nats/token)"]
     lines = [
         "# fourbit report",
         "",
@@ -134,11 +163,15 @@ def render_markdown(study: dict, rows: list[dict], facts: dict) -> str:
     ]
     for r in rows:
         control = f"{r['control']} ({_fmt(r['control_delta_nll'])})" if r["control"] else "—"
-        delta = "—" if r["arm_id"] == "baseline" else f"{_fmt(r['delta_ppl'])} ({r['delta_ppl_pct']:+.2f}%)"
+        delta = "—" if r["arm_id"] == "baseline" else (
+            f"{_fmt(r['delta_ppl'])} [{_fmt(r['delta_ppl_ci_low'])}, {_fmt(r['delta_ppl_ci_high'])}] "
+            f"({r['delta_ppl_pct']:+.2f}%)"
+        )
         cells = [r["engine"], f"`{r['arm_id']}`", r["method"], r["group_size"], r["sym"],
                  _fmt(r["bits_per_weight"]), _fmt(r["file_bits_per_param"]), _fmt(r["size_mib"]),
                  _fmt(r["ppl"]), delta, control]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    lines += ["", "## What the evaluation split can and cannot tell apart", ""] + separability(rows)
     lines += [
         "",
         "## Throughput",
@@ -151,7 +184,8 @@ def render_markdown(study: dict, rows: list[dict], facts: dict) -> str:
         f"- **ppl**: {facts['definition']}; {facts['windows']} windows, {facts['tokens']} scored tokens, "
         "the same token ids for every row.",
         "- **Δppl vs baseline**: the arm's perplexity minus the unquantized (untied) model's, "
-        "both on the same engine.",
+        f"both on the same engine; in brackets a {CONFIDENCE:.0%} interval from a paired bootstrap "
+        "over windows (the same windows score both).",
         "- **bits/weight**: bits stored for the linear layers (codes, scales, zeros when "
         "quantized; the plain weights for the baseline) divided by their weight count; **file bits/param**: every stored tensor (embeddings, norms, the "
         "untied head's copy included) divided by the model's parameter count.",
