@@ -19,7 +19,7 @@ from typing import Any
 import jsonschema
 import yaml
 
-from fourbit.hashing import file_sha256, short_hash
+from fourbit.hashing import canonical_json, file_sha256, short_hash
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
 ID_PATTERN = r"[a-z0-9][a-z0-9_.]*-[0-9a-f]{10}"
@@ -93,7 +93,13 @@ def canonical_quant(quant: dict, schema: dict, where: str = "quant") -> dict:
         )
     filled = copy.deepcopy(quant)
     _validate(filled, {**methods[method], "$defs": schema["$defs"]}, where)
-    return filled
+    return _sorted(filled)
+
+
+def _sorted(value: Any) -> Any:
+    """Keys sorted all the way down: Snakemake compares rule params by their text,
+    and a reordered (but equal) config must not rerun anything."""
+    return json.loads(canonical_json(value))
 
 
 @dataclass(frozen=True)
@@ -139,7 +145,7 @@ class Study:
             canonical = canonical_quant(quant, schema, f"arms[{index}].quant")
             if "calibration" in canonical:
                 # Calibration data is part of a calibrated arm's identity.
-                canonical["calibration"]["corpus"] = corpus_id
+                canonical["calibration"] = _sorted({**canonical["calibration"], "corpus": corpus_id})
             arm["quant"] = canonical
             arm_id = f"{arm['name']}-{short_hash('arm', canonical)}"
             if arm_id in arms:
@@ -151,11 +157,11 @@ class Study:
                 raise ConfigError(f"hash collision on {arm_id}; change the arm's name")
             arms[arm_id] = Arm(arm["name"], canonical, arm_id)
         engines = {
-            name: Engine(name, settings, f"{name}-{short_hash('engine', settings)}")
+            name: Engine(name, _sorted(settings), f"{name}-{short_hash('engine', settings)}")
             for name, settings in sorted(config["engines"].items())
         }
         return cls(
-            config=config,
+            config=_sorted(config),
             results=config["results"],
             model_id=model_identity(config["model"], corpus_id),
             corpus_id=corpus_id,

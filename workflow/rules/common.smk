@@ -30,7 +30,7 @@ def get_engine_settings(wildcards):
 
 def get_download_input(wildcards):
     """The builtin model and the synthetic model's tokenizer are trained on the corpus."""
-    if config["model"]["source"] in ("builtin", "synthetic"):
+    if STUDY.config["model"]["source"] in ("builtin", "synthetic"):
         return {"corpus": f"{RESULTS}/corpus/{CORPUS}/manifest.json"}
     return {}
 

@@ -9,7 +9,7 @@ rule prepare_corpus:
     conda:
         "../../envs/fourbit.yaml"
     params:
-        spec=config["corpus"],
+        spec=STUDY.config["corpus"],
     script:
         "../../scripts/prepare_corpus.py"
 
@@ -27,7 +27,7 @@ rule download:
         "../../envs/fourbit.yaml"
     threads: workflow.cores
     params:
-        spec=config["model"],
+        spec=STUDY.config["model"],
         corpus_dir=f"{RESULTS}/corpus/{CORPUS}",
     script:
         "../../scripts/download.py"
@@ -57,7 +57,7 @@ rule tokenize_evaluation:
     conda:
         "../../envs/fourbit.yaml"
     params:
-        window=config["evaluation"]["window"],
-        max_windows=config["evaluation"]["max_windows"],
+        window=STUDY.config["evaluation"]["window"],
+        max_windows=STUDY.config["evaluation"]["max_windows"],
     script:
         "../../scripts/tokenize_evaluation.py"
