@@ -2,8 +2,31 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+from pathlib import Path
+
 import pytest
 import torch
+
+
+def hub_cache(root: Path, repo_folder: str, revision: str, files: dict[str, bytes]) -> Path:
+    """A Hugging Face hub cache holding ``files`` at ``revision``, laid out as a download leaves it.
+
+    ``repo_folder`` is the cache's folder name, e.g. "models--org--name" or
+    "datasets--org--name". The real huggingface_hub code then reads it offline.
+    """
+    repo = root / "hub" / repo_folder
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+    for name, content in files.items():
+        blob = repo / "blobs" / hashlib.sha256(content).hexdigest()
+        blob.parent.mkdir(exist_ok=True)
+        blob.write_bytes(content)
+        link = repo / "snapshots" / revision / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
+    return root / "hub"
 
 
 def save_tiny_llama(folder, *, tied: bool, hidden: int = 256, intermediate: int = 512, layers: int = 2,

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import hub_cache
 
 from fourbit.corpus import CORPUS_KINDS, SPLITS, prepare_corpus, register_corpus
 
@@ -129,17 +130,7 @@ def test_file_kind_with_too_few_paragraphs_names_the_empty_split(tmp_path):
 
 def _hub_cache(root: Path, files: dict[str, bytes]) -> Path:
     """A hub cache holding ``files`` of dataset org/code at REVISION, as a download leaves it."""
-    repo = root / "hub" / "datasets--org--code"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(REVISION)
-    for name, content in files.items():
-        blob = repo / "blobs" / hashlib.sha256(content).hexdigest()
-        blob.parent.mkdir(exist_ok=True)
-        blob.write_bytes(content)
-        link = repo / "snapshots" / REVISION / name
-        link.parent.mkdir(parents=True, exist_ok=True)
-        link.symlink_to(os.path.relpath(blob, link.parent))
-    return root / "hub"
+    return hub_cache(root, "datasets--org--code", REVISION, files)
 
 
 def _prepare_offline(hub: Path, spec: dict, out: Path) -> subprocess.CompletedProcess:

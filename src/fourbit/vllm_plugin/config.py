@@ -1,0 +1,403 @@
+"""The vLLM side of the plugin: a QuantizationConfig and a LinearMethod, at module level.
+
+Loading. Each quantized layer gets one empty placeholder parameter per tensor of its
+checkpoint format (``format.layout``: qweight/scales/zeros, or GPTQ's
+qweight/qzeros/scales/g_idx, or compressed-tensors' weight_packed/...); their
+``weight_loader`` does not copy into the parameter but files the tensor under its
+shard. vLLM's model loaders hand every checkpoint tensor of a merged layer to
+``param.weight_loader(param, tensor, shard_id)`` with the shard id taken from the
+model's stacked mapping ("q"/"k"/"v" for qkv_proj, 0/1 for gate_up_proj;
+vllm/model_executor/models/llama.py:348-357, linear.py:972-996 and 1326-1350; a plain
+layer and the lm_head get no shard id, models/utils.py:299-341). After loading each
+shard is decoded by its own format's ``unpack`` with the shard's own N, exactly as the
+checkpoint stored it, and the QuantizedWeights are stacked along N. That needs no
+per-format packed_dim/output_dim bookkeeping (the approach of vLLM's own GPTQ/AWQ
+methods with PackedvLLMParameter), so GPTQ's zero points packed along N and
+compressed-tensors' zero points packed along dim 0 are handled by the same code.
+
+Which layers are quantized: read from the checkpoint itself (safetensors headers,
+``maybe_update_config``, vllm/config/vllm.py:914-918), a module being quantized when
+it has the format's first tensor (e.g. "lm_head.qweight"). A merged layer must be all
+or nothing. Other layers get vLLM's UnquantizedLinearMethod, an unquantized lm_head
+(and every embedding) gets None, i.e. vLLM's own.
+
+vLLM's default checkpoint mapper drops ".g_idx" (layers/quantization/base_config.py:
+249-256); this config keeps it, so the GPTQ reader can refuse act-order checkpoints.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import json
+import logging
+import os
+from typing import Any
+
+import torch
+from torch.nn import Parameter
+from vllm.model_executor.layers.linear import (
+    LinearBase,
+    LinearMethodBase,
+    UnquantizedLinearMethod,
+)
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
+from vllm.model_executor.utils import set_weight_attrs
+
+from fourbit import formats
+from fourbit.kernels import tinygemm
+from fourbit.quant.qweight import QuantizedWeight
+from fourbit.vllm_plugin import DEFAULTS, KNOBS, QUANT_METHOD, ops
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _as_bool(value: Any, name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
+        return value.lower() in ("true", "1")
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise ValueError(f"{QUANT_METHOD}: {name} must be a boolean, got {value!r}")
+
+
+def _shard_key(shard_id: Any) -> int | str:
+    """Which stacked shard a loaded tensor belongs to; "all" for an unmerged tensor."""
+    if shard_id is None:
+        return "all"
+    if isinstance(shard_id, str):
+        return {"q": 0, "k": 1, "v": 2}[shard_id]
+    if isinstance(shard_id, int):
+        return shard_id
+    raise NotImplementedError(f"{QUANT_METHOD}: shard id {shard_id!r} (a span) is not supported")
+
+
+def _stash(
+    layer: torch.nn.Module,
+    suffix: str,
+    param: Parameter,
+    loaded: torch.Tensor,
+    shard_id: Any = None,
+) -> None:
+    """A placeholder's weight_loader: keep the tensor for process_weights_after_loading."""
+    layer.fourbit_shards.setdefault(_shard_key(shard_id), {})[suffix] = loaded.detach().clone()
+
+
+def _safetensors_keys(model_dir: str) -> list[str] | None:
+    """All tensor names in a local checkpoint folder (headers only), or None if there is none."""
+    if not os.path.isdir(model_dir):
+        return None
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return list(json.load(f)["weight_map"])
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        return None
+    from safetensors import safe_open
+
+    keys: list[str] = []
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            keys.extend(f.keys())
+    return keys
+
+
+def _stack(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    if len(parts) == 1:
+        return parts[0]
+    g = parts[0].group_size
+    return QuantizedWeight(
+        torch.cat([p.codes for p in parts]),
+        torch.cat([p.scales for p in parts]),
+        torch.cat([p.zeros for p in parts]),
+        g,
+    )
+
+
+def _pad_rows(qw: QuantizedWeight, rows: int) -> QuantizedWeight:
+    """Append all-zero rows (code 0, zero 0, scale 0 -> W_hat row 0) up to ``rows``."""
+    extra = rows - qw.shape[0]
+    if extra <= 0:
+        return qw
+    k = qw.shape[1]
+    ng = qw.scales.shape[1]
+    return QuantizedWeight(
+        torch.cat([qw.codes, torch.zeros(extra, k, dtype=torch.uint8)]),
+        torch.cat([qw.scales, torch.zeros(extra, ng, dtype=qw.scales.dtype)]),
+        torch.cat([qw.zeros, torch.zeros(extra, ng, dtype=torch.uint8)]),
+        qw.group_size,
+    )
+
+
+class FourbitInt4Config(QuantizationConfig):
+    """4-bit group-wise weights on PyTorch's CPU int4 kernel; reads three checkpoint formats."""
+
+    def __init__(
+        self,
+        checkpoint_config: dict[str, Any],
+        format_name: str,
+        group_size: int,
+        dequant_threshold: int = DEFAULTS["dequant_threshold"],
+        prefill_dequant: bool = DEFAULTS["prefill_dequant"],
+        direct_dequant: bool = DEFAULTS["direct_dequant"],
+        activation_dtype: str = DEFAULTS["activation_dtype"],
+    ) -> None:
+        super().__init__()
+        if activation_dtype != "auto" and activation_dtype not in _DTYPES:
+            raise ValueError(
+                f"{QUANT_METHOD}: activation_dtype must be 'auto' or one of {sorted(_DTYPES)}, "
+                f"got {activation_dtype!r}"
+            )
+        if int(dequant_threshold) < 0:
+            raise ValueError(
+                f"{QUANT_METHOD}: dequant_threshold must be >= 0, got {dequant_threshold}"
+            )
+        self.checkpoint_config = dict(checkpoint_config)
+        self.format_name = format_name
+        self.group_size = int(group_size)
+        self.dequant_threshold = int(dequant_threshold)
+        self.prefill_dequant = bool(prefill_dequant)
+        self.direct_dequant = bool(direct_dequant)
+        self.activation_dtype = activation_dtype
+        # Module names (HF naming, then vLLM's after apply_vllm_mapper) that the
+        # checkpoint stores quantized; None until maybe_update_config has read it.
+        self.quantized_modules: set[str] | None = None
+
+    def __repr__(self) -> str:
+        knobs = ", ".join(f"{k}={getattr(self, k)!r}" for k in KNOBS)
+        return f"FourbitInt4Config(format={self.format_name}, group={self.group_size}, {knobs})"
+
+    @property
+    def format(self) -> formats.Format:
+        return formats.get_format(self.format_name)
+
+    # --- QuantizationConfig interface -------------------------------------------------
+    def get_name(self) -> str:
+        return QUANT_METHOD
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0  # not a GPU method; vLLM only checks this where a device capability exists
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []  # everything is in config.json's quantization_config
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "FourbitInt4Config":
+        fmt = formats.format_for_config(config)
+        if fmt.name == "gptq" and config.get("desc_act"):
+            raise ValueError(f"{QUANT_METHOD}: GPTQ desc_act=True (act-order) is not supported")
+        knobs = {k: config.get(k, DEFAULTS[k]) for k in KNOBS}
+        return cls(
+            checkpoint_config=config,
+            format_name=fmt.name,
+            group_size=fmt.group_size_from_config(config),
+            dequant_threshold=int(knobs["dequant_threshold"]),
+            prefill_dequant=_as_bool(knobs["prefill_dequant"], "prefill_dequant"),
+            direct_dequant=_as_bool(knobs["direct_dequant"], "direct_dequant"),
+            activation_dtype=str(knobs["activation_dtype"]),
+        )
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None) -> str | None:
+        """Claim a gptq / compressed-tensors checkpoint when the user asked for us.
+
+        vLLM asks every registered method (custom ones first, vllm/config/model.py:
+        1407-1438); the first non-None answer becomes the method, otherwise the
+        checkpoint's quant_method must equal LLM(quantization=...) (model.py:1440-1449).
+        We never claim a checkpoint unasked.
+        """
+        if user_quant != QUANT_METHOD:
+            return None
+        try:
+            formats.format_for_config(hf_quant_cfg)
+        except ValueError:
+            return None
+        return QUANT_METHOD
+
+    def get_checkpoint_weight_mapper(self):
+        from vllm.model_executor.models.utils import WeightsMapper
+
+        return WeightsMapper()  # keep g_idx: the GPTQ reader checks it is k // G
+
+    def maybe_update_config(self, model_name: str, hf_config=None, revision=None) -> None:
+        keys = _safetensors_keys(model_name)
+        if keys is None:
+            log.warning(
+                "%s: no local safetensors in %r; assuming every linear is quantized",
+                QUANT_METHOD,
+                model_name,
+            )
+            return
+        marker = "." + self.format.layout[0].suffix
+        self.quantized_modules = {k[: -len(marker)] for k in keys if k.endswith(marker)}
+        if not self.quantized_modules:
+            raise ValueError(
+                f"{QUANT_METHOD}: no tensor named *{marker} in {model_name}; "
+                f"not a {self.format_name} checkpoint"
+            )
+
+    def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
+        if self.quantized_modules is not None:
+            mapped = hf_to_vllm_mapper.apply_list(sorted(self.quantized_modules))
+            self.quantized_modules = set(self.quantized_modules) | set(mapped)
+
+    def is_quantized(self, prefix: str, layer: torch.nn.Module) -> bool:
+        if self.quantized_modules is None:
+            if isinstance(layer, ParallelLMHead):
+                return bool(self.checkpoint_config.get("lm_head", False))
+            return True
+        head, _, last = prefix.rpartition(".")
+        names = [prefix]
+        if last in self.packed_modules_mapping:
+            names = [f"{head}.{s}" if head else s for s in self.packed_modules_mapping[last]]
+        flags = [n in self.quantized_modules for n in names]
+        if any(flags) and not all(flags):
+            raise ValueError(
+                f"{QUANT_METHOD}: {prefix} merges {names}, only some quantized: {flags}"
+            )
+        return all(flags)
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        if isinstance(layer, ParallelLMHead):
+            return FourbitLinearMethod(self) if self.is_quantized(prefix, layer) else None
+        if isinstance(layer, LinearBase):
+            if self.is_quantized(prefix, layer):
+                return FourbitLinearMethod(self)
+            return UnquantizedLinearMethod()
+        return None
+
+
+class FourbitLinearMethod(LinearMethodBase):
+    """tinygemm for small batches, dense matmul on W_hat for large ones (see ops.py)."""
+
+    def __init__(self, config: FourbitInt4Config) -> None:
+        self.config = config
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ) -> None:
+        if input_size_per_partition != input_size or sum(output_partition_sizes) != output_size:
+            if not isinstance(layer, VocabParallelEmbedding):
+                raise NotImplementedError(f"{QUANT_METHOD}: tensor parallelism is not supported")
+        layer.fourbit_in_features = input_size_per_partition
+        layer.fourbit_out_sizes = list(output_partition_sizes)
+        layer.fourbit_params_dtype = params_dtype
+        layer.fourbit_shards = {}
+        for spec in self.config.format.layout:
+            empty = torch.empty(0, dtype=spec.dtype or torch.float16)
+            placeholder = Parameter(empty, requires_grad=False)
+            loader = functools.partial(_stash, layer, spec.suffix)
+            set_weight_attrs(placeholder, {"weight_loader": loader})
+            layer.register_parameter(spec.suffix, placeholder)
+
+    def _shard_rows(self, layer: torch.nn.Module) -> list[tuple[int | str, int]]:
+        """(shard key, checkpoint rows) for every tensor group the layer must have received."""
+        sizes = layer.fourbit_out_sizes
+        shards = layer.fourbit_shards
+        if isinstance(layer, VocabParallelEmbedding):  # lm_head: the checkpoint's vocab, unpadded
+            return [("all", layer.org_vocab_size)]
+        if "all" in shards:
+            if len(shards) != 1:
+                raise ValueError(f"{QUANT_METHOD}: {layer.prefix}: fused and per-shard tensors")
+            return [("all", sum(sizes))]
+        return list(enumerate(sizes))
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        cfg = self.config
+        fmt = cfg.format
+        k = layer.fourbit_in_features
+        g = cfg.group_size
+        parts = []
+        for key, rows in self._shard_rows(layer):
+            if key not in layer.fourbit_shards:
+                raise ValueError(f"{QUANT_METHOD}: {layer.prefix}: no tensors for shard {key}")
+            parts.append(fmt.unpack(layer.fourbit_shards[key], rows, k, g))
+        out_features = sum(layer.fourbit_out_sizes)
+        qw = _pad_rows(_stack(parts), out_features)
+        self._install(layer, qw, out_features)
+        for spec in fmt.layout:
+            del layer._parameters[spec.suffix]
+        del layer.fourbit_shards
+
+    def _install(self, layer: torch.nn.Module, qw: QuantizedWeight, out_features: int) -> None:
+        cfg = self.config
+        if cfg.activation_dtype == "auto":
+            compute = layer.fourbit_params_dtype
+        else:
+            compute = _DTYPES[cfg.activation_dtype]
+        n16 = -(-out_features // tinygemm.N_MULTIPLE) * tinygemm.N_MULTIPLE
+        k = qw.shape[1]
+        g = qw.group_size
+        empty_u8 = torch.empty(0, dtype=torch.uint8)
+        empty_f = torch.empty(0, dtype=torch.float32)
+        packed, sz = empty_u8, torch.empty(0, dtype=compute)
+        try:
+            tinygemm.check_shape(n16, k, g)
+            tinygemm_ok = True
+        except ValueError as e:
+            log.warning("%s: %s runs dense only: %s", QUANT_METHOD, layer.prefix, e)
+            tinygemm_ok = False
+        if tinygemm_ok:
+            packed, sz = tinygemm.to_tinygemm(_pad_rows(qw, n16), compute)
+        if not tinygemm_ok:
+            mode, threshold = ops.MODE_KEPT, 0
+        elif not cfg.prefill_dequant:
+            mode, threshold = ops.MODE_NEVER, ops.NO_THRESHOLD
+        elif cfg.direct_dequant and tinygemm.supports_direct_dequant(n16, k):
+            mode, threshold = ops.MODE_DIRECT, cfg.dequant_threshold
+        else:
+            mode, threshold = ops.MODE_KEPT, cfg.dequant_threshold
+        codes, scales, offsets = empty_u8, empty_f, empty_f
+        if mode == ops.MODE_KEPT:
+            codes, scales, offsets = ops.kept_copy(qw.codes, qw.scales, qw.zeros, g)
+        layer.register_buffer("fourbit_packed", packed, persistent=False)
+        layer.register_buffer("fourbit_sz", sz, persistent=False)
+        layer.register_buffer("fourbit_codes", codes, persistent=False)
+        layer.register_buffer("fourbit_scales", scales, persistent=False)
+        layer.register_buffer("fourbit_offsets", offsets, persistent=False)
+        knobs = torch.tensor([threshold, mode, ops.DTYPE_CODE[compute]], dtype=torch.int64)
+        layer.register_buffer("fourbit_knobs", knobs, persistent=False)
+        layer.fourbit_group_size = g
+        layer.fourbit_out_features = out_features
+        layer.fourbit_mode = mode
+
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        k = layer.fourbit_in_features
+        n = layer.fourbit_out_features
+        y = torch.ops.fourbit.int4_linear(
+            x.reshape(-1, k),
+            layer.fourbit_packed,
+            layer.fourbit_sz,
+            layer.fourbit_codes,
+            layer.fourbit_scales,
+            layer.fourbit_offsets,
+            layer.fourbit_knobs,
+            layer.fourbit_group_size,
+            n,
+        )
+        y = y.reshape(*x.shape[:-1], n)
+        if bias is not None:
+            y = y + bias
+        return y

@@ -1,0 +1,133 @@
+"""The one opaque op every fourbit-quantized linear calls: ``torch.ops.fourbit.int4_linear``.
+
+Why a custom op. On CPU vLLM compiles the model in CompilationMode.DYNAMO_TRACE_ONCE
+(vllm/platforms/cpu.py:356-377): one Dynamo trace, then *all guards dropped*
+(vllm/compilation/wrapper.py:115-141; the mode's own doc at config/compilation.py:441-443
+says "Requires no dynamic-shape-dependent control-flow"). A Python ``if rows < threshold``
+in ``apply`` would be traced once and the branch taken for the warm-up batch baked in
+for every batch size. Inside a ``torch.library.custom_op`` the branch runs at call time.
+
+Why the knobs are a tensor. vLLM 0.32 saves the compiled model (AOT compile, on by
+default with torch >= 2.10, vllm/envs.py:377-386) under
+VLLM_CACHE_ROOT/torch_compile_cache/torch_aot_compile/<hash>, the hash being
+vllm_config.compute_hash() (vllm/compilation/decorators.py:548-570, caching.py:572-588),
+and that hash does *not* cover the quantization config's contents, only its name
+(config/vllm.py:530-531: "if self.quant_config: pass  # should be captured by
+model_config.quantization"). A threshold passed as a Python int would become a graph
+constant and a later run with another threshold could load the stale graph. So
+threshold and mode travel as an int64 buffer (a graph *input*), the compute dtype is
+read off the buffers inside the op, and the traced graph is identical whatever the knobs.
+(group_size and out_features are constants, but they are fixed by the checkpoint,
+whose path is part of the hash.)
+
+Paths, one set of weights:
+    rows <  threshold (or mode NEVER)  tinygemm: aten._weight_int4pack_mm_for_cpu
+    rows >= threshold, mode DIRECT     W_hat read out of the packed tinygemm tensors
+                                       (kernels.tinygemm.dequantize_packed), dense matmul
+    rows >= threshold, mode KEPT       W_hat from a kept copy of the codes, dense matmul
+    mode KEPT with threshold 0         dense only (shapes tinygemm cannot take)
+Both dense paths compute W_hat in float32 (exact, see quant/qweight.py), cast it to the
+compute dtype and multiply there. The compute dtype is knobs[2] (scales_and_zeros are
+stored in it, so tinygemm runs in it too); inputs are cast to it and outputs back.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+
+from fourbit.kernels import tinygemm
+
+MODE_NEVER = 0  # always tinygemm
+MODE_DIRECT = 1  # dequantize from the packed tinygemm tensors
+MODE_KEPT = 2  # dequantize from a kept copy of the codes
+
+NO_THRESHOLD = 1 << 62  # "never switch to the dense path"
+
+# Calls per path in this process ("tinygemm", "direct", "kept"): for tests and sanity checks.
+calls: Counter[str] = Counter()
+
+
+def kept_copy(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int):
+    """(codes uint8 [N, K], scales fp32 [N, K/G], offsets fp32 [N, K/G]) with W = codes*s + off.
+
+    off = -zeros * scale. Every term is exact in float32 (4-bit integer times a float16
+    scale needs <= 15 significant bits), and so is the sum, because the exact result
+    (code - zero) * scale is representable and IEEE addition rounds correctly.
+    """
+    s = scales.float()
+    return codes.contiguous(), s.contiguous(), (-zeros.float() * s).contiguous()
+
+
+def dequantize_kept(
+    codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """W_hat float32 [N, K] from ``kept_copy``'s tensors."""
+    n, k = codes.shape
+    grouped = codes.view(n, k // group_size, group_size).float()  # [N, K] -> [N, K/G, G]
+    w = torch.addcmul(offsets.unsqueeze(-1), grouped, scales.unsqueeze(-1))  # off + q*s
+    return w.view(n, k)  # [N, K/G, G] -> [N, K]
+
+
+def _dense_weight(packed, scales_and_zeros, codes, scales, offsets, mode, group_size, in_features):
+    if mode == MODE_DIRECT:
+        n = packed.shape[0]
+        w = tinygemm.dequantize_packed(packed, scales_and_zeros, group_size, n, in_features)
+        if w is None:
+            raise RuntimeError("fourbit: direct dequant selected but the packed layout is unknown")
+        return w
+    return dequantize_kept(codes, scales, offsets, group_size)
+
+
+@torch.library.custom_op("fourbit::int4_linear", mutates_args=())
+def int4_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales_and_zeros: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    knobs: torch.Tensor,
+    group_size: int,
+    out_features: int,
+) -> torch.Tensor:
+    """x [M, K] -> [M, out_features] in x's dtype; knobs = int64 [threshold, mode, dtype code]."""
+    threshold, mode, _ = (int(v) for v in knobs.tolist())
+    rows, in_features = x.shape
+    if rows == 0:
+        return x.new_empty((0, out_features))
+    use_dense = mode != MODE_NEVER and rows >= threshold
+    if use_dense:
+        compute = knobs_dtype(knobs)
+        calls["direct" if mode == MODE_DIRECT else "kept"] += 1
+        w = _dense_weight(
+            packed, scales_and_zeros, codes, scales, offsets, mode, group_size, in_features
+        )
+        y = F.linear(x.to(compute), w.to(compute))  # [M, K] x [N', K] -> [M, N']
+    else:
+        calls["tinygemm"] += 1
+        xc = x.to(scales_and_zeros.dtype).contiguous()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            xc, packed, group_size, scales_and_zeros
+        )  # [M, K] -> [M, N']
+    if y.shape[1] != out_features:
+        y = y[:, :out_features]  # drop the rows padded to tinygemm's multiple of 16
+    return y.to(x.dtype).contiguous()
+
+
+@int4_linear.register_fake
+def _int4_linear_fake(
+    x, packed, scales_and_zeros, codes, scales, offsets, knobs, group_size, out_features
+):
+    return x.new_empty((x.shape[0], out_features))
+
+
+# The compute dtype travels in knobs[2] (tinygemm uses scales_and_zeros' dtype, the same one).
+_DTYPE_CODES = {0: torch.float32, 1: torch.bfloat16, 2: torch.float16}
+DTYPE_CODE = {v: k for k, v in _DTYPE_CODES.items()}
+
+
+def knobs_dtype(knobs: torch.Tensor) -> torch.dtype:
+    return _DTYPE_CODES[int(knobs[2])]

@@ -1,0 +1,91 @@
+"""Model sources: the real fetch code paths against local stand-ins for the hub."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import hub_cache, save_tiny_llama
+
+from fourbit.checkpoint import CheckpointError, read_config
+from fourbit.sources import MANIFEST, fetch_model
+
+REVISION = "0123456789abcdef0123456789abcdef01234567"
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def fetch_offline(hub: Path, spec: dict, out: Path) -> subprocess.CompletedProcess:
+    """fetch_model in a fresh interpreter: huggingface_hub reads HF_* variables at import."""
+    env = {**os.environ, "HF_HUB_CACHE": str(hub), "HF_HOME": str(hub.parent), "HF_HUB_OFFLINE": "1"}
+    code = "import json, sys; from fourbit.sources import fetch_model; "
+    code += "fetch_model(json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], 1)"
+    return subprocess.run([sys.executable, "-c", code, json.dumps(spec), str(out), str(out.parent)],
+                          env=env, capture_output=True, text=True)
+
+
+def model_files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+
+
+def test_hf_source_reads_a_pinned_revision_from_the_hub_cache(tmp_path):
+    save_tiny_llama(tmp_path / "m", tied=True)
+    hub = hub_cache(tmp_path, "models--org--tiny", REVISION, model_files(tmp_path / "m"))
+    spec = {"source": "hf", "repo_id": "org/tiny", "revision": REVISION, "trust_remote_code": False}
+    run = fetch_offline(hub, spec, tmp_path / "out")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert read_config(tmp_path / "out")["tie_word_embeddings"] is True
+    manifest = json.loads((tmp_path / "out" / MANIFEST).read_text())
+    assert set(manifest["weights_sha256"]) == {"model.safetensors"}
+
+
+def test_hf_source_without_safetensors_is_refused(tmp_path):
+    save_tiny_llama(tmp_path / "m", tied=True)
+    files = {k: v for k, v in model_files(tmp_path / "m").items() if not k.endswith(".safetensors")}
+    files["pytorch_model.bin"] = b"not loaded"
+    hub = hub_cache(tmp_path, "models--org--tiny", REVISION, files)
+    spec = {"source": "hf", "repo_id": "org/tiny", "revision": REVISION, "trust_remote_code": False}
+    run = fetch_offline(hub, spec, tmp_path / "out")
+    assert run.returncode != 0 and "no *.safetensors" in run.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_hf_source_with_remote_code_needs_consent(tmp_path):
+    save_tiny_llama(tmp_path / "m", tied=True)
+    files = model_files(tmp_path / "m")
+    config = json.loads(files["config.json"])
+    files["config.json"] = json.dumps({**config, "auto_map": {"AutoModel": "x.Y"}}).encode()
+    hub = hub_cache(tmp_path, "models--org--tiny", REVISION, files)
+    spec = {"source": "hf", "repo_id": "org/tiny", "revision": REVISION, "trust_remote_code": False}
+    run = fetch_offline(hub, spec, tmp_path / "out")
+    assert run.returncode != 0 and "trust_remote_code" in run.stderr
+
+
+def test_path_source_links_the_folder(tmp_path):
+    save_tiny_llama(tmp_path / "m", tied=False)
+    fetch_model({"source": "path", "path": str(tmp_path / "m")}, tmp_path / "out", tmp_path, 1)
+    assert (tmp_path / "out" / "model.safetensors").is_symlink()
+
+
+def test_synthetic_source_builds_random_weights_at_given_shapes(tmp_path):
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+        "intermediate_size": 512, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 8192, "tie_word_embeddings": True,
+    }
+    (tmp_path / "arch.json").write_text(json.dumps(config))
+    # Enough varied text for a 4096-piece tokenizer: a few standard-library modules.
+    import argparse, inspect, typing
+
+    (tmp_path / "train.txt").write_text("".join(inspect.getsource(m) for m in (argparse, inspect, typing)))
+    fetch_model({"source": "synthetic", "architecture": str(tmp_path / "arch.json"), "seed": 0},
+                tmp_path / "out", tmp_path, 1)
+    written = read_config(tmp_path / "out")
+    assert written["hidden_size"] == 256 and written["vocab_size"] == 8192
+    assert (tmp_path / "out" / "tokenizer.model").is_file()
+
+
+def test_unknown_architecture_names_the_shipped_ones(tmp_path):
+    with pytest.raises(ValueError, match="qwen2.5-0.5b"):
+        fetch_model({"source": "synthetic", "architecture": "nope", "seed": 0}, tmp_path / "out", tmp_path, 1)

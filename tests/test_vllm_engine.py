@@ -1,0 +1,120 @@
+"""fourbit.engines.vllm against a transformers reference on a tiny dense Llama (float32)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+DIMS = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, vocab_size=512,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            tie_word_embeddings=False, initializer_range=0.1)  # peaked, so positions matter
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    import transformers
+
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("vllm_engine") / "llama"
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**DIMS)).float().eval()
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def cache_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("vllm_engine_cache")
+
+
+WINDOWS = [
+    torch.randint(0, 512, (64,), generator=torch.Generator().manual_seed(1)).tolist(),
+    torch.randint(0, 512, (9,), generator=torch.Generator().manual_seed(2)).tolist(),
+    [7],  # nothing to score
+    torch.randint(0, 512, (33,), generator=torch.Generator().manual_seed(3)).tolist(),
+]
+
+
+def _reference_logprobs(model, ids):
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids])).logits[0]  # [L, V]
+    return logits.float().log_softmax(-1)  # row t-1 scores token t
+
+
+@pytest.mark.slow
+def test_score_windows_matches_transformers(model_dir, reference, cache_root):
+    from fourbit.engines.vllm import score_windows
+
+    stats = {}
+    before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    out = score_windows(model_dir, WINDOWS, dtype="float32", kv_cache_bytes=32 << 20, top_k=4,
+                        cache_root=cache_root, stats=stats)
+    assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == before  # environment restored
+    assert (cache_root / "vllm").is_dir() and (cache_root / "inductor").is_dir()
+    assert stats["engine_init_s"] > 0
+    assert stats["tokens"] == sum(len(w) for w in WINDOWS if len(w) > 1)
+    assert len(out) == len(WINDOWS)
+    empty = {"nll_sum": 0.0, "tokens": 0, "token_logprobs": [], "top_ids": [], "top_logprobs": []}
+    assert out[2] == empty
+    for w, r in zip(WINDOWS, out, strict=True):
+        if len(w) < 2:
+            continue
+        ref = _reference_logprobs(reference, w)
+        want = ref[torch.arange(len(w) - 1), torch.tensor(w[1:])]  # log p(w[t] | w[:t]), t = 1..L-1
+        got = torch.tensor(r["token_logprobs"], dtype=torch.float32)
+        assert r["tokens"] == len(w) - 1
+        assert (got - want).abs().max() <= 1e-4
+        assert r["nll_sum"] == pytest.approx(-want.double().sum().item(), abs=1e-3)
+        top_lp, top_id = ref[: len(w) - 1].topk(4, dim=-1)
+        assert (torch.tensor(r["top_logprobs"]) - top_lp).abs().max() <= 1e-4
+        assert [ids[0] for ids in r["top_ids"]] == top_id[:, 0].tolist()
+    # the reference is far from uniform, so an off-by-one position would show
+    assert max(max(r["token_logprobs"], default=-99) for r in out) > -3.0
+
+
+@pytest.mark.slow
+def test_greedy_matches_transformers(model_dir, reference, cache_root):
+    from fourbit.engines.vllm import greedy
+
+    prompts = [WINDOWS[0][:20], WINDOWS[1], WINDOWS[2]]
+    got = greedy(model_dir, prompts, 12, dtype="float32", kv_cache_bytes=32 << 20,
+                 cache_root=cache_root)
+    for p, g in zip(prompts, got, strict=True):
+        ids = list(p)
+        with torch.inference_mode():
+            for _ in range(12):
+                ids.append(int(reference(torch.tensor([ids])).logits[0, -1].argmax()))
+        assert g == ids[len(p):]
+
+
+@pytest.mark.slow
+def test_engine_registry_convention(model_dir, cache_root):
+    """ppl.py calls score_windows(checkpoint, windows, settings, threads) and runtime()."""
+    from fourbit.engines.vllm import runtime, score_windows
+
+    settings = {"name": "vllm", "dtype": "float32", "kv_cache_bytes": 32 << 20,
+                "cache_root": str(cache_root)}
+    threads = torch.get_num_threads()
+    out = score_windows(model_dir, WINDOWS[:2], settings, 1)
+    assert torch.get_num_threads() == threads
+    assert [set(r) for r in out] == [{"nll_sum", "tokens"}] * 2
+    direct = score_windows(model_dir, WINDOWS[:2], "float32", 32 << 20, cache_root=cache_root)
+    assert [r["nll_sum"] for r in out] == pytest.approx([r["nll_sum"] for r in direct], abs=1e-4)
+    assert runtime(model_dir, settings).endswith(", dense")
+
+
+def test_rejects_empty_input(model_dir):
+    from fourbit.engines.vllm import greedy, score_windows
+
+    with pytest.raises(ValueError):
+        score_windows(model_dir, [])
+    with pytest.raises(ValueError):
+        greedy(model_dir, [[]], 4)

@@ -1,0 +1,256 @@
+"""The fourbit vLLM plugin: quantized checkpoints in every format vs their dense expansion.
+
+A tiny random model (hidden 256, intermediate 512, 2 layers, vocab 512, untied head)
+gets random 4-bit QuantizedWeights for every decoder linear (and the lm_head); they
+are written in each format with formats.pack, and a dense control stores W_hat in
+float32. In vLLM float32 the plugin's prompt logprobs must match the control's.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from fourbit import formats
+from fourbit.quant.qweight import QuantizedWeight
+
+GROUP = 64
+FORMATS = ("cpu_int4", "gptq", "compressed_tensors")
+TOL = 1e-4
+DIMS = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, vocab_size=512,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            tie_word_embeddings=False)
+
+
+def _random_qweight(n: int, k: int, sym: bool, gen: torch.Generator) -> QuantizedWeight:
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    if sym:
+        zeros = torch.full((n, k // GROUP), 8, dtype=torch.uint8)
+    else:
+        zeros = torch.randint(4, 12, (n, k // GROUP), generator=gen, dtype=torch.uint8)
+    scales = (0.01 + 0.02 * torch.rand(n, k // GROUP, generator=gen)).half()
+    return QuantizedWeight(codes, scales, zeros, GROUP)
+
+
+def _save_model(folder, arch: str, seed: int, vocab: int):
+    import transformers
+
+    torch.manual_seed(seed)
+    dims = dict(DIMS, vocab_size=vocab)
+    if arch == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**dims))
+    elif arch == "qwen2":  # q/k/v carry biases
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**dims))
+    else:
+        raise ValueError(arch)
+    model = model.float().eval()
+    with torch.no_grad():  # biases are zero-initialized; make them count
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.5)
+    model.save_pretrained(folder)
+    return model
+
+
+def build_pair(root, fmt_name: str, *, arch: str = "llama", quantize_head: bool = True,
+               vocab: int = 512, seed: int = 0):
+    """(quantized folder, dense-control folder) from one random model."""
+    from safetensors.torch import save_file
+
+    tag = f"{arch}{vocab}-{fmt_name}-{'head' if quantize_head else 'nohead'}"
+    if (root / tag).exists():
+        return root / tag, root / f"dense-{tag}"
+    src = root / f"source-{arch}{vocab}"
+    if not src.exists():
+        _save_model(src, arch, seed, vocab)
+    from safetensors.torch import load_file
+
+    state = load_file(src / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    fmt = formats.get_format(fmt_name)
+    sym = not fmt.supports(False)
+    gen = torch.Generator().manual_seed(seed + 1)
+    qws = {
+        name[: -len(".weight")]: _random_qweight(*t.shape, sym=sym, gen=gen)
+        for name, t in sorted(state.items())
+        if name.endswith("_proj.weight") or (quantize_head and name == "lm_head.weight")
+    }
+
+    def write(folder, tensors, cfg):
+        folder.mkdir()
+        save_file({k: v.contiguous() for k, v in tensors.items()}, folder / "model.safetensors",
+                  metadata={"format": "pt"})
+        (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+        shutil.copy(src / "generation_config.json", folder / "generation_config.json")
+        return folder
+
+    quant = {k: v for k, v in state.items() if k[: -len(".weight")] not in qws}
+    dense = dict(state)
+    for module, qw in qws.items():
+        quant.update({f"{module}.{s}": t for s, t in fmt.pack(qw).items()})
+        dense[f"{module}.weight"] = qw.dequantize(torch.float32)
+    qc = fmt.quantization_config(GROUP, sym, lm_head=quantize_head)
+    qcfg = dict(config, quantization_config=qc)
+    return write(root / tag, quant, qcfg), write(root / f"dense-{tag}", dense, config)
+
+
+WINDOWS = [  # ids < 488, the smallest vocabulary below
+    torch.randint(0, 488, (40,), generator=torch.Generator().manual_seed(3)).tolist(),
+    torch.randint(0, 488, (17,), generator=torch.Generator().manual_seed(4)).tolist(),
+    torch.randint(0, 488, (29,), generator=torch.Generator().manual_seed(5)).tolist(),
+]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("vllm_plugin")
+
+
+@pytest.fixture(scope="module")
+def cache_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("vllm_cache")
+
+
+def _score(folder, cache_root, **kw):
+    from fourbit.engines.vllm import score_windows
+
+    return score_windows(folder, WINDOWS, dtype="float32", kv_cache_bytes=32 << 20, top_k=5,
+                         cache_root=cache_root, **kw)
+
+
+def _max_diff(a, b):
+    return max(abs(x - y) for ra, rb in zip(a, b, strict=True)
+               for x, y in zip(ra["token_logprobs"], rb["token_logprobs"], strict=True))
+
+
+# --- no engine -------------------------------------------------------------------------
+
+def test_op_paths_agree_with_dense_expansion():
+    """torch.ops.fourbit.int4_linear in all three modes vs x @ W_hat.T (float32)."""
+    from fourbit.kernels import tinygemm
+    from fourbit.vllm_plugin import ops
+
+    gen = torch.Generator().manual_seed(0)
+    qw = _random_qweight(96, 256, sym=False, gen=gen)
+    w = qw.dequantize(torch.float32)
+    packed, sz = tinygemm.to_tinygemm(qw, torch.float32)
+    codes, scales, offsets = ops.kept_copy(qw.codes, qw.scales, qw.zeros, GROUP)
+    assert torch.equal(ops.dequantize_kept(codes, scales, offsets, GROUP), w)  # exact
+    none = (torch.empty(0, dtype=torch.uint8), torch.empty(0), torch.empty(0))
+    f32 = ops.DTYPE_CODE[torch.float32]
+    modes = [(ops.MODE_NEVER, none, "tinygemm"), (ops.MODE_KEPT, (codes, scales, offsets), "kept")]
+    if tinygemm.supports_direct_dequant(96, 256):
+        modes.append((ops.MODE_DIRECT, none, "direct"))
+    for rows in (1, 7, 40):
+        x = torch.randn(rows, 256, generator=gen)
+        ref = x.double() @ w.double().T
+        for mode, (c, s, o), path in modes:
+            ops.calls.clear()
+            knobs = torch.tensor([8, mode, f32])
+            y = torch.ops.fourbit.int4_linear(x, packed, sz, c, s, o, knobs, GROUP, 96)
+            assert y.shape == (rows, 96) and y.dtype == torch.float32
+            assert (y.double() - ref).abs().max() < 1e-4, (rows, mode)
+            assert ops.calls == {("tinygemm" if rows < 8 else path): 1}
+
+
+def test_op_pads_and_casts():
+    """out_features below the packed rows (tinygemm's multiple of 16) and a bf16 compute dtype."""
+    from fourbit.kernels import tinygemm
+    from fourbit.vllm_plugin import ops
+
+    gen = torch.Generator().manual_seed(1)
+    qw = _random_qweight(32, 128, sym=True, gen=gen)
+    packed, sz = tinygemm.to_tinygemm(qw, torch.bfloat16)
+    none = (torch.empty(0, dtype=torch.uint8), torch.empty(0), torch.empty(0))
+    x = torch.randn(5, 128, generator=gen)
+    knobs = torch.tensor([ops.NO_THRESHOLD, ops.MODE_NEVER, ops.DTYPE_CODE[torch.bfloat16]])
+    y = torch.ops.fourbit.int4_linear(x, packed, sz, *none, knobs, GROUP, 20)
+    assert y.shape == (5, 20) and y.dtype == torch.float32
+    ref = x @ qw.dequantize(torch.float32).T
+    assert (y - ref[:, :20]).abs().max() < 0.05 * ref.abs().max()
+
+
+def test_config_reads_every_format_and_knobs():
+    from fourbit.vllm_plugin.config import DEFAULTS, FourbitInt4Config
+
+    for fmt_name in FORMATS:
+        fmt = formats.get_format(fmt_name)
+        qc = fmt.quantization_config(GROUP, fmt_name == "gptq", lm_head=True)
+        cfg = FourbitInt4Config.from_config(qc)
+        assert cfg.format_name == fmt_name and cfg.group_size == GROUP
+        assert cfg.dequant_threshold == DEFAULTS["dequant_threshold"]
+        # claimed only when asked for
+        assert FourbitInt4Config.override_quantization_method(qc, "fourbit_int4") == "fourbit_int4"
+        assert FourbitInt4Config.override_quantization_method(qc, None) is None
+    qc = dict(formats.get_format("cpu_int4").quantization_config(128, False),
+              dequant_threshold=7, prefill_dequant=False, direct_dequant=True,
+              activation_dtype="bfloat16")
+    cfg = FourbitInt4Config.from_config(qc)
+    knobs = (cfg.dequant_threshold, cfg.prefill_dequant, cfg.direct_dequant, cfg.activation_dtype)
+    assert knobs == (7, False, True, "bfloat16")
+    with pytest.raises(ValueError):
+        FourbitInt4Config.from_config(dict(qc, activation_dtype="int8"))
+    gptq = formats.get_format("gptq").quantization_config(128, True)
+    with pytest.raises(ValueError, match="desc_act"):
+        FourbitInt4Config.from_config(dict(gptq, desc_act=True))
+    awq = {"quant_method": "awq"}
+    assert FourbitInt4Config.override_quantization_method(awq, "fourbit_int4") is None
+
+
+# --- vLLM --------------------------------------------------------------------------------
+
+CASES = [(f, "llama", True, 512) for f in FORMATS] + [
+    ("cpu_int4", "qwen2", True, 512),  # biases on q/k/v
+    ("gptq", "llama", False, 512),  # lm_head left dense
+    ("cpu_int4", "llama", True, 488),  # vLLM pads the head to 512 rows, tinygemm needs N % 16
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("fmt_name", "arch", "quantize_head", "vocab"), CASES)
+def test_plugin_matches_dense_control(root, cache_root, fmt_name, arch, quantize_head, vocab):
+    from fourbit.vllm_plugin import ops
+
+    quant_dir, dense_dir = build_pair(root, fmt_name, arch=arch, quantize_head=quantize_head,
+                                      vocab=vocab)
+    ops.calls.clear()
+    quant = _score(quant_dir, cache_root)
+    # 2 layers x (qkv, o, gate_up, down) per forward, plus the head's calls
+    assert sum(ops.calls.values()) >= 8
+    ops.calls.clear()
+    dense = _score(dense_dir, cache_root)
+    assert not ops.calls
+    assert [r["tokens"] for r in quant] == [len(w) - 1 for w in WINDOWS]
+    diff = _max_diff(quant, dense)
+    assert diff <= TOL, diff
+    # the distributions are far from flat (every logprob would be -log 512): the check has teeth
+    lps = [x for r in quant for x in r["token_logprobs"]]
+    assert max(lps) - min(lps) > 1.0
+
+
+@pytest.mark.slow
+def test_tinygemm_and_dequant_paths_agree(root, cache_root):
+    from fourbit.kernels import tinygemm
+    from fourbit.vllm_plugin import ops
+
+    folder, _ = build_pair(root, "compressed_tensors")
+    runs = {}
+    variants = {
+        "tinygemm": {"prefill_dequant": False},
+        "kept": {"dequant_threshold": 0, "direct_dequant": False},
+    }
+    if tinygemm.probe_layout() is not None:
+        variants["direct"] = {"dequant_threshold": 0, "direct_dequant": True}
+    for path, overrides in variants.items():
+        ops.calls.clear()
+        runs[path] = _score(folder, cache_root, quant_overrides=overrides)
+        assert set(ops.calls) == {path}, (path, dict(ops.calls))
+    for a in runs:
+        for b in runs:
+            assert _max_diff(runs[a], runs[b]) <= TOL, (a, b)
+    # dense kernels from the kept copy and from the packed layout compute the same W_hat
+    if "direct" in runs:
+        assert _max_diff(runs["direct"], runs["kept"]) == 0.0
