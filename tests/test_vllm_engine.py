@@ -51,11 +51,11 @@ def _reference_logprobs(model, ids):
 
 @pytest.mark.slow
 def test_score_windows_matches_transformers(model_dir, reference, cache_root):
-    from fourbit.engines.vllm import score_windows
+    from fourbit.engines.vllm import prompt_logprobs
 
     stats = {}
     before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    out = score_windows(model_dir, WINDOWS, dtype="float32", kv_cache_bytes=32 << 20, top_k=4,
+    out = prompt_logprobs(model_dir, WINDOWS, dtype="float32", kv_cache_bytes=32 << 20, top_k=4,
                         cache_root=cache_root, stats=stats)
     assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == before  # environment restored
     assert (cache_root / "vllm").is_dir() and (cache_root / "inductor").is_dir()
@@ -98,7 +98,7 @@ def test_greedy_matches_transformers(model_dir, reference, cache_root):
 @pytest.mark.slow
 def test_engine_registry_convention(model_dir, cache_root):
     """ppl.py calls score_windows(checkpoint, windows, settings, threads) and runtime()."""
-    from fourbit.engines.vllm import runtime, score_windows
+    from fourbit.engines.vllm import prompt_logprobs, runtime, score_windows
 
     settings = {"name": "vllm", "dtype": "float32", "kv_cache_bytes": 32 << 20,
                 "cache_root": str(cache_root)}
@@ -106,15 +106,15 @@ def test_engine_registry_convention(model_dir, cache_root):
     out = score_windows(model_dir, WINDOWS[:2], settings, 1)
     assert torch.get_num_threads() == threads
     assert [set(r) for r in out] == [{"nll_sum", "tokens"}] * 2
-    direct = score_windows(model_dir, WINDOWS[:2], "float32", 32 << 20, cache_root=cache_root)
+    direct = prompt_logprobs(model_dir, WINDOWS[:2], "float32", 32 << 20, cache_root=cache_root)
     assert [r["nll_sum"] for r in out] == pytest.approx([r["nll_sum"] for r in direct], abs=1e-4)
     assert runtime(model_dir, settings).endswith(", dense")
 
 
 def test_rejects_empty_input(model_dir):
-    from fourbit.engines.vllm import greedy, score_windows
+    from fourbit.engines.vllm import greedy, prompt_logprobs
 
     with pytest.raises(ValueError):
-        score_windows(model_dir, [])
+        prompt_logprobs(model_dir, [])
     with pytest.raises(ValueError):
         greedy(model_dir, [[]], 4)

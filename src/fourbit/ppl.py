@@ -82,7 +82,10 @@ def score_checkpoint(
 ) -> dict:
     windows_file = json.loads(Path(windows_path).read_text())
     engine = get_engine(engine_settings["name"])
-    per_window = engine.score_windows(Path(checkpoint), windows_file["windows"], engine_settings, threads)
+    # Compile and inductor caches per scored checkpoint: a cache shared between
+    # arms can load another arm's graph.
+    settings = {**engine_settings, "cache_root": f"{Path(out_path).parent}/{Path(out_path).stem}.cache"}
+    per_window = engine.score_windows(Path(checkpoint), windows_file["windows"], settings, threads)
     nll = [w["nll_sum"] for w in per_window]
     tokens = [w["tokens"] for w in per_window]
     total_nll, total_tokens = math.fsum(nll), sum(tokens)

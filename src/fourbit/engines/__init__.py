@@ -18,6 +18,7 @@ from types import ModuleType
 # name -> module; imported lazily so that a study without vLLM never loads it.
 ENGINE_MODULES = {
     "reference": "fourbit.engines.reference",
+    "vllm": "fourbit.engines.vllm",
 }
 
 

@@ -289,12 +289,13 @@ def runtime(checkpoint: str | os.PathLike, settings: Mapping[str, Any]) -> str:
     )
 
 
-def _score_with_settings(
+def score_windows(
     checkpoint: str | os.PathLike,
     windows: Sequence[Sequence[int]],
     settings: Mapping[str, Any],
     threads: int | None,
 ) -> list[dict[str, Any]]:
+    """The engine registry's entry (fourbit/engines/__init__.py): settings from the study config."""
     import torch
 
     kv = settings.get("kv_cache_bytes") or int(float(settings.get("kv_cache_gib", 1)) * (1 << 30))
@@ -302,7 +303,7 @@ def _score_with_settings(
     if threads:
         torch.set_num_threads(int(threads))
     try:
-        return score_windows(
+        return prompt_logprobs(
             checkpoint,
             windows,
             dtype=settings.get("dtype", "bfloat16"),
@@ -320,7 +321,7 @@ def _score_with_settings(
         torch.set_num_threads(before)
 
 
-def score_windows(
+def prompt_logprobs(
     model_dir: str | os.PathLike,
     windows: Sequence[Sequence[int]],
     dtype: Any = "bfloat16",
@@ -347,16 +348,7 @@ def score_windows(
                         top_k=-1 is the whole vocabulary: vocab-size floats per position)
     Logprobs are float32 log_softmax of the model-dtype logits, like a transformers
     reference doing ``logits.float().log_softmax(-1)``.
-
-    Also callable as the engine registry does (fourbit/engines/__init__.py, ppl.py):
-    ``score_windows(checkpoint, windows, settings: dict, threads)``. Settings keys read:
-    dtype, kv_cache_bytes or kv_cache_gib (default 1 GiB), top_k, cache_root,
-    token_logprobs (default false there), quant (quantization_config overrides),
-    enforce_eager, seed, max_num_batched_tokens, max_num_seqs; threads sets
-    torch.set_num_threads for the run.
     """
-    if isinstance(dtype, Mapping):  # the registry's (checkpoint, windows, settings, threads)
-        return _score_with_settings(model_dir, windows, dtype, kv_cache_bytes)
     wins = _check_windows(windows)
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
