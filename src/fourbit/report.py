@@ -149,6 +149,12 @@ def render_markdown(study: dict, rows: list[dict], facts: dict) -> str:
         f"Model `{study['model']['id']}`, corpus `{study['corpus']['id']}`.",
         "",
     ]
+    if study["model"]["source"] == "synthetic":
+        lines += [
+            "**The model has random weights (source: synthetic): every quality column below "
+            "(ppl, Δppl, control) is meaningless; only sizes and speeds mean anything.**",
+            "",
+        ]
     if "training" in facts:
         t = facts["training"]
         lines += [

@@ -1,0 +1,81 @@
+"""The report: every number from a result file, and a clear stop when one is missing or corrupt."""
+
+import json
+
+import pytest
+
+from fourbit.report import ReportInputError, write_report
+
+ENGINE = "reference-0000000000"
+ARM = "a-0000000000"
+
+
+def study(source="builtin"):
+    return {
+        "model": {"id": "m", "source": source},
+        "corpus": {"id": "c", "source": "builtin"},
+        "evaluation": {"control_tolerance": 0.001},
+        "engines": {ENGINE: {"name": "reference"}},
+        "arms": [{"id": ARM, "name": "a", "quant": {"method": "cpu_int4"}}],
+    }
+
+
+def ppl_result(nll):
+    windows = [nll, nll + 1.0, nll - 1.0, nll + 0.5]
+    return {"definition": "d", "token_ids_sha256": "t", "runtime": "r", "window_nll_sum": windows,
+            "window_tokens": [10] * 4, "tokens": 40, "mean_nll": sum(windows) / 40,
+            "ppl": 2.718 ** (sum(windows) / 40)}
+
+
+@pytest.fixture
+def results(tmp_path):
+    paths = {
+        "baseline": tmp_path / ENGINE / "baseline" / "dense.ppl.json",
+        "quantized": tmp_path / ENGINE / ARM / "quantized.ppl.json",
+        "dense": tmp_path / ENGINE / ARM / "dense.ppl.json",
+        "bench": tmp_path / ENGINE / ARM / "bench.json",
+    }
+    for path in paths.values():
+        path.parent.mkdir(parents=True, exist_ok=True)
+    paths["baseline"].write_text(json.dumps(ppl_result(30.0)))
+    paths["quantized"].write_text(json.dumps(ppl_result(31.0)))
+    paths["dense"].write_text(json.dumps(ppl_result(31.0)))
+    paths["bench"].write_text(json.dumps({"measured": False}))
+    manifest = tmp_path / "arm.json"
+    manifest.write_text(json.dumps({"id": ARM, "quant": {"method": "cpu_int4", "group_size": 128, "sym": False},
+                                    "storage": {"quantized_bits_per_weight": 4.19, "file_bits_per_param": 5.0,
+                                                "size_mib": 1.0}}))
+    return paths, manifest
+
+
+def report(tmp_path, tiny_untied, paths, manifest, source="builtin"):
+    write_report(study(source), results=[str(p) for p in paths.values()], arm_manifests=[str(manifest)],
+                 markdown_path=tmp_path / "report.md", table_path=tmp_path / "report.tsv",
+                 baseline_checkpoint=tiny_untied)
+    return (tmp_path / "report.md").read_text()
+
+
+def test_report_rows_come_from_the_result_files(tmp_path, tiny_untied, results):
+    markdown = report(tmp_path, tiny_untied, *results)
+    assert f"`{ARM}`" in markdown and "faithful" in markdown
+    table = (tmp_path / "report.tsv").read_text().splitlines()
+    assert table[0].startswith("engine\tarm_id") and len(table) == 3
+
+
+def test_missing_result_file_is_named(tmp_path, tiny_untied, results):
+    paths, manifest = results
+    paths["dense"].unlink()
+    with pytest.raises(ReportInputError, match=f"{ARM}/dense.ppl.json: result file is missing"):
+        report(tmp_path, tiny_untied, paths, manifest)
+
+
+def test_corrupt_result_file_is_named(tmp_path, tiny_untied, results):
+    paths, manifest = results
+    paths["quantized"].write_text('{"ppl": 3')
+    with pytest.raises(ReportInputError, match=f"{ARM}/quantized.ppl.json: result file is corrupt"):
+        report(tmp_path, tiny_untied, paths, manifest)
+    assert not (tmp_path / "report.md").exists()
+
+
+def test_synthetic_model_marks_quality_meaningless(tmp_path, tiny_untied, results):
+    assert "meaningless" in report(tmp_path, tiny_untied, *results, source="synthetic")
