@@ -1,0 +1,606 @@
+"""llama.cpp as an engine: parsing its tools' output (fast, from recorded output), and -- slow --
+the real tools built by ensure_llamacpp on a tiny random Llama with a real SentencePiece tokenizer.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import sys
+import tarfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from fourbit import llamacpp
+from fourbit.llamacpp import ToolError, build, run_tool
+from fourbit.llamacpp.bench import llama_bench, parse_bench_json
+from fourbit.llamacpp.convert import convert_to_gguf
+from fourbit.llamacpp.perplexity import (
+    _BASE_DONE,
+    _run_perplexity,
+    kl_divergence,
+    parse_kl_statistics,
+    parse_scorer_output,
+    score_windows,
+)
+from fourbit.llamacpp.quantize import gguf_bits_per_weight, quantize_gguf
+
+# --- recorded output of the real tools (llama.cpp 0c1e570), trimmed ---------------------------
+
+RECORDED_KL_OUTPUT = """0.00.023.139 I kl_divergence: computing over 96 chunks, n_ctx=128, batch_size=128, n_seq=1
+0.00.117.318 I kl_divergence: 0.09 seconds per pass - ETA 
+chunk             PPL               ln(PPL(Q)/PPL(base))          KL Divergence              Δp RMS            Same top p
+   1     483.1721 ±   27.6190      -0.00143 ±    0.00560       0.00143 ±    0.00002     0.009 ±  0.001 %    96.825 ±  2.227 %
+   2     481.8695 ±   15.8349       0.00205 ±    0.00413       0.00121 ±    0.00002     0.010 ±  0.001 %    97.619 ±  1.364 %
+  .. (chunk rows 3 to 95 left out)
+  96     520.5179 ±    2.8579      -0.00609 ±    0.00070       0.00153 ±    0.00000     0.013 ±  0.000 %    94.411 ±  0.295 %
+
+====== Perplexity statistics ======
+Mean PPL(Q)                   : 520.517875 ±   2.857944
+Mean PPL(base)                : 523.698880 ±   2.878545
+Cor(ln(PPL(Q)), ln(PPL(base))):  99.18%
+Mean ln(PPL(Q)/PPL(base))     :  -0.006093 ±   0.000704
+Mean PPL(Q)/PPL(base)         :   0.993926 ±   0.000699
+Mean PPL(Q)-PPL(base)         :  -3.181005 ±   0.367883
+
+====== KL divergence statistics ======
+Mean    KLD:   0.001533 ±   0.000004
+Maximum KLD:   0.002748
+99.9%   KLD:   0.002613
+99.0%   KLD:   0.002391
+95.0%   KLD:   0.002104
+90.0%   KLD:   0.001938
+Median  KLD:   0.001504
+10.0%   KLD:   0.001176
+ 5.0%   KLD:   0.001098
+ 1.0%   KLD:   0.000979
+ 0.1%   KLD:   0.000869
+Minimum KLD:   0.000780
+
+====== Token probability statistics ======
+Mean    Δp:  0.002 ± 0.000 %
+Maximum Δp:  0.143%
+99.9%   Δp:  0.108%
+99.0%   Δp:  0.042%
+95.0%   Δp:  0.021%
+90.0%   Δp:  0.015%
+75.0%   Δp:  0.008%
+Median  Δp:  0.001%
+25.0%   Δp: -0.006%
+10.0%   Δp: -0.013%
+ 5.0%   Δp: -0.017%
+ 1.0%   Δp: -0.031%
+ 0.1%   Δp: -0.064%
+Minimum Δp: -0.089%
+RMS Δp    :  0.013 ± 0.000 %
+Same top p: 94.411 ± 0.295 %
+"""
+
+RECORDED_BENCH_JSON = """[
+  {
+    "build_commit": "0c1e570",
+    "build_number": 0,
+    "cpu_info": "AMD EPYC",
+    "gpu_info": "",
+    "backends": "CPU",
+    "model_filename": "/tmp/pytest-of-root/pytest-39/gguf0/Q4_K_M.gguf",
+    "model_type": "llama ?B Q4_K - Medium",
+    "model_size": 892160,
+    "model_n_params": 1443072,
+    "n_batch": 2048,
+    "n_ubatch": 512,
+    "n_threads": 1,
+    "cpu_mask": "0x0",
+    "cpu_strict": false,
+    "poll": 50,
+    "type_k": "f16",
+    "type_v": "f16",
+    "n_gpu_layers": -1,
+    "n_cpu_moe": 0,
+    "split_mode": "layer",
+    "main_gpu": 0,
+    "no_kv_offload": false,
+    "flash_attn": 0,
+    "devices": "auto",
+    "tensor_split": "0.00",
+    "tensor_buft_overrides": "none",
+    "load_mode": "auto",
+    "lazy_mode": "auto",
+    "embeddings": false,
+    "no_op_offload": 0,
+    "no_host": false,
+    "repack": true,
+    "fit_target": 0,
+    "fit_min_ctx": 0,
+    "n_prompt": 512,
+    "n_gen": 0,
+    "n_depth": 0,
+    "test_time": "2026-11-29T09:30:10Z",
+    "avg_ns": 51766072,
+    "stddev_ns": 3750073,
+    "avg_ts": 9925.502848,
+    "stddev_ts": 722.330892,
+    "samples_ns": [ 55481813, 51833820, 47982583 ],
+    "samples_ts": [ 9228.25, 9877.72, 10670.5 ]
+  },
+  {
+    "build_commit": "0c1e570",
+    "build_number": 0,
+    "cpu_info": "AMD EPYC",
+    "gpu_info": "",
+    "backends": "CPU",
+    "model_filename": "/tmp/pytest-of-root/pytest-39/gguf0/Q4_K_M.gguf",
+    "model_type": "llama ?B Q4_K - Medium",
+    "model_size": 892160,
+    "model_n_params": 1443072,
+    "n_batch": 2048,
+    "n_ubatch": 512,
+    "n_threads": 1,
+    "cpu_mask": "0x0",
+    "cpu_strict": false,
+    "poll": 50,
+    "type_k": "f16",
+    "type_v": "f16",
+    "n_gpu_layers": -1,
+    "n_cpu_moe": 0,
+    "split_mode": "layer",
+    "main_gpu": 0,
+    "no_kv_offload": false,
+    "flash_attn": 0,
+    "devices": "auto",
+    "tensor_split": "0.00",
+    "tensor_buft_overrides": "none",
+    "load_mode": "auto",
+    "lazy_mode": "auto",
+    "embeddings": false,
+    "no_op_offload": 0,
+    "no_host": false,
+    "repack": true,
+    "fit_target": 0,
+    "fit_min_ctx": 0,
+    "n_prompt": 0,
+    "n_gen": 128,
+    "n_depth": 0,
+    "test_time": "2026-11-29T09:30:11Z",
+    "avg_ns": 24557306,
+    "stddev_ns": 1668129,
+    "avg_ts": 5228.533455,
+    "stddev_ts": 358.778260,
+    "samples_ns": [ 24687427, 26156551, 22827942 ],
+    "samples_ts": [ 5184.83, 4893.61, 5607.16 ]
+  }
+]
+"""
+
+
+# --- fast: parsing and plumbing ------------------------------------------------------------------
+
+
+def test_scorer_output_is_parsed_in_window_order():
+    stdout = "window 0 tokens 3 nll_sum 4.5\nwindow 1 tokens 1 nll_sum 0.25\ndone 2\n"
+    assert parse_scorer_output(stdout, [3, 1]) == [
+        {"nll_sum": 4.5, "tokens": 3},
+        {"nll_sum": 0.25, "tokens": 1},
+    ]
+
+
+@pytest.mark.parametrize(
+    "stdout, problem",
+    [
+        ("window 0 tokens 3 nll_sum 4.5\n", "did not finish"),
+        (
+            "window 0 tokens 2 nll_sum 4.5\nwindow 1 tokens 1 nll_sum 0.25\ndone 2\n",
+            "expected window 0 with 3",
+        ),
+        (
+            "window 1 tokens 1 nll_sum 0.25\nwindow 0 tokens 3 nll_sum 4.5\ndone 2\n",
+            "expected window 0",
+        ),
+        (
+            "window 0 tokens 3 nll_sum 4.5\nwarning: odd\nwindow 1 tokens 1 nll_sum 0.25\ndone 2\n",
+            "unexpected line",
+        ),
+    ],
+)
+def test_scorer_output_that_does_not_match_the_request_is_refused(stdout, problem):
+    with pytest.raises(ToolError, match=problem):
+        parse_scorer_output(stdout, [3, 1])
+
+
+def test_kl_statistics_are_read_from_recorded_output():
+    assert parse_kl_statistics(RECORDED_KL_OUTPUT) == {
+        "ppl_quant": 520.517875,
+        "ppl_quant_uncertainty": 2.857944,
+        "ppl_base": 523.69888,
+        "ppl_base_uncertainty": 2.878545,
+        "mean_kld": 0.001533,
+        "mean_kld_uncertainty": 0.000004,
+        "kld_p99": 0.002391,
+        "same_top_p_percent": 94.411,
+        "same_top_p_percent_uncertainty": 0.295,
+    }
+
+
+def test_kl_statistics_after_the_log_prefix_are_found():
+    prefixed = RECORDED_KL_OUTPUT.replace("Mean    KLD:", "0.01.712.775 I Mean    KLD:")
+    assert parse_kl_statistics(prefixed)["mean_kld"] == 0.001533
+
+
+def test_kl_output_cut_short_is_an_error():
+    # Seen for real: llama-perplexity exited 0 with its output ending in the last chunk's number
+    # (this commit's logger can lose queued lines at exit, ggml-org/llama.cpp#22142).
+    cut = RECORDED_KL_OUTPUT[: RECORDED_KL_OUTPUT.index("  96 ") + 4]
+    with pytest.raises(
+        ToolError, match="lacks \\['ppl_quant', 'ppl_base', 'mean_kld', 'kld_p99', 'same_top"
+    ):
+        parse_kl_statistics(cut)
+
+
+def test_bench_json_gives_median_min_max_of_the_samples():
+    result = parse_bench_json(RECORDED_BENCH_JSON)
+    for test in ("pp512", "tg128"):
+        summary = result[test]
+        assert summary["min"] <= summary["median"] <= summary["max"]
+        assert summary["median"] == sorted(summary["samples"])[len(summary["samples"]) // 2]
+    assert len(result["raw"]) == 2
+
+
+def test_bench_json_with_other_arithmetic_is_refused():
+    tests = json.loads(RECORDED_BENCH_JSON)
+    tests[1]["flash_attn"] = 1
+    with pytest.raises(ToolError, match="flash_attn"):
+        parse_bench_json(json.dumps(tests))
+
+
+def test_bench_json_without_a_test_is_refused():
+    tests = json.loads(RECORDED_BENCH_JSON)
+    with pytest.raises(ToolError, match="0 tg128 tests"):
+        parse_bench_json(json.dumps([t for t in tests if t["n_gen"] == 0]))
+    with pytest.raises(ToolError, match="no valid JSON"):
+        parse_bench_json("llama-bench: error: failed to load model\n")
+
+
+def test_every_arithmetic_setting_is_on_every_command_line():
+    common, bench = llamacpp.common_arithmetic_flags(), llamacpp.bench_arithmetic_flags()
+    for flags in (common, bench):
+        assert flags[flags.index("--flash-attn") + 1] == "off"
+        assert (
+            flags[flags.index("--cache-type-k") + 1]
+            == flags[flags.index("--cache-type-v") + 1]
+            == "f16"
+        )
+    assert "--repack" in common and bench[bench.index("--repack") + 1] == "1"
+
+
+def test_tools_run_without_llama_arg_overrides(monkeypatch):
+    monkeypatch.setenv("LLAMA_ARG_FLASH_ATTN", "on")
+    assert "LLAMA_ARG_FLASH_ATTN" not in llamacpp.tool_environment()
+    assert "PATH" in llamacpp.tool_environment()
+
+
+def test_a_failing_tool_is_reported_with_its_command_and_output():
+    script = "echo partial result; echo the actual problem >&2; exit 3"
+    with pytest.raises(ToolError, match="(?s)exit 3.*the actual problem.*partial result"):
+        run_tool(["sh", "-c", script], "a test tool")
+
+
+def test_perplexity_is_retried_once_then_its_output_shown(tmp_path):
+    counter = tmp_path / "runs"
+    flaky = tmp_path / "flaky"
+    flaky.write_text(
+        f"#!/bin/sh\necho x >> {counter}\n"
+        f"if [ $(wc -l < {counter}) -ge 2 ]; then echo 'Final estimate: PPL = 5.0 +/- 0.1'; fi\n"
+    )
+    flaky.chmod(0o755)
+    assert "Final estimate" in _run_perplexity([flaky], "flaky", [_BASE_DONE])
+    assert counter.read_text().count("x") == 2
+
+    broken = tmp_path / "broken"
+    broken.write_text(f"#!/bin/sh\necho y >> {counter}\necho 'failed to decode'\n")
+    broken.chmod(0o755)
+    with pytest.raises(ToolError, match="(?s)exited 0 but printed no.*failed to decode"):
+        _run_perplexity([broken], "broken", [_BASE_DONE])
+    assert counter.read_text().count("y") == 2
+
+
+def test_cache_key_names_version_commit_and_this_cpu():
+    key = build.build_key()
+    assert key.startswith(f"{build.LLAMA_CPP_PYTHON_VERSION}-{build.LLAMA_CPP_COMMIT[:7]}-isa")
+    assert "-recipe" in key
+
+
+def _fake_sdist(path, commit=build.LLAMA_CPP_COMMIT):
+    files = {
+        build._VENDORED_COMMIT_FILE: commit + "\n",
+        build._VENDORED_TREE + "CMakeLists.txt": "project(x)\n",
+        build._VENDORED_TREE + "gguf-py/gguf/__init__.py": "",
+        build._VENDORED_TREE + "models/ggml-vocab-big.gguf": "unused",
+        build._VENDORED_TREE + "docs/build.md": "unused",
+        build._SDIST_TOP + "llama_cpp/__init__.py": "not llama.cpp",
+    }
+    with tarfile.open(path, "w:gz") as tar:
+        for name, text in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(text.encode())
+            tar.addfile(info, io.BytesIO(text.encode()))
+    return path
+
+
+def test_only_the_vendored_tree_without_its_unused_parts_is_extracted(tmp_path):
+    build._extract_tree(_fake_sdist(tmp_path / "s.tar.gz"), tmp_path / "tree")
+    extracted = sorted(
+        str(p.relative_to(tmp_path / "tree")) for p in (tmp_path / "tree").rglob("*") if p.is_file()
+    )
+    assert extracted == ["CMakeLists.txt", "gguf-py/gguf/__init__.py"]
+
+
+def test_an_sdist_vendoring_another_commit_is_refused(tmp_path):
+    with pytest.raises(RuntimeError, match="vendors llama.cpp 1234567, expected 0c1e57"):
+        build._extract_tree(_fake_sdist(tmp_path / "s.tar.gz", commit="1234567"), tmp_path / "tree")
+
+
+def test_an_incomplete_cached_build_is_named_not_used(tmp_path):
+    assert build.find_llamacpp(tmp_path) is None
+    (tmp_path / build.build_key() / "bin").mkdir(parents=True)
+    with pytest.raises(FileNotFoundError, match="lacks .*llama-quantize.*delete that folder"):
+        build.find_llamacpp(tmp_path)
+
+
+def _fake_build(calls):
+    def fake(sdist, out, jobs):
+        calls.append(out)
+        time.sleep(0.5)  # long enough for a second job to find the lock taken
+        tools = build.LlamaCpp.at(out)
+        tools.gguf_py.mkdir(parents=True)
+        tools.convert_script.touch()
+        tools.quantize.parent.mkdir()
+        for program in (tools.quantize, tools.perplexity, tools.bench, tools.scorer):
+            program.touch()
+
+    return fake
+
+
+def test_concurrent_jobs_build_once_and_share_the_result(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(build, "_fetch_sdist", lambda folder: folder / "sdist.tar.gz")
+    monkeypatch.setattr(build, "_build", _fake_build(calls))
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda _: build.ensure_llamacpp(tmp_path, jobs=1), range(2)))
+    assert len(calls) == 1 and results[0] == results[1]
+    assert results[0].root == tmp_path / build.build_key()
+    assert calls[0] != results[0].root  # built under a temporary name, then renamed
+
+
+def test_a_failed_build_leaves_nothing_that_looks_finished(tmp_path, monkeypatch):
+    def failing(sdist, out, jobs):
+        (out / "bin").mkdir()
+        raise RuntimeError("compiler crashed")
+
+    monkeypatch.setattr(build, "_fetch_sdist", lambda folder: folder / "sdist.tar.gz")
+    monkeypatch.setattr(build, "_build", failing)
+    with pytest.raises(RuntimeError, match="compiler crashed"):
+        build.ensure_llamacpp(tmp_path, jobs=1)
+    assert build.find_llamacpp(tmp_path) is None
+    assert not list(tmp_path.glob(f".{build.build_key()}.tmp-*"))
+
+
+def test_leftovers_of_interrupted_builds_are_removed(tmp_path):
+    key = build.build_key()
+    (tmp_path / f".{key}.tmp-12345" / "build").mkdir(parents=True)
+    (tmp_path / f".other.tmp-1").mkdir()
+    build._remove_interrupted_builds(tmp_path, key)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.tmp-1"]
+
+
+# --- slow: the real tools --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tools():
+    """The cached build; built here once (~10 CPU-minutes) if there is none and a
+    compiler is at hand."""
+    found = build.find_llamacpp()
+    if found:
+        return found
+    missing = [tool for tool in ("cmake", "make", "cc", "c++") if shutil.which(tool) is None]
+    if missing:
+        pytest.skip(
+            f"no llama.cpp build in {build.default_cache_root()} and {missing} "
+            f"not on PATH to build one; "
+            f"install them or run `{sys.executable} -m fourbit.llamacpp.build`"
+        )
+    return build.ensure_llamacpp()
+
+
+VOCAB, WINDOW = 512, 96
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    from fourbit.corpus import prepare_corpus
+
+    folder = tmp_path_factory.mktemp("corpus") / "corpus"
+    prepare_corpus(
+        {
+            "source": "builtin",
+            "max_bytes": 400_000,
+            "calibration_fraction": 0.2,
+            "evaluation_fraction": 0.2,
+        },
+        folder,
+    )
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model(corpus, tmp_path_factory):
+    """A random untied Llama with a real SentencePiece tokenizer the converter accepts.
+
+    Its head is a copy of the embedding table (as separate tensors), so it
+    predicts the current token again: a scorer off by one position would look
+    far better than a correct one.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fourbit.tokenizer import train_tokenizer
+
+    folder = tmp_path_factory.mktemp("model") / "tiny-llama"
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight)
+    model.save_pretrained(folder)
+    train_tokenizer(corpus / "train.txt", folder, VOCAB)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def ggufs(tools, tiny_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("gguf")
+    files = {"F16": convert_to_gguf(tiny_model, out / "f16.gguf", "f16", tools=tools)}
+    for qtype in ("Q4_K_M", "Q4_0", "Q8_0"):
+        files[qtype] = quantize_gguf(
+            files["F16"], out / f"{qtype}.gguf", qtype, tools=tools, threads=2
+        )
+    return files
+
+
+@pytest.fixture(scope="session")
+def windows(corpus, tiny_model):
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(tiny_model).encode(
+        (corpus / "evaluation.txt").read_text()[:50_000], add_special_tokens=False
+    )
+    return [ids[i : i + WINDOW] for i in range(0, 4 * WINDOW, WINDOW)] + [ids[7:9]]
+
+
+@pytest.mark.slow
+def test_bits_per_weight_are_counted_from_the_files(ggufs, tools):
+    f16 = gguf_bits_per_weight(ggufs["F16"], tools.gguf_py)
+    assert f16["matmul_2d"]["bits_per_weight"] == 16
+    # 2 layers x 7 matrices + the head; the token embedding is a lookup table, not a matmul.
+    assert f16["matmul_2d"]["tensors"] == 15
+    assert f16["by_type"]["F32"]["tensors"] == 5  # 2 x 2 layer norms + the final norm
+
+    q8 = gguf_bits_per_weight(ggufs["Q8_0"], tools.gguf_py)
+    assert q8["matmul_2d"]["bits_per_weight"] == 8.5  # 32 int8 codes + one f16 scale per block
+
+    q4km = gguf_bits_per_weight(ggufs["Q4_K_M"], tools.gguf_py)
+    assert set(q4km["by_type"]) == {"Q4_K", "Q6_K", "F32"}
+    assert q4km["tensor_types"]["output.weight"] == "Q6_K"
+    assert 4.5 < q4km["matmul_2d"]["bits_per_weight"] < 6.5625  # between pure Q4_K and pure Q6_K
+    assert (
+        q4km["by_type"]["Q4_K"]["bits_per_weight"] == 4.5
+        and q4km["by_type"]["Q6_K"]["bits_per_weight"] == 6.5625
+    )
+    for stats in (f16, q8, q4km):
+        assert (
+            sum(t["bytes"] for t in stats["by_type"].values())
+            == stats["all"]["bytes"]
+            < stats["file_bytes"]
+        )
+
+
+@pytest.mark.slow
+def test_head_and_embedding_types_can_be_chosen(ggufs, tools):
+    out = quantize_gguf(
+        ggufs["F16"], ggufs["F16"].with_name("Q4_0-q8-ends.gguf"), "Q4_0", tools=tools, threads=2,
+        output_tensor_type="q8_0", token_embedding_type="f16",
+    )
+    types = gguf_bits_per_weight(out, tools.gguf_py)["tensor_types"]
+    assert types["output.weight"] == "Q8_0" and types["token_embd.weight"] == "F16"
+    assert types["blk.0.ffn_down.weight"] == "Q4_0"
+    with pytest.raises(ValueError, match="qtype='Q3_K_S' is not one of"):
+        quantize_gguf(ggufs["F16"], out, "Q3_K_S", tools=tools, threads=2)
+
+
+@pytest.mark.slow
+def test_f16_scores_agree_with_transformers_float32_on_the_same_ids(
+    ggufs, tools, tiny_model, windows
+):
+    from transformers import AutoModelForCausalLM
+
+    TOLERANCE = 2e-3  # nats per token: f16 weights against float32 ones
+    llama = score_windows(ggufs["F16"], windows, tools=tools, threads=2)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        for window, scored in zip(windows, llama):
+            ids = torch.tensor([window])
+            logprobs = torch.log_softmax(model(ids).logits[0, :-1].double(), dim=-1)
+            reference = -logprobs.gather(-1, ids[0, 1:, None]).sum().item()
+            off_by_one = -logprobs.gather(-1, ids[0, :-1, None]).sum().item()
+            assert scored["tokens"] == len(window) - 1
+            assert abs(scored["nll_sum"] - reference) / scored["tokens"] < TOLERANCE, (
+                scored,
+                reference,
+            )
+            assert (reference - off_by_one) / scored["tokens"] > 50 * TOLERANCE
+
+
+@pytest.mark.slow
+def test_quantized_scores_differ_a_little_and_ids_outside_the_vocabulary_are_refused(
+    ggufs, tools, windows
+):
+    f16 = score_windows(ggufs["F16"], windows, tools=tools, threads=2)
+    q8 = score_windows(ggufs["Q8_0"], windows, tools=tools, threads=2)
+    q4 = score_windows(ggufs["Q4_0"], windows, tools=tools, threads=2)
+    gap = [abs(q["nll_sum"] - f["nll_sum"]) / f["tokens"] for q, f in zip(q8 + q4, f16 + f16)]
+    assert 0 < max(gap[: len(f16)]) < max(gap[len(f16) :])  # Q8_0 closer to F16 than Q4_0
+    with pytest.raises(ToolError, match=f"token id {VOCAB} is outside the vocabulary"):
+        score_windows(ggufs["F16"], [[1, 2, VOCAB]], tools=tools, threads=1)
+
+
+@pytest.mark.slow
+def test_kl_divergence_of_quantized_models_from_f16(ggufs, tools, corpus, tmp_path):
+    text = tmp_path / "evaluation-start.txt"
+    text.write_text((corpus / "evaluation.txt").read_text()[:20_000])  # ~100 chunks of 128 tokens
+    itself = kl_divergence(ggufs["F16"], ggufs["F16"], text, tools=tools, threads=2, ctx=128)
+    q4 = kl_divergence(ggufs["F16"], ggufs["Q4_K_M"], text, tools=tools, threads=2, ctx=128)
+    assert itself["mean_kld"] < 1e-3 and itself["same_top_p_percent"] > 99
+    assert itself["mean_kld"] < q4["mean_kld"] <= q4["kld_p99"]
+    assert 0 < q4["same_top_p_percent"] < 100
+    assert abs(itself["ppl_quant"] - itself["ppl_base"]) < 1e-3 * itself["ppl_base"]
+    assert "--kl-divergence" in q4["commands"]["kl_divergence"] and "off" in q4["commands"]["base"]
+    assert not list(ggufs["Q4_K_M"].parent.glob(".kld-*"))  # the base logits are gone
+
+
+@pytest.mark.slow
+def test_llama_bench_on_pinned_cores(ggufs, tools):
+    result = llama_bench(ggufs["Q4_K_M"], tools=tools, threads=1, cores=[0], repetitions=3)
+    for test in ("pp512", "tg128"):
+        assert len(result[test]["samples"]) == 3
+        assert 0 < result[test]["min"] <= result[test]["median"] <= result[test]["max"]
+    assert result["command"][:3] == [shutil.which("taskset"), "--cpu-list", "0"]
+    assert result["raw"][0]["build_commit"] == tools.commit[:7]
+    with pytest.raises(ValueError, match="oversubscribe"):
+        llama_bench(ggufs["Q4_K_M"], tools=tools, threads=2, cores=[0])
+
+
+@pytest.mark.slow
+def test_gguf_files_are_read_with_the_trees_gguf_py(ggufs, tools):
+    from fourbit.llamacpp.quantize import _import_gguf
+
+    gguf = _import_gguf(tools.gguf_py)
+    assert os.path.dirname(gguf.__file__).startswith(str(tools.gguf_py))
+    reader = gguf.GGUFReader(str(ggufs["F16"]))
+    assert reader.fields["general.architecture"].contents() == "llama"
+    assert (
+        reader.fields["tokenizer.ggml.model"].contents() == "llama"
+    )  # SentencePiece, from tokenizer.model
+    assert len(reader.fields["tokenizer.ggml.tokens"].contents()) == VOCAB
