@@ -7,8 +7,13 @@ CORES ?= $(shell nproc)
 ENV_FILES := envs/requirements.txt envs/vllm-deps.txt envs/fourbit.post-deploy.sh pyproject.toml
 STAMP := $(VENV)/.installed-$(shell cat $(ENV_FILES) | sha256sum | cut -c1-16)
 
-.PHONY: venv report test dry-run lint
+.PHONY: venv llamacpp report test dry-run
 venv: $(STAMP)
+
+# llama.cpp's tools, built once per machine from the llama-cpp-python sdist and
+# cached outside the work tree (~/.cache/fourbit/llama.cpp); a no-op when cached.
+llamacpp: venv
+	$(BIN)/python -m fourbit.llamacpp.build --jobs $(CORES)
 
 $(STAMP): $(ENV_FILES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,7 +25,7 @@ $(STAMP): $(ENV_FILES)
 report: venv
 	$(BIN)/snakemake --cores $(CORES) results/report.md
 
-test: venv
+test: venv llamacpp
 	$(BIN)/python -m pytest
 
 dry-run: venv

@@ -14,6 +14,7 @@ report: "workflow/report/workflow.rst"
 include: "workflow/rules/common.smk"
 include: "workflow/rules/prepare.smk"
 include: "workflow/rules/quantize.smk"
+include: "workflow/rules/llamacpp.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/report.smk"
 

@@ -9,5 +9,6 @@ write_report(
     markdown_path=snakemake.output.markdown,
     table_path=snakemake.output.table,
     baseline_checkpoint=snakemake.input.model[0],
+    gguf_base_storage=snakemake.input.get("gguf_base_storage"),
     training_path=snakemake.params.training,
 )

@@ -15,8 +15,8 @@ def study(source="builtin"):
         "model": {"id": "m", "source": source},
         "corpus": {"id": "c", "source": "builtin"},
         "evaluation": {"control_tolerance": 0.001},
-        "engines": {ENGINE: {"name": "reference"}},
-        "arms": [{"id": ARM, "name": "a", "quant": {"method": "cpu_int4"}}],
+        "engines": {ENGINE: {"name": "reference", "reads": "hf"}},
+        "arms": [{"id": ARM, "name": "a", "kind": "hf", "quant": {"method": "cpu_int4"}}],
     }
 
 

@@ -19,10 +19,12 @@ from typing import Any
 import jsonschema
 import yaml
 
+from fourbit.engines import ENGINE_READS
 from fourbit.hashing import canonical_json, file_sha256, short_hash
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
 ID_PATTERN = r"[a-z0-9][a-z0-9_.]*-[0-9a-f]{10}"
+GGUF_METHODS = {"llamacpp"}  # methods whose checkpoints only llama.cpp reads
 
 
 class ConfigError(ValueError):
@@ -109,6 +111,11 @@ class Arm:
     id: str
 
     @property
+    def kind(self) -> str:
+        """What its checkpoint is: a Hugging Face folder ("hf") or a GGUF file ("gguf")."""
+        return "gguf" if self.quant["method"] in GGUF_METHODS else "hf"
+
+    @property
     def needs_calibration(self) -> bool:
         """Methods that read calibration data carry a ``calibration`` block."""
         return "calibration" in self.quant
@@ -122,6 +129,10 @@ class Engine:
     name: str
     settings: dict
     id: str
+
+    @property
+    def reads(self) -> str:
+        return ENGINE_READS[self.name]
 
 
 @dataclass
@@ -169,14 +180,17 @@ class Study:
             arms=arms,
         )
 
+    def arms_of_kind(self, kind: str) -> list[str]:
+        return [arm_id for arm_id, arm in self.arms.items() if arm.kind == kind]
+
     def summary(self) -> dict:
         """What the report needs to know about the study, as plain data."""
         return {
             "model": {"id": self.model_id, **self.config["model"]},
             "corpus": {"id": self.corpus_id, **self.config["corpus"]},
             "evaluation": self.config["evaluation"],
-            "engines": {e.id: {"name": e.name, **e.settings} for e in self.engines.values()},
-            "arms": [arm.manifest() for arm in self.arms.values()],
+            "engines": {e.id: {"name": e.name, "reads": e.reads, **e.settings} for e in self.engines.values()},
+            "arms": [{**arm.manifest(), "kind": arm.kind} for arm in self.arms.values()],
         }
 
     @classmethod

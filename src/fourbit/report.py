@@ -50,20 +50,22 @@ def _by_suffix(paths: list[str]) -> dict[tuple[str, str, str], str]:
 
 
 def build_rows(
-    study: dict, results: list[str], arm_manifests: list[str], baseline_storage: dict
+    study: dict, results: list[str], arm_manifests: list[str], baseline_storage: dict[str, dict]
 ) -> list[dict]:
+    """``baseline_storage``: by checkpoint kind ("hf", "gguf"), the unquantized baseline's storage."""
     index = _by_suffix(results)
     arms = {m["id"]: m for m in (read_result(p) for p in arm_manifests)}
     tolerance = study["evaluation"]["control_tolerance"]
     rows = []
-    for engine_id in study["engines"]:
+    for engine_id, engine in study["engines"].items():
         baseline = read_result(index[(engine_id, "baseline", "dense.ppl.json")])
-        unquantized = {"quant": {}, "storage": baseline_storage}
+        unquantized = {"quant": {}, "storage": baseline_storage[engine["reads"]]}
         rows.append(_row(engine_id, "baseline", unquantized, baseline, baseline, None, None, tolerance))
-        for arm in study["arms"]:
+        for arm in (a for a in study["arms"] if a["kind"] == engine["reads"]):
             arm_id = arm["id"]
             quantized = read_result(index[(engine_id, arm_id, "quantized.ppl.json")])
-            dense = read_result(index[(engine_id, arm_id, "dense.ppl.json")])
+            dense_path = index.get((engine_id, arm_id, "dense.ppl.json"))
+            dense = read_result(dense_path) if dense_path else None
             bench = read_result(index[(engine_id, arm_id, "bench.json")])
             rows.append(_row(engine_id, arm_id, arms[arm_id], quantized, baseline, dense, bench, tolerance))
     return rows
@@ -198,7 +200,8 @@ def render_markdown(study: dict, rows: list[dict], facts: dict) -> str:
         "- **control**: the arm run by its 4-bit runtime against its dense float32 expansion on the "
         "same engine; the mean NLL difference in nats/token. *faithful* if within "
         f"{study['evaluation']['control_tolerance']} nats/token; otherwise the runtime or the "
-        "packing, not the quantizer, is wrong.",
+        "packing, not the quantizer, is wrong. llama.cpp (GGUF) arms have no dense expansion in "
+        "this version, so no control (—).",
         "",
         "## Runtimes",
         "",
@@ -216,9 +219,13 @@ def write_report(
     markdown_path: str | os.PathLike,
     table_path: str | os.PathLike,
     baseline_checkpoint: str | os.PathLike,
+    gguf_base_storage: str | os.PathLike | None = None,
     training_path: str | os.PathLike | None = None,
 ) -> None:
-    rows = build_rows(study, results, arm_manifests, storage_stats(baseline_checkpoint))
+    storage = {"hf": storage_stats(baseline_checkpoint)}
+    if gguf_base_storage:
+        storage["gguf"] = read_result(gguf_base_storage)
+    rows = build_rows(study, results, arm_manifests, storage)
     first = read_result(next(p for p in results if p.endswith("dense.ppl.json")))
     facts = {
         "definition": first["definition"],

@@ -9,6 +9,9 @@ MODEL = STUDY.model_id
 CORPUS = STUDY.corpus_id
 MODEL_DIR = f"{RESULTS}/{MODEL}"
 EVAL_DIR = f"{MODEL_DIR}/eval/{CORPUS}"
+GGUF_BASE = f"{MODEL_DIR}/gguf/f16.gguf"
+GGUF_BASE_STORAGE = f"{MODEL_DIR}/gguf/f16.storage.json"
+LLAMACPP_TOOLS = f"{RESULTS}/tools/llamacpp.json"
 
 
 wildcard_constraints:
@@ -43,20 +46,49 @@ def get_quantize_input(wildcards):
     return inputs
 
 
-def get_scored_checkpoint(wildcards):
-    """The unquantized baseline is the untied model; an arm has two forms."""
-    if wildcards.arm == "baseline":
+def scored_checkpoint(engine_id, arm, form):
+    """Each engine's own unquantized baseline; an arm's quantized checkpoint or its
+    dense expansion (the control)."""
+    reads = next(e.reads for e in STUDY.engines.values() if e.id == engine_id)
+    if reads == "gguf":
+        if arm == "baseline":
+            return GGUF_BASE
+        return f"{MODEL_DIR}/arms/{arm}/gguf/model.gguf"
+    if arm == "baseline":
         return f"{MODEL_DIR}/untied"
-    return f"{MODEL_DIR}/arms/{wildcards.arm}/{wildcards.form}"
+    return f"{MODEL_DIR}/arms/{arm}/{form}"
+
+
+def get_scored_checkpoint(wildcards):
+    return scored_checkpoint(wildcards.engine, wildcards.arm, wildcards.form)
+
+
+def get_bench_input(wildcards):
+    """The arm and the same engine's unquantized baseline, timed side by side."""
+    return {
+        "checkpoint": scored_checkpoint(wildcards.engine, wildcards.arm, "quantized"),
+        "baseline": scored_checkpoint(wildcards.engine, "baseline", "dense"),
+    }
 
 
 def all_results():
-    """Every file the report reads, for every engine and arm of the study."""
+    """Every file the report reads: each engine scores the arms whose checkpoints it reads.
+
+    GGUF arms have no dense expansion (no control) in this version.
+    """
     files = []
     for engine in STUDY.engines.values():
         files.append(f"{EVAL_DIR}/{engine.id}/baseline/dense.ppl.json")
-        for arm_id in STUDY.arms:
-            for form in ("quantized", "dense"):
+        forms = ("quantized", "dense") if engine.reads == "hf" else ("quantized",)
+        for arm_id in STUDY.arms_of_kind(engine.reads):
+            for form in forms:
                 files.append(f"{EVAL_DIR}/{engine.id}/{arm_id}/{form}.ppl.json")
             files.append(f"{EVAL_DIR}/{engine.id}/{arm_id}/bench.json")
     return files
+
+
+def baseline_storage_inputs():
+    """Per GGUF engine, the f16 base's storage record (the HF baseline is read directly)."""
+    if any(e.reads == "gguf" for e in STUDY.engines.values()):
+        return {"gguf_base_storage": GGUF_BASE_STORAGE}
+    return {}

@@ -8,6 +8,8 @@ rule quantize:
         f"{RESULTS}/logs/quantize/{MODEL}/{{arm}}.log",
     benchmark:
         f"{RESULTS}/benchmarks/quantize/{MODEL}/{{arm}}.tsv"
+    wildcard_constraints:
+        arm="|".join(STUDY.arms_of_kind("hf")) or "(?!)",
     conda:
         "../../envs/fourbit.yaml"
     threads: workflow.cores

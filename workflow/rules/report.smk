@@ -1,5 +1,6 @@
 rule report:
     input:
+        **baseline_storage_inputs(),
         results=all_results(),
         arms=expand(rules.quantize.output.arm, arm=STUDY.arms),
         corpus=expand(rules.prepare_corpus.output.manifest, corpus=CORPUS),

@@ -19,7 +19,12 @@ from types import ModuleType
 ENGINE_MODULES = {
     "reference": "fourbit.engines.reference",
     "vllm": "fourbit.engines.vllm",
+    "llamacpp": "fourbit.engines.llamacpp",
 }
+
+# What kind of checkpoint each engine reads: Hugging Face folders or GGUF files.
+# Kept here, free of heavy imports, because the workflow needs it to build the DAG.
+ENGINE_READS = {"reference": "hf", "vllm": "hf", "llamacpp": "gguf"}
 
 
 def get_engine(name: str) -> ModuleType:

@@ -1,0 +1,5 @@
+from fourbit.gguf_arms import build_tools
+from fourbit.progress import setup_logging
+
+setup_logging(snakemake.log[0])
+build_tools(snakemake.output.tools, jobs=snakemake.threads)

@@ -1,0 +1,5 @@
+from fourbit.gguf_arms import convert_base
+from fourbit.progress import setup_logging
+
+setup_logging(snakemake.log[0])
+convert_base(snakemake.input.model, snakemake.output.gguf, snakemake.output.storage, snakemake.input.tools)

@@ -1,0 +1,12 @@
+from fourbit.gguf_arms import quantize_arm
+from fourbit.progress import setup_logging
+
+setup_logging(snakemake.log[0])
+quantize_arm(
+    snakemake.input.gguf,
+    snakemake.output.gguf,
+    snakemake.output.arm,
+    dict(snakemake.params.arm),
+    snakemake.input.tools,
+    threads=snakemake.threads,
+)

@@ -1,0 +1,66 @@
+"""The workflow's llama.cpp steps: tools, the f16 GGUF base, and quantized GGUF arms.
+
+llama.cpp arms are arms like any other (an id from the hash of their settings),
+but their checkpoint is one GGUF file quantized by llama-quantize from an f16
+GGUF of the same untied model (quantizing from bf16 changes the results).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from fourbit.atomic import write_json
+from fourbit.llamacpp.build import LlamaCpp, ensure_llamacpp
+from fourbit.llamacpp.convert import convert_to_gguf
+from fourbit.llamacpp.quantize import gguf_bits_per_weight, quantize_gguf
+
+log = logging.getLogger("fourbit")
+
+
+def build_tools(out_json: str | os.PathLike, jobs: int) -> None:
+    """Build (or find in the cache outside the work tree) llama.cpp; record where."""
+    tools = ensure_llamacpp(jobs=jobs)
+    write_json(out_json, {"root": str(tools.root), "commit": tools.commit,
+                          "llama_cpp_python": tools.llama_cpp_python_version})
+
+
+def load_tools(tools_json: str | os.PathLike) -> LlamaCpp:
+    return LlamaCpp.at(Path(json.loads(Path(tools_json).read_text())["root"])).check_complete()
+
+
+def gguf_storage(gguf: Path, tools: LlamaCpp) -> dict:
+    """The same storage keys as fourbit.quantized_checkpoint.storage_stats, from a GGUF."""
+    bits = gguf_bits_per_weight(gguf, tools.gguf_py)
+    return {
+        "quantized_bits_per_weight": bits["matmul_2d"]["bits_per_weight"],
+        "file_bits_per_param": bits["all"]["bits_per_weight"],
+        "parameters": bits["all"]["weights"],
+        "size_bytes": bits["file_bytes"],
+        "size_mib": bits["file_bytes"] / 2**20,
+        "by_type": bits["by_type"],
+    }
+
+
+def convert_base(untied: str | os.PathLike, out_gguf: str | os.PathLike,
+                 storage_json: str | os.PathLike, tools_json: str | os.PathLike) -> None:
+    tools = load_tools(tools_json)
+    convert_to_gguf(Path(untied), Path(out_gguf), "f16", tools=tools)
+    write_json(storage_json, gguf_storage(Path(out_gguf), tools))
+
+
+def quantize_arm(f16_gguf: str | os.PathLike, out_gguf: str | os.PathLike, arm_path: str | os.PathLike,
+                 arm: dict, tools_json: str | os.PathLike, threads: int) -> dict:
+    tools, quant = load_tools(tools_json), arm["quant"]
+    quantize_gguf(
+        Path(f16_gguf), Path(out_gguf), quant["type"], tools=tools, threads=threads,
+        output_tensor_type=quant["output_tensor_type"], token_embedding_type=quant["token_embedding_type"],
+    )
+    manifest = {**arm, "format": "gguf", "storage": gguf_storage(Path(out_gguf), tools),
+                "llama_cpp": {"commit": tools.commit, "from": "f16 GGUF of the untied model"}}
+    write_json(arm_path, manifest)
+    log.info("%s: %s, %.3f bits/weight in matmul weights", arm["id"], quant["type"],
+             manifest["storage"]["quantized_bits_per_weight"])
+    return manifest

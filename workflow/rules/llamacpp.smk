@@ -1,0 +1,51 @@
+# llama.cpp: the tools (built once per machine, cached outside the work tree),
+# the f16 GGUF of the untied model, and llama-quantize arms made from it.
+
+
+rule build_llamacpp:
+    output:
+        tools=LLAMACPP_TOOLS,
+    log:
+        f"{RESULTS}/logs/build_llamacpp.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/build_llamacpp.tsv"
+    conda:
+        "../../envs/fourbit.yaml"
+    threads: workflow.cores
+    script:
+        "../../scripts/build_llamacpp.py"
+
+
+rule convert_gguf:
+    input:
+        model=f"{MODEL_DIR}/untied",
+        tools=rules.build_llamacpp.output.tools,
+    output:
+        gguf=GGUF_BASE,
+        storage=GGUF_BASE_STORAGE,
+    log:
+        f"{RESULTS}/logs/convert_gguf/{MODEL}.log",
+    conda:
+        "../../envs/fourbit.yaml"
+    script:
+        "../../scripts/convert_gguf.py"
+
+
+rule quantize_gguf:
+    input:
+        gguf=rules.convert_gguf.output.gguf,
+        tools=rules.build_llamacpp.output.tools,
+    output:
+        gguf=f"{MODEL_DIR}/arms/{{arm}}/gguf/model.gguf",
+        arm=f"{MODEL_DIR}/arms/{{arm}}/arm.json",
+    log:
+        f"{RESULTS}/logs/quantize_gguf/{MODEL}/{{arm}}.log",
+    wildcard_constraints:
+        arm="|".join(STUDY.arms_of_kind("gguf")) or "(?!)",
+    conda:
+        "../../envs/fourbit.yaml"
+    threads: workflow.cores
+    params:
+        arm=get_arm_manifest,
+    script:
+        "../../scripts/quantize_gguf.py"
