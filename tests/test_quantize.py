@@ -73,3 +73,16 @@ def test_quantize_head_off_keeps_the_head_dense(tiny_untied, tmp_path):
         tiny_untied, tmp_path / "q", tmp_path / "arm.json", arm(method="cpu_int4", quantize_head=False)
     )
     assert "lm_head" not in manifest["quantized_modules"]
+
+
+def test_both_int4_paths_agree(tiny_untied, tmp_path):
+    """Decoding-sized inputs run the int4 kernel; window-sized ones the expanded packed weight."""
+    quantize_checkpoint(tiny_untied, tmp_path / "q", tmp_path / "arm.json", arm(method="cpu_int4"))
+    model = reference.load_model(tmp_path / "q", torch.float32)
+    linear = model.model.layers[0].mlp.down_proj
+    x = torch.randn(reference.DEQUANT_ROWS, linear.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        many = linear(x)  # the expanded path
+        few = torch.cat([linear(row[None]) for row in x])  # the kernel, one row at a time
+    assert linear._expanded is not None
+    assert torch.allclose(many, few, rtol=1e-5, atol=1e-5)

@@ -22,11 +22,24 @@ from fourbit.quantized_checkpoint import is_quantized, read_quantized
 
 log = logging.getLogger("fourbit")
 BATCH_WINDOWS = 4
+DEQUANT_ROWS = 32  # rows from which the packed weight is expanded instead (see Int4Linear)
+# Read by fourbit.benchmark: this engine has no throughput(), on purpose.
+NOT_BENCHMARKED = (
+    "not a deployment engine; not benchmarked: transformers is the scoring reference, "
+    "and nobody ships a model on it, so its speed says nothing about a 4-bit build"
+)
 DTYPES = {"float32": torch.float32}
 
 
 class Int4Linear(torch.nn.Module):
-    """y = x W_hatᵀ (+ b) with W_hat held in tinygemm's packed int4 layout."""
+    """y = x W_hatᵀ (+ b) with W_hat held in tinygemm's packed int4 layout.
+
+    Two paths over the one packed copy, as in the vLLM plugin: fewer than
+    DEQUANT_ROWS rows (decoding) run the int4 kernel itself; more rows (scoring a
+    window) would cost the kernel a dequantization per row, so the weight is
+    expanded once from the packed layout and the ordinary GEMM runs. Both read
+    the same packed bytes, so the control checks the packing either way.
+    """
 
     def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
@@ -36,14 +49,38 @@ class Int4Linear(torch.nn.Module):
         self.register_buffer("packed", packed)
         self.register_buffer("scales_and_zeros", scales_and_zeros)
         self.register_buffer("bias", bias)
+        self._expanded: torch.Tensor | None = None
+
+    def expanded(self) -> torch.Tensor:
+        """W_hat [N, K] from the kernel's packed layout, computed once."""
+        if self._expanded is None:
+            weight = None
+            if tinygemm.supports_direct_dequant(self.out_features, self.in_features):
+                weight = tinygemm.dequantize_packed(self.packed, self.scales_and_zeros, self.group_size,
+                                                    self.out_features, self.in_features)
+            if weight is None:
+                raise ValueError(
+                    f"tinygemm's packed layout is not understood for N={self.out_features} "
+                    f"K={self.in_features} on this host; cannot expand it for multi-row batches"
+                )
+            self._expanded = weight.to(self.scales_and_zeros.dtype)
+        return self._expanded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = tinygemm.int4_linear(x, self.packed, self.scales_and_zeros, self.group_size, self.out_features)
+        rows = x.numel() // x.shape[-1]
+        if rows < DEQUANT_ROWS:
+            y = tinygemm.int4_linear(x, self.packed, self.scales_and_zeros, self.group_size, self.out_features)
+        else:
+            y = torch.nn.functional.linear(x, self.expanded().to(x.dtype))  # [..., K] -> [..., N]
         return y if self.bias is None else y + self.bias
 
 
 def runtime(checkpoint: Path, settings: dict) -> str:
-    kind = "int4 tinygemm (torch.ops.aten._weight_int4pack_mm_for_cpu)" if is_quantized(checkpoint) else "dense"
+    kind = (
+        f"int4: tinygemm (aten._weight_int4pack_mm_for_cpu) below {DEQUANT_ROWS} rows, "
+        "GEMM on the weight expanded from tinygemm's packed layout above"
+        if is_quantized(checkpoint) else "dense"
+    )
     return f"transformers {settings['dtype']} {kind}"
 
 
