@@ -11,4 +11,5 @@ write_report(
     baseline_checkpoint=snakemake.input.model[0],
     gguf_base_storage=snakemake.input.get("gguf_base_storage"),
     training_path=snakemake.params.training,
+    corpus_manifest=snakemake.input.corpus[0],
 )

@@ -23,8 +23,12 @@ COLUMNS = [
     "engine", "arm_id", "method", "group_size", "sym", "bits_per_weight", "file_bits_per_param",
     "size_mib", "ppl", "baseline_ppl", "delta_ppl", "delta_ppl_ci_low", "delta_ppl_ci_high",
     "delta_ppl_pct", "dense_ppl",
-    "control_delta_nll", "control", "runtime", "throughput",
+    "control_delta_nll", "control", "runtime",
+    "pp512_median", "pp512_min", "pp512_max", "pp512_ratio",
+    "tg128_median", "tg128_min", "tg128_max", "tg128_ratio",
+    "decode_bandwidth_fraction", "max_busy_before_pass", "min_resident_fraction", "throughput_note",
 ]
+METRICS = {"pp512": "pp512_tok_s", "tg128": "tg128_tok_s"}
 
 
 class ReportInputError(ValueError):
@@ -60,18 +64,48 @@ def build_rows(
     for engine_id, engine in study["engines"].items():
         baseline = read_result(index[(engine_id, "baseline", "dense.ppl.json")])
         unquantized = {"quant": {}, "storage": baseline_storage[engine["reads"]]}
-        rows.append(_row(engine_id, "baseline", unquantized, baseline, baseline, None, None, tolerance))
+        engine_rows = []
         for arm in (a for a in study["arms"] if a["kind"] == engine["reads"]):
             arm_id = arm["id"]
             quantized = read_result(index[(engine_id, arm_id, "quantized.ppl.json")])
             dense_path = index.get((engine_id, arm_id, "dense.ppl.json"))
             dense = read_result(dense_path) if dense_path else None
             bench = read_result(index[(engine_id, arm_id, "bench.json")])
-            rows.append(_row(engine_id, arm_id, arms[arm_id], quantized, baseline, dense, bench, tolerance))
+            row = _row(engine_id, arm_id, arms[arm_id], quantized, baseline, dense, tolerance)
+            engine_rows.append({**row, **_throughput(bench, "arm")})
+        measured = [read_result(index[(engine_id, r["arm_id"], "bench.json")]) for r in engine_rows]
+        first = next((b for b in measured if b.get("measured")), measured[0] if measured else None)
+        base_row = _row(engine_id, "baseline", unquantized, baseline, baseline, None, tolerance)
+        rows += [{**base_row, **_throughput(first, "baseline")}, *engine_rows]
     return rows
 
 
-def _row(engine_id, arm_id, manifest, scored, baseline, dense, bench, tolerance) -> dict:
+def _throughput(bench: dict | None, side: str) -> dict:
+    """Median [min, max] over passes and the paired ratio, from a bench record."""
+    if bench is None or not bench.get("measured"):
+        note = bench.get("reason", "not measured") if bench else "no arm to pair it with"
+        return {key: "" for key in COLUMNS if key.startswith(("pp512", "tg128"))} | {
+            "decode_bandwidth_fraction": "", "max_busy_before_pass": "", "min_resident_fraction": "",
+            "throughput_note": note,
+        }
+    out = {}
+    for short, metric in METRICS.items():
+        stats = bench[side]["stats"][metric]
+        out |= {f"{short}_median": stats["median"], f"{short}_min": stats["min"], f"{short}_max": stats["max"]}
+        out[f"{short}_ratio"] = bench["ratio"][metric]["median"] if side == "arm" else 1.0
+    residency = [c["residency"][side]["resident_fraction"] for run in bench["runs"]
+                 for c in run["checks"].values()]
+    out |= {
+        "decode_bandwidth_fraction": bench[side]["roofline"]["fraction_of_limit"],
+        "max_busy_before_pass": bench["contention"]["max_busy"],
+        "min_resident_fraction": min(residency),
+        "throughput_note": (f"{bench['passes']} passes; busy-core override used"
+                            if bench["contention"]["override_used"] else f"{bench['passes']} passes"),
+    }
+    return out
+
+
+def _row(engine_id, arm_id, manifest, scored, baseline, dense, tolerance) -> dict:
     if scored["token_ids_sha256"] != baseline["token_ids_sha256"]:
         raise ReportInputError(f"{arm_id} on {engine_id} scored other token ids than its baseline")
     quant, storage = manifest["quant"], manifest["storage"]
@@ -97,7 +131,6 @@ def _row(engine_id, arm_id, manifest, scored, baseline, dense, bench, tolerance)
         "control_delta_nll": "",
         "control": "",
         "runtime": scored["runtime"],
-        "throughput": "not measured" if bench is None or not bench.get("measured") else "measured",
     }
     if dense:
         delta = scored["mean_nll"] - dense["mean_nll"]
@@ -132,6 +165,117 @@ def separability(rows: list[dict]) -> list[str]:
                     "not separable on this corpus, so the table does not rank them."
                 )
     return notes or ["- Every arm's interval excludes 0 and no two arms' intervals overlap."]
+
+
+def _span(r: dict, short: str) -> str:
+    if r[f"{short}_median"] == "":
+        return "—"
+    return (f"{r[f'{short}_median']:.1f} [{r[f'{short}_min']:.1f}–{r[f'{short}_max']:.1f}] "
+            f"×{r[f'{short}_ratio']:.2f}")
+
+
+def throughput_table(rows: list[dict]) -> list[str]:
+    headers = ["engine", "arm", "pp512 tok/s [min–max] ×base", "tg128 tok/s [min–max] ×base",
+               "decode BW", "busy", "resident", "note"]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    for r in rows:
+        measured = r["pp512_median"] != ""
+        cells = [r["engine"], f"`{r['arm_id']}`", _span(r, "pp512"), _span(r, "tg128"),
+                 f"{r['decode_bandwidth_fraction']:.0%}" if measured else "—",
+                 f"{r['max_busy_before_pass']:.0%}" if measured else "—",
+                 f"{r['min_resident_fraction']:.0%}" if measured else "—", r["throughput_note"]]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return lines
+
+
+def recommend(rows: list[dict]) -> list[str]:
+    """The arm to ship for speed and the one for fidelity, chosen from the table."""
+    candidates = [r for r in rows if r["arm_id"] != "baseline" and r["control"] != "NOT faithful"]
+    timed = [r for r in candidates if r["tg128_median"] != ""]
+    lines = []
+    if timed:
+        fast = max(timed, key=lambda r: r["tg128_median"])
+        lines.append(
+            f"- **For speed: `{fast['arm_id']}` on {fast['engine']}**: the fastest decode measured "
+            f"({fast['tg128_median']:.1f} tok/s, ×{fast['tg128_ratio']:.2f} its baseline) among arms "
+            f"whose runtime is not shown unfaithful, at Δppl {fast['delta_ppl_pct']:+.1f}%."
+        )
+    else:
+        lines.append("- For speed: no arm's throughput was measured on this host, so none is recommended.")
+    if candidates:
+        best = min(candidates, key=lambda r: r["delta_ppl"])
+        tied = [r["arm_id"] for r in candidates if r is not best and r["engine"] == best["engine"]
+                and overlapping((best["delta_ppl_ci_low"], best["delta_ppl_ci_high"]),
+                                (r["delta_ppl_ci_low"], r["delta_ppl_ci_high"]))]
+        reason = (f"the smallest perplexity increase ({best['delta_ppl_pct']:+.2f}%, "
+                  f"{best['bits_per_weight']:.2f} bits/weight) on {best['engine']}")
+        if tied:
+            reason += f"; not separable on this corpus from {', '.join(f'`{t}`' for t in tied)}"
+        lines.append(f"- **For fidelity: `{best['arm_id']}`**: {reason}.")
+    return lines
+
+
+def host_block(study: dict, facts: dict) -> list[str]:
+    lines = [
+        f"- Model: `{study['model']['id']}` ({study['model']['source']}); weights sha256: "
+        + ", ".join(f"{k} {v[:16]}…" for k, v in facts.get("model_sha256", {}).items()),
+        f"- Corpus: `{study['corpus']['id']}` ({study['corpus']['source']}); split sha256: "
+        + ", ".join(f"{k} {v[:16]}…" for k, v in facts.get("corpus_sha256", {}).items()),
+    ]
+    host = facts.get("provenance")
+    if host is None:
+        return lines + ["- No benchmark ran, so no host measurements were recorded."]
+    isa = ", ".join(flag for flag, present in host["isa"].items() if present) or "none of interest"
+    versions = ", ".join(f"{k} {v}" for k, v in sorted(host["versions"].items()))
+    return lines + [
+        f"- CPU: {host['cpu_model']}; ISA: {isa}",
+        f"- Cores used: {host['cores']} ({host['threads']} threads); load average {host['load_average']}",
+        f"- Memory bandwidth (triad, this run): {facts['bandwidth_gbs']:.1f} GB/s",
+        f"- Versions: {versions}",
+        f"- Environment: {host['env'] or 'no OMP_/VLLM_/KMP_ variables set'}",
+    ]
+
+
+PLOTS = ("report-quality-vs-bits.png", "report-quality-vs-decode.png")
+
+
+def plot(rows: list[dict], folder: Path) -> list[tuple[str, str]]:
+    """Quality against bits per weight, and against decode speed; PNGs next to the report."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = [r for r in rows if r["arm_id"] != "baseline"]
+    made = []
+    for name, title, x_key, x_label in (
+        (PLOTS[0], "Perplexity increase against bits per weight",
+         "bits_per_weight", "bits per weight (quantized layers, as stored)"),
+        (PLOTS[1], "Perplexity increase against decode speed (Pareto view)",
+         "tg128_median", "decode tg128, tokens/s (median)"),
+    ):
+        points = [r for r in arms if r[x_key] != ""]
+        figure, axes = plt.subplots(figsize=(7, 4.5))
+        if not points:
+            axes.text(0.5, 0.5, "not measured on this host", ha="center", va="center",
+                      transform=axes.transAxes)
+        for r in points:
+            low, high = r["delta_ppl_ci_low"], r["delta_ppl_ci_high"]
+            axes.errorbar(r[x_key], r["delta_ppl"], yerr=[[r["delta_ppl"] - low], [high - r["delta_ppl"]]],
+                          fmt="o", capsize=3)
+            axes.annotate(f"{r['arm_id'].rsplit('-', 1)[0]} ({r['engine'].split('-')[0]})",
+                          (r[x_key], r["delta_ppl"]), fontsize=7, xytext=(4, 4), textcoords="offset points")
+        axes.axhline(0, color="grey", linewidth=0.5)
+        axes.set_xlabel(x_label)
+        axes.set_ylabel("Δ perplexity vs own baseline (95% CI)")
+        axes.set_title(title)
+        figure.tight_layout()
+        temp = folder / f".{name}.tmp.png"
+        figure.savefig(temp, dpi=110)
+        plt.close(figure)
+        os.replace(temp, folder / name)
+        made.append((title, name))
+    return made
 
 
 def render_tsv(rows: list[dict]) -> str:
@@ -180,12 +324,12 @@ def render_markdown(study: dict, rows: list[dict], facts: dict) -> str:
                  _fmt(r["ppl"]), delta, control]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     lines += ["", "## What the evaluation split can and cannot tell apart", ""] + separability(rows)
+    lines += ["", "## Throughput", ""] + throughput_table(rows)
+    lines += ["", "## Recommendation for this host", ""] + recommend(rows)
+    if facts.get("plots"):
+        lines += ["", "## Plots", ""] + [f"![{title}]({name})" for title, name in facts["plots"]]
+    lines += ["", "## Host", ""] + host_block(study, facts)
     lines += [
-        "",
-        "## Throughput",
-        "",
-        "Not measured yet: the bench step is a placeholder in this version, so this report "
-        "has no prefill or decode numbers.",
         "",
         "## Definitions",
         "",
@@ -202,6 +346,17 @@ def render_markdown(study: dict, rows: list[dict], facts: dict) -> str:
         f"{study['evaluation']['control_tolerance']} nats/token; otherwise the runtime or the "
         "packing, not the quantizer, is wrong. llama.cpp (GGUF) arms have no dense expansion in "
         "this version, so no control (—).",
+        "",
+        "- **pp512 / tg128**: tokens/s for a 512-token prompt (one output token) and for 128 "
+        "greedy tokens after a one-token prompt (the one-token run subtracted), batch 1, synthetic "
+        "ids, as llama-bench defines them; median [min–max] over counted passes after a warm-up. "
+        "**×base** is the median of the pass-by-pass ratio to the same engine's baseline, timed "
+        "alternately (A B, B A, ...) in the same job.",
+        "- **decode BW**: bytes of weights one decoded token reads, times tokens/s, as a fraction "
+        "of the memory bandwidth measured by a STREAM-like triad in the same job.",
+        "- **busy**: the busiest pinned core's busy fraction just before a pass (the gate refuses "
+        "to time above its threshold); **resident**: the smallest fraction of the checkpoint's "
+        "pages in the page cache (mincore) before a pass.",
         "",
         "## Runtimes",
         "",
@@ -221,6 +376,7 @@ def write_report(
     baseline_checkpoint: str | os.PathLike,
     gguf_base_storage: str | os.PathLike | None = None,
     training_path: str | os.PathLike | None = None,
+    corpus_manifest: str | os.PathLike | None = None,
 ) -> None:
     storage = {"hf": storage_stats(baseline_checkpoint)}
     if gguf_base_storage:
@@ -234,6 +390,18 @@ def write_report(
     }
     if training_path and Path(training_path).is_file():
         facts["training"] = read_result(training_path)
+    source = Path(baseline_checkpoint) / "fourbit-source.json"
+    if source.is_file():
+        facts["model_sha256"] = read_result(source)["weights_sha256"]
+    if corpus_manifest:
+        splits = read_result(corpus_manifest).get("splits", {})
+        facts["corpus_sha256"] = {name: split["sha256"] for name, split in splits.items()}
+    benches = [read_result(p) for p in results if p.endswith("bench.json")]
+    measured = [b for b in benches if b.get("measured")]
+    if measured:
+        facts["provenance"] = measured[0]["provenance"]
+        facts["bandwidth_gbs"] = measured[0]["bandwidth"]["gbs"]
+    facts["plots"] = plot(rows, Path(markdown_path).parent)
     write_text(table_path, render_tsv(rows))
     write_text(markdown_path, render_markdown(study, rows, facts))
     log.info("report: %d rows", len(rows))

@@ -8,6 +8,16 @@ rule report:
     output:
         markdown=report(f"{RESULTS}/report.md", caption="../report/report.rst", category="Report"),
         table=report(f"{RESULTS}/report.tsv", caption="../report/table.rst", category="Report"),
+        quality_vs_bits=report(
+            f"{RESULTS}/report-quality-vs-bits.png",
+            caption="../report/quality_vs_bits.rst",
+            category="Plots",
+        ),
+        quality_vs_decode=report(
+            f"{RESULTS}/report-quality-vs-decode.png",
+            caption="../report/quality_vs_decode.rst",
+            category="Plots",
+        ),
     log:
         f"{RESULTS}/logs/report.log",
     conda:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fourbit.llamacpp import ARITHMETIC
+from fourbit.llamacpp.bench import llama_bench
 from fourbit.llamacpp.build import find_llamacpp
 from fourbit.llamacpp.perplexity import score_windows as llamacpp_score
 
@@ -27,3 +28,18 @@ def score_windows(checkpoint: Path, windows: list[list[int]], settings: dict, th
 def runtime(checkpoint: Path, settings: dict) -> str:
     pinned = ", ".join(f"{k}={v}" for k, v in ARITHMETIC.items())
     return f"llama.cpp {_tools().commit[:7]} CPU ({Path(checkpoint).name}; {pinned})"
+
+
+def throughput(checkpoint: Path, settings: dict, threads: int, *, prompt_tokens: int,
+               decode_tokens: int) -> dict:
+    """One timed pass: llama-bench's pp512 and tg128 (the median of its repetitions).
+
+    llama-bench measures exactly what fourbit's bench defines (a 512-token prompt;
+    128 tokens after a one-token prompt), so only those sizes are accepted.
+    """
+    if (prompt_tokens, decode_tokens) != (512, 128):
+        raise ValueError(
+            f"llama-bench here runs pp512/tg128; bench asks pp{prompt_tokens}/tg{decode_tokens}"
+        )
+    result = llama_bench(Path(checkpoint), tools=_tools(), threads=threads, repetitions=2)
+    return {"pp512_tok_s": result["pp512"]["median"], "tg128_tok_s": result["tg128"]["median"]}
