@@ -5,7 +5,11 @@ from snakemake.utils import min_version
 min_version("9.0")
 
 
-configfile: "config.yaml"
+# config.yaml is the study unless --configfile names another; then that file is
+# the whole study (Snakemake would otherwise merge the two, engines included).
+if not workflow.config_settings.configfiles:
+
+    configfile: "config.yaml"
 
 
 report: "workflow/report/workflow.rst"
@@ -16,6 +20,7 @@ include: "workflow/rules/prepare.smk"
 include: "workflow/rules/quantize.smk"
 include: "workflow/rules/llamacpp.smk"
 include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/fidelity.smk"
 include: "workflow/rules/report.smk"
 
 

@@ -34,6 +34,7 @@ def results(tmp_path):
         "quantized": tmp_path / ENGINE / ARM / "quantized.ppl.json",
         "dense": tmp_path / ENGINE / ARM / "dense.ppl.json",
         "bench": tmp_path / ENGINE / ARM / "bench.json",
+        "fidelity": tmp_path / ENGINE / ARM / "fidelity.json",
     }
     for path in paths.values():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -41,6 +42,10 @@ def results(tmp_path):
     paths["quantized"].write_text(json.dumps(ppl_result(31.0)))
     paths["dense"].write_text(json.dumps(ppl_result(31.0)))
     paths["bench"].write_text(json.dumps({"measured": False}))
+    paths["fidelity"].write_text(json.dumps({
+        "computed": True, "method": "full logits", "bound": "exact", "kl_mean": 0.01, "kl_p99": 0.1,
+        "top1_agreement": 0.95, "greedy": {"identical": 3, "prompts": 4},
+    }))
     manifest = tmp_path / "arm.json"
     manifest.write_text(json.dumps({"id": ARM, "quant": {"method": "cpu_int4", "group_size": 128, "sym": False},
                                     "storage": {"quantized_bits_per_weight": 4.19, "file_bits_per_param": 5.0,

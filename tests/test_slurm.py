@@ -38,7 +38,8 @@ CONF_MARKER = "# written by fourbit tests/slurm/start.sh"
 # adds 10 s per poll while nothing finishes; from 1 s, a short job is seen sooner.
 FAST_POLL = ["--slurm-init-seconds-before-status-checks", "1"]
 STUDY_RULES = {"prepare_corpus", "download", "untie_head", "tokenize_evaluation", "quantize",
-               "dequantize", "ppl", "bench", "report"}
+               "dequantize", "ppl", "bench", "fidelity", "report", "build_llamacpp",
+               "convert_gguf", "quantize_gguf"}
 
 @dataclass
 class Run:

@@ -64,8 +64,9 @@ def test_changing_one_arm_reschedules_only_that_arm(finished_study, tmp_path):
     changed.write_text(yaml.safe_dump(config))
     dry = snakemake(finished_study, "-n", "results/report.md", config=changed)
     assert dry.returncode == 0, dry.stderr[-3000:]
-    # One new arm: quantize, dequantize, its two ppl runs, its bench, then the report.
-    assert scheduled_jobs(dry.stdout) == {"quantize": 1, "dequantize": 1, "ppl": 2, "bench": 1, "report": 1}
+    # One new arm: quantize, dequantize, its two ppl runs, bench, fidelity, then the report.
+    expected = {"quantize": 1, "dequantize": 1, "ppl": 2, "bench": 1, "fidelity": 1, "report": 1}
+    assert scheduled_jobs(dry.stdout) == expected
 
 
 def test_unchanged_config_schedules_nothing(finished_study):

@@ -27,6 +27,7 @@ COLUMNS = [
     "pp512_median", "pp512_min", "pp512_max", "pp512_ratio",
     "tg128_median", "tg128_min", "tg128_max", "tg128_ratio",
     "decode_bandwidth_fraction", "max_busy_before_pass", "min_resident_fraction", "throughput_note",
+    "kl_mean", "kl_p99", "kl_bound", "top1_agreement", "greedy_identical", "greedy_prompts",
 ]
 METRICS = {"pp512": "pp512_tok_s", "tg128": "tg128_tok_s"}
 
@@ -71,13 +72,44 @@ def build_rows(
             dense_path = index.get((engine_id, arm_id, "dense.ppl.json"))
             dense = read_result(dense_path) if dense_path else None
             bench = read_result(index[(engine_id, arm_id, "bench.json")])
+            fidelity = read_result(index[(engine_id, arm_id, "fidelity.json")])
             row = _row(engine_id, arm_id, arms[arm_id], quantized, baseline, dense, tolerance)
-            engine_rows.append({**row, **_throughput(bench, "arm")})
+            engine_rows.append({**row, **_throughput(bench, "arm"), **_fidelity(fidelity)})
         measured = [read_result(index[(engine_id, r["arm_id"], "bench.json")]) for r in engine_rows]
         first = next((b for b in measured if b.get("measured")), measured[0] if measured else None)
         base_row = _row(engine_id, "baseline", unquantized, baseline, baseline, None, tolerance)
-        rows += [{**base_row, **_throughput(first, "baseline")}, *engine_rows]
+        rows += [{**base_row, **_throughput(first, "baseline"), **_fidelity(None)}, *engine_rows]
     return rows
+
+
+def _fidelity(record: dict | None) -> dict:
+    """KL and top-1 agreement against the baseline's next-token distribution; greedy matches."""
+    if record is None or not record.get("computed", True):
+        return {"kl_mean": "", "kl_p99": "", "kl_bound": record.get("reason", "") if record else "",
+                "top1_agreement": "", "greedy_identical": "", "greedy_prompts": ""}
+    return {
+        "kl_mean": record["kl_mean"],
+        "kl_p99": record["kl_p99"],
+        "kl_bound": f"{record['method']} ({record['bound']})",
+        "top1_agreement": record["top1_agreement"],
+        "greedy_identical": record["greedy"]["identical"],
+        "greedy_prompts": record["greedy"]["prompts"],
+    }
+
+
+def fidelity_table(rows: list[dict]) -> list[str]:
+    headers = ["engine", "arm", "KL mean (nats)", "KL p99", "top-1 agreement", "greedy identical", "from"]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    for r in (r for r in rows if r["arm_id"] != "baseline"):
+        if r["kl_mean"] == "":
+            cells = [r["engine"], f"`{r['arm_id']}`", "—", "—", "—", "—", r["kl_bound"] or "not computed"]
+        else:
+            lower = "≥ " if "lower" in r["kl_bound"] else ""
+            cells = [r["engine"], f"`{r['arm_id']}`", f"{lower}{r['kl_mean']:.4g}", f"{lower}{r['kl_p99']:.4g}",
+                     f"{r['top1_agreement']:.1%}", f"{r['greedy_identical']}/{r['greedy_prompts']}",
+                     r["kl_bound"]]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return lines
 
 
 def _throughput(bench: dict | None, side: str) -> dict:
@@ -324,6 +356,7 @@ def render_markdown(study: dict, rows: list[dict], facts: dict) -> str:
                  _fmt(r["ppl"]), delta, control]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     lines += ["", "## What the evaluation split can and cannot tell apart", ""] + separability(rows)
+    lines += ["", "## Fidelity to the baseline", ""] + fidelity_table(rows)
     lines += ["", "## Throughput", ""] + throughput_table(rows)
     lines += ["", "## Recommendation for this host", ""] + recommend(rows)
     if facts.get("plots"):
@@ -347,6 +380,11 @@ def render_markdown(study: dict, rows: list[dict], facts: dict) -> str:
         "packing, not the quantizer, is wrong. llama.cpp (GGUF) arms have no dense expansion in "
         "this version, so no control (—).",
         "",
+        "- **KL / top-1**: per scored position, KL(baseline ‖ arm) of the next-token "
+        "distributions and whether their most likely tokens agree, on the first windows of the "
+        "same token ids. From full logits where the engine gives them; vLLM returns only top-k "
+        "logprobs, so its KL is a lower bound (≥). **greedy identical**: of N fixed prompts, how "
+        "many continue exactly like the baseline's greedy continuation.",
         "- **pp512 / tg128**: tokens/s for a 512-token prompt (one output token) and for 128 "
         "greedy tokens after a one-token prompt (the one-token run subtracted), batch 1, synthetic "
         "ids, as llama-bench defines them; median [min–max] over counted passes after a warm-up. "

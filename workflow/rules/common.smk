@@ -84,6 +84,7 @@ def all_results():
             for form in forms:
                 files.append(f"{EVAL_DIR}/{engine.id}/{arm_id}/{form}.ppl.json")
             files.append(f"{EVAL_DIR}/{engine.id}/{arm_id}/bench.json")
+            files.append(f"{EVAL_DIR}/{engine.id}/{arm_id}/fidelity.json")
     return files
 
 

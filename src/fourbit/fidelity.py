@@ -1,0 +1,348 @@
+"""Fidelity of an arm to its engine's unquantized baseline: next-token KL, top-1, greedy.
+
+Definition (written next to every number this module produces):
+
+- Positions: the first ``windows`` windows of the study's windows file (the very
+  token ids ppl scores), positions 1..W-1 of each, every one predicted from the
+  tokens before it in its window, exactly the positions ppl scores. At each, P_b
+  and P_a are the baseline's and the arm's next-token distributions, both run by
+  the same engine.
+- ``kl`` = KL(P_b || P_a) = sum_v P_b(v) (log P_b(v) - log P_a(v)), in nats, per
+  position; ``kl_mean`` is its mean over positions and ``kl_p99`` its 99th
+  percentile (numpy's linear interpolation).
+- ``top1_agreement``: the fraction of those positions where both distributions
+  have the same most likely token.
+- Greedy fidelity: the first ``prompt_tokens`` tokens of the first ``prompts``
+  windows are continued by each model, greedily (argmax), for exactly
+  ``new_tokens`` tokens (EOS does not stop them); ``identical`` counts the
+  prompts whose two continuations are equal token for token, and
+  ``matching_prefix`` gives, per prompt, how many leading tokens agree.
+
+How KL is computed depends on what the engine gives:
+
+``full logits`` (the reference engine): log_softmax over the whole vocabulary,
+accumulated in float64. Exact.
+
+``top-k lower bound`` (vLLM): vLLM returns, per position, the top-k ids and
+logprobs of the model that ran and the logprob of the actual next token, not
+the logprob of ids of our choosing. With S the baseline's top-k ids, A the
+arm's top-k ids, m the arm's smallest returned probability and y the actual
+next token, every id of S has a known or bounded arm probability: exact for
+ids in A or equal to y, else P_a(i) <= m (it is not in the arm's top k). Two
+estimates are computed, and each is a lower bound of the KL (so their maximum,
+which is reported, is one too):
+
+1. merged (``kl_merged``): K = the ids whose logprobs both models returned
+   (S ∩ A, and y); every other id is merged into one outcome R.
+   LB1 = sum_{i in K} P_b(i) log(P_b(i)/P_a(i)) + P_b(R) log(P_b(R)/P_a(R)),
+   P(R) = 1 - sum_{i in K} P(i). This is the KL of the two distributions
+   coarsened by the same map, and a coarsening never increases KL (the
+   log-sum inequality applied to the cell R: sum_{v in R} p log(p/q) >=
+   P(R) log(P(R)/Q(R))). Equality iff P_b/P_a is constant over R.
+
+2. substituted (``kl_substituted``): every id of S outside A (y excepted) is
+   given the arm probability m, the most it can have, and the rest of the
+   vocabulary is one outcome with the remaining mass:
+   LB2 = sum_{i in S} P_b(i) log(P_b(i)/q_i) + P_b(R) log(P_b(R)/(1 - sum_S q_i)),
+   R = V \\ S. Why it is a lower bound: let J = S \\ A (minus y) and pair each
+   j in J with its own a in A \\ S (possible: |S| = |A| = k, so |A \\ S| =
+   |S \\ A| >= |J|). Move mass m - P_a(j) from a to j: Q_j = m, Q_a = P_a(a) +
+   P_a(j) - m >= 0 (P_a(a) >= m). LB2 is the coarsened KL(P_b || Q) (a in R), so
+   LB2 <= KL(P_b || Q) by (1). And KL(P_b || Q) <= KL(P_b || P_a): with u =
+   P_a(j) <= m <= v = P_a(a) and P_b(a) <= P_b(j) (a is outside the baseline's
+   top k, j inside), the pair's change is P_b(j) log(u/m) + P_b(a) log(v/(v+u-m))
+   <= P_b(j) log(uv / (m(v+u-m))) <= 0, because m(v+u-m) - uv = (v-m)(m-u) >= 0.
+   So the reading "missing ids get the arm's smallest returned logprob" is a
+   bound when the remainder is computed from the substituted values, as here;
+   the proof uses that both lists have the same length k.
+
+Both are exact when the top-k lists cover the vocabulary; otherwise they can be
+far below the KL when the distributions are flat (much mass outside the top k):
+``baseline_mass_topk`` (mean P_b(S)) says how much of the baseline's
+distribution was compared id by id. vLLM returns float32 logprobs: the
+remainders 1 - sum are floored at REST_FLOOR before dividing (which only lowers
+a term), so the bounds hold to float32 rounding. A bound at every position bounds
+the mean, the median, the p99 and the max too (order statistics are monotone).
+top-1 agreement from the rank-1 ids is exact either way.
+
+Engines take part through a module-level function
+
+    compare_with_baseline(arm_checkpoint, baseline_checkpoint, windows, settings, threads,
+                          *, prompts, new_tokens, top_k) -> dict
+
+returning {"method", "window_kl": [[float] per position] per window,
+"window_top1": [[bool]...], "greedy_baseline": [[ids]], "greedy_arm": [[ids]],
+"runtime": str, "baseline_runtime": str} and, for a top-k bound,
+"window_kl_merged", "window_kl_substituted" and "window_mass_topk" like
+window_kl. An engine without it (llama.cpp, whose own KL mode is
+fourbit.llamacpp.perplexity.kl_divergence) gets a record saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from fourbit.atomic import write_json
+from fourbit.engines import get_engine
+
+log = logging.getLogger("fourbit")
+
+FULL = "full logits"
+TOPK = "top-k lower bound"
+REST_FLOOR = 1e-6  # remainders below float32 resolution of a sum of k probabilities
+
+# The `fidelity` block of the study config, with its defaults (the schema's, once it has one).
+DEFAULTS = {
+    "windows": 8,  # windows (from the start of the windows file) whose positions are compared
+    "prompts": 16,  # greedy prompts: the first prompt_tokens tokens of the first `prompts` windows
+    "prompt_tokens": 32,
+    "new_tokens": 32,  # tokens generated greedily per prompt, EOS ignored
+    "top_k": 20,  # logprobs per position for engines without full logits (vLLM)
+}
+
+DEFINITION = (
+    "KL(P_base || P_arm) in nats and top-1 agreement of the next-token distributions at "
+    "positions 1..{last} of the first {windows} windows (the ppl positions), both run by the "
+    "same engine; greedy: the first {prompt_tokens} tokens of the first {prompts} windows "
+    "continued for exactly {new_tokens} tokens by each model (argmax, EOS ignored), "
+    "identical = equal token for token"
+)
+
+NOT_COMPARED = (
+    "not computed for this engine: it returns neither full logits nor top-k logprobs of "
+    "chosen token ids here (llama.cpp has its own KL mode: fourbit.llamacpp.perplexity."
+    "kl_divergence, on its own chunking)"
+)
+
+
+def resolve_settings(given: Mapping) -> dict:
+    """``given`` over DEFAULTS; errors name the key and the fix."""
+    unknown = sorted(set(given) - set(DEFAULTS))
+    if unknown:
+        raise ValueError(f"fidelity: unknown key(s) {unknown}; allowed: {sorted(DEFAULTS)}")
+    settings = {**DEFAULTS, **given}
+    for key, value in settings.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"fidelity.{key}={value!r}; it must be a whole number >= 1")
+    return settings
+
+
+def select(
+    windows: Sequence[Sequence[int]], settings: Mapping
+) -> tuple[list[list[int]], list[list[int]]]:
+    """The windows whose positions are compared, and the greedy prompts."""
+    if not windows:
+        raise ValueError("the windows file holds no windows")
+    compared = [list(w) for w in windows[: settings["windows"]]]
+    short = [i for i, w in enumerate(windows[: settings["prompts"]])
+             if len(w) < settings["prompt_tokens"]]
+    if short:
+        raise ValueError(
+            f"fidelity.prompt_tokens={settings['prompt_tokens']} is longer than window {short[0]} "
+            f"({len(windows[short[0]])} tokens); lower it"
+        )
+    prompts = [list(w[: settings["prompt_tokens"]]) for w in windows[: settings["prompts"]]]
+    return compared, prompts
+
+
+# --- the arithmetic -------------------------------------------------------------------------
+
+
+def kl_full(base_logprobs, arm_logprobs):
+    """KL(P_b || P_a) per row of two [..., V] log-softmax tensors, in float64."""
+    base, arm = base_logprobs.double(), arm_logprobs.double()
+    return (base.exp() * (base - arm)).sum(-1)
+
+
+def _cell(p: float, q: float) -> float:
+    """p log(p/q) for one outcome; q floored at REST_FLOOR (which can only lower the term)."""
+    if p <= 0.0:
+        return 0.0
+    return p * math.log(p / max(q, REST_FLOOR))
+
+
+def kl_topk_bounds(
+    base_ids: Sequence[int],
+    base_logprobs: Sequence[float],
+    arm_ids: Sequence[int],
+    arm_logprobs: Sequence[float],
+    actual: int,
+    base_actual: float,
+    arm_actual: float,
+) -> dict:
+    """The two lower bounds of KL(P_b || P_a) at one position (see the module docstring).
+
+    base_ids/base_logprobs: the baseline's top-k; arm_ids/arm_logprobs: the arm's top-k
+    (the same k); actual: the next token, with each model's logprob of it.
+    Returns {"merged", "substituted", "bound" (their max), "mass_topk" (P_b of its top k)}.
+    """
+    if len(base_ids) != len(arm_ids):
+        raise ValueError(f"top-k lists differ in length: {len(base_ids)} vs {len(arm_ids)}")
+    base = dict(zip(base_ids, base_logprobs, strict=True))
+    arm = dict(zip(arm_ids, arm_logprobs, strict=True))
+    base_known = {**base, actual: base_actual}
+    arm_known = {**arm, actual: arm_actual}
+    smallest = min(arm_logprobs)
+
+    # 1. merged: every id with both logprobs known (S ∩ A and the actual token), the rest
+    # one outcome.
+    known = [i for i in base_known if i in arm_known]
+    head = math.fsum(math.exp(base_known[i]) * (base_known[i] - arm_known[i]) for i in known)
+    rest_b = 1.0 - math.fsum(math.exp(base_known[i]) for i in known)
+    rest_a = 1.0 - math.fsum(math.exp(arm_known[i]) for i in known)
+    merged = head + _cell(rest_b, rest_a)
+
+    # 2. substituted: the baseline's top-k ids the arm did not return get the arm's smallest;
+    # an actual token outside the baseline's top k stays in the remainder (the proof needs S
+    # to be exactly the baseline's top k).
+    q = {i: arm_known.get(i, smallest) for i in base}
+    head = math.fsum(math.exp(base[i]) * (base[i] - q[i]) for i in base)
+    mass_b = math.fsum(math.exp(base[i]) for i in base)
+    rest_a = 1.0 - math.fsum(math.exp(q[i]) for i in base)
+    substituted = head + _cell(1.0 - mass_b, rest_a)
+    return {
+        "merged": merged,
+        "substituted": substituted,
+        "bound": max(merged, substituted),
+        "mass_topk": min(mass_b, 1.0),
+    }
+
+
+def _percentile(values: Sequence[float], q: float) -> float:
+    import numpy as np
+
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q))
+
+
+def summarize(compared: Mapping) -> dict:
+    """Per-position results (an engine's compare_with_baseline) -> the record's numbers."""
+    kl = [x for window in compared["window_kl"] for x in window]
+    top1 = [x for window in compared["window_top1"] for x in window]
+    if not kl or len(kl) != len(top1):
+        raise ValueError(f"{len(kl)} KL values and {len(top1)} top-1 values; expected equal, > 0")
+    result = {
+        "positions": len(kl),
+        "kl_mean": math.fsum(kl) / len(kl),
+        "kl_p99": _percentile(kl, 99),
+        "kl_median": _percentile(kl, 50),
+        "kl_max": max(kl),
+        "top1_agreement": sum(bool(x) for x in top1) / len(top1),
+        "window_kl_sum": [math.fsum(w) for w in compared["window_kl"]],
+        "window_top1": [sum(bool(x) for x in w) for w in compared["window_top1"]],
+        "window_positions": [len(w) for w in compared["window_kl"]],
+    }
+    if "window_mass_topk" in compared:
+        mass = [x for window in compared["window_mass_topk"] for x in window]
+        result["baseline_mass_topk"] = math.fsum(mass) / len(mass)
+        for name in ("merged", "substituted"):
+            values = [x for window in compared[f"window_kl_{name}"] for x in window]
+            result[f"kl_mean_{name}"] = math.fsum(values) / len(values)
+    return result
+
+
+def greedy_summary(
+    baseline: Sequence[Sequence[int]], arm: Sequence[Sequence[int]], new_tokens: int
+) -> dict:
+    if len(baseline) != len(arm):
+        raise ValueError(f"{len(baseline)} baseline continuations, {len(arm)} arm continuations")
+    for side, conts in (("baseline", baseline), ("arm", arm)):
+        lengths = {len(c) for c in conts}
+        if lengths != {new_tokens}:
+            raise ValueError(
+                f"{side} continuations have lengths {sorted(lengths)}, not {new_tokens}"
+            )
+    prefix = []
+    for b, a in zip(baseline, arm, strict=True):
+        same = 0
+        while same < new_tokens and b[same] == a[same]:
+            same += 1
+        prefix.append(same)
+    return {
+        "prompts": len(baseline),
+        "new_tokens": new_tokens,
+        "identical": sum(p == new_tokens for p in prefix),
+        "matching_prefix": prefix,
+        "matching_prefix_mean": sum(prefix) / len(prefix) if prefix else 0.0,
+    }
+
+
+# --- the step ---------------------------------------------------------------------------------
+
+
+def compare_arm(
+    arm_checkpoint: str | os.PathLike,
+    baseline_checkpoint: str | os.PathLike,
+    windows_path: str | os.PathLike,
+    out_path: str | os.PathLike,
+    engine_settings: Mapping,
+    fidelity_settings: Mapping,
+    *,
+    threads: int,
+) -> dict:
+    """Compare one arm with the same engine's baseline; write ``out_path`` (JSON, atomically)."""
+    settings = resolve_settings(fidelity_settings)
+    windows_file = json.loads(Path(windows_path).read_text())
+    compared_windows, prompts = select(windows_file["windows"], settings)
+    engine = get_engine(engine_settings["name"])
+    record = {
+        "definition": DEFINITION.format(
+            last=len(compared_windows[0]) - 1, windows=len(compared_windows),
+            prompt_tokens=settings["prompt_tokens"], prompts=len(prompts),
+            new_tokens=settings["new_tokens"],
+        ),
+        "token_ids_sha256": windows_file["token_ids_sha256"],
+        "engine": dict(engine_settings),
+        "settings": settings,
+        "checkpoint": str(arm_checkpoint),
+        "baseline": str(baseline_checkpoint),
+        "windows": len(compared_windows),
+    }
+    compare = getattr(engine, "compare_with_baseline", None)
+    if compare is None:
+        record.update({"computed": False, "method": None, "reason": NOT_COMPARED})
+        write_json(out_path, record)
+        log.info("%s: %s", engine_settings["name"], NOT_COMPARED)
+        return record
+
+    # Compile caches for engines that compile (vLLM), one per checkpoint, never shared
+    # between checkpoints: the arm's next to its record, the baseline's next to the
+    # baseline's results (<engine>/baseline/), shared by every arm's job, so only the
+    # first job pays for the baseline's compilation.
+    out = Path(out_path)
+    run_settings = {
+        **engine_settings,
+        "cache_root": str(out.parent / "fidelity.cache"),
+        "baseline_cache_root": str(out.parent.parent / "baseline" / "fidelity.cache"),
+    }
+    start = time.perf_counter()
+    compared = compare(
+        Path(arm_checkpoint), Path(baseline_checkpoint), compared_windows, run_settings, threads,
+        prompts=prompts, new_tokens=settings["new_tokens"], top_k=settings["top_k"],
+    )
+    record.update(
+        {
+            "computed": True,
+            "method": compared["method"],
+            "bound": "exact" if compared["method"] == FULL else "lower bound",
+            **summarize(compared),
+            "greedy": greedy_summary(compared["greedy_baseline"], compared["greedy_arm"],
+                                     settings["new_tokens"]),
+            "runtime": compared["runtime"],
+            "baseline_runtime": compared["baseline_runtime"],
+            "seconds": time.perf_counter() - start,
+        }
+    )
+    write_json(out_path, record)
+    log.info(
+        "%s vs %s (%s): KL mean %.5f p99 %.5f, top-1 %.4f, greedy %d/%d identical (%.1f s)",
+        arm_checkpoint, baseline_checkpoint, record["method"], record["kl_mean"], record["kl_p99"],
+        record["top1_agreement"], record["greedy"]["identical"], record["greedy"]["prompts"],
+        record["seconds"],
+    )
+    return record

@@ -1,0 +1,269 @@
+"""fourbit.fidelity: next-token KL, top-1 agreement and greedy fidelity against the baseline."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from conftest import save_tiny_llama
+
+from fourbit.engines import reference
+from fourbit.fidelity import (
+    FULL,
+    TOPK,
+    compare_arm,
+    greedy_summary,
+    kl_full,
+    kl_topk_bounds,
+    resolve_settings,
+    select,
+)
+
+REFERENCE = {"name": "reference", "dtype": "float32", "threads": 2}
+VLLM = {"name": "vllm", "dtype": "float32", "enforce_eager": True, "kv_cache_bytes": 32 << 20}
+SMALL = {"windows": 4, "prompts": 4, "prompt_tokens": 8, "new_tokens": 8, "top_k": 20}
+WINDOWS = torch.randint(0, 512, (5, 64), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+# --- the arithmetic ---------------------------------------------------------------------------
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max()
+    return x - np.log(np.exp(x).sum())
+
+
+def _bounds(lb: np.ndarray, la: np.ndarray, k: int, actual: int) -> dict:
+    """What vLLM returns (each side's top k by rank, and the actual token), fed to the bound."""
+    sb, sa = np.argsort(-lb, kind="stable")[:k], np.argsort(-la, kind="stable")[:k]
+    return kl_topk_bounds(sb.tolist(), lb[sb].tolist(), sa.tolist(), la[sa].tolist(), actual,
+                          float(lb[actual]), float(la[actual]))
+
+
+def test_kl_full_matches_torch_and_is_zero_for_identical_rows():
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(7, 50, generator=g).log_softmax(-1)
+    arm = (base + 0.3 * torch.randn(7, 50, generator=g)).log_softmax(-1)
+    want = torch.nn.functional.kl_div(arm.double(), base.double(), log_target=True,
+                                      reduction="none").sum(-1)
+    assert torch.allclose(kl_full(base, arm), want, atol=1e-12)
+    assert kl_full(base, base).abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_topk_bounds_never_exceed_the_kl(seed):
+    """Random pairs of distributions, flat to peaked, any k: both bounds <= KL; exact at k = V."""
+    rng = np.random.default_rng(seed)
+    for _ in range(400):
+        vocab = int(rng.integers(2, 40))
+        k = int(rng.integers(1, vocab + 1))
+        scale = 10 ** rng.uniform(-1, 1.3)
+        lb = _log_softmax(rng.normal(size=vocab) * scale)
+        la = _log_softmax(rng.normal(size=vocab) * scale if rng.random() < 0.3
+                          else lb + rng.normal(size=vocab) * rng.uniform(0, 2))
+        actual = int(rng.integers(vocab))
+        kl = float(np.sum(np.exp(lb) * (lb - la)))
+        got = _bounds(lb, la, k, actual)
+        assert got["merged"] <= kl + 1e-9
+        assert got["substituted"] <= kl + 1e-9
+        assert got["bound"] == max(got["merged"], got["substituted"])
+        if k == vocab:
+            assert got["bound"] == pytest.approx(kl, abs=1e-9)
+
+
+def test_topk_bounds_adversarial_search():
+    """Hill-climb for a pair where the substituted bound exceeds the KL: there is none."""
+    rng = np.random.default_rng(7)
+    worst = -math.inf
+    for _ in range(30):
+        vocab = int(rng.integers(3, 8))
+        k = int(rng.integers(1, vocab))
+        x = rng.normal(size=2 * vocab) * 3
+        step = 1.0
+
+        def gap(x):
+            lb, la = _log_softmax(x[:vocab]), _log_softmax(x[vocab:])
+            kl = float(np.sum(np.exp(lb) * (lb - la)))
+            return _bounds(lb, la, k, int(np.argmin(lb)))["substituted"] - kl
+
+        best = gap(x)
+        for i in range(600):
+            y = x + rng.normal(size=x.size) * step
+            if (g := gap(y)) > best:
+                x, best = y, g
+            if i % 100 == 99:
+                step *= 0.5
+        worst = max(worst, best)
+    # float rounding only: remainders are 1 - sum of probabilities
+    assert worst <= 1e-6
+
+
+def test_topk_bounds_of_identical_distributions_are_zero():
+    lb = _log_softmax(np.random.default_rng(0).normal(size=100) * 3)
+    got = _bounds(lb, lb, 10, 3)
+    assert got["merged"] == pytest.approx(0, abs=1e-12)
+    assert got["substituted"] == pytest.approx(0, abs=1e-12)
+    assert 0 < got["mass_topk"] < 1
+
+
+def test_greedy_summary_counts_identical_and_matching_prefixes():
+    got = greedy_summary([[1, 2, 3], [4, 5, 6], [7, 8, 9]], [[1, 2, 3], [4, 0, 6], [0, 8, 9]], 3)
+    assert got == {"prompts": 3, "new_tokens": 3, "identical": 1, "matching_prefix": [3, 1, 0],
+                   "matching_prefix_mean": pytest.approx(4 / 3)}
+    with pytest.raises(ValueError, match="lengths"):
+        greedy_summary([[1, 2]], [[1, 2, 3]], 3)
+
+
+def test_settings_and_selection():
+    assert resolve_settings({})["top_k"] == 20
+    with pytest.raises(ValueError, match="unknown key"):
+        resolve_settings({"prompt_token": 3})
+    with pytest.raises(ValueError, match="fidelity.new_tokens"):
+        resolve_settings({"new_tokens": 0})
+    windows, prompts = select(WINDOWS, resolve_settings(SMALL))
+    assert windows == WINDOWS[:4] and prompts == [w[:8] for w in WINDOWS[:4]]
+    with pytest.raises(ValueError, match="prompt_tokens=100"):
+        select(WINDOWS, resolve_settings({"prompt_tokens": 100}))
+
+
+# --- tiny models ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A tiny Llama with peaked next-token distributions, an exact copy, and a perturbed copy."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("fidelity")
+    save_tiny_llama(root / "raw", tied=False)
+    model = AutoModelForCausalLM.from_pretrained(root / "raw", dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)  # random init is nearly uniform: peak it (top-20 mass ~0.75)
+    model.save_pretrained(root / "baseline")
+    shutil.copytree(root / "baseline", root / "copy")
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05 * p.std())
+    model.save_pretrained(root / "perturbed")
+    windows = root / "windows.json"
+    windows.write_text(json.dumps({"windows": WINDOWS, "token_ids_sha256": "test"}))
+    return root
+
+
+def test_reference_copy_is_identical(models, tmp_path):
+    out = compare_arm(models / "copy", models / "baseline", models / "windows.json",
+                      tmp_path / "fidelity.json", REFERENCE, SMALL, threads=2)
+    assert json.loads((tmp_path / "fidelity.json").read_text()) == json.loads(json.dumps(out))
+    assert out["method"] == FULL and out["bound"] == "exact" and out["computed"]
+    assert out["positions"] == 4 * 63
+    assert out["kl_mean"] == out["kl_p99"] == out["kl_max"] == 0.0
+    assert out["top1_agreement"] == 1.0
+    assert out["greedy"]["identical"] == out["greedy"]["prompts"] == 4
+    assert out["runtime"] == "transformers float32 dense"
+
+
+def test_reference_perturbed_copy_diverges(models, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = compare_arm(models / "perturbed", models / "baseline", models / "windows.json",
+                      tmp_path / "fidelity.json", REFERENCE, SMALL, threads=2)
+    assert out["kl_mean"] > 1e-3 and out["kl_p99"] >= out["kl_median"]
+    assert out["top1_agreement"] < 1.0
+    # The same numbers, computed independently from transformers' logits.
+    ids = torch.tensor(WINDOWS[:4])
+    with torch.inference_mode():
+        base = AutoModelForCausalLM.from_pretrained(models / "baseline")(ids).logits[:, :-1]
+        arm = AutoModelForCausalLM.from_pretrained(models / "perturbed")(ids).logits[:, :-1]
+    kl = torch.nn.functional.kl_div(arm.double().log_softmax(-1), base.double().log_softmax(-1),
+                                    log_target=True, reduction="none").sum(-1)
+    assert out["kl_mean"] == pytest.approx(kl.mean().item(), rel=1e-6)
+    assert out["window_kl_sum"] == pytest.approx(kl.sum(-1).tolist(), rel=1e-6)
+    assert out["top1_agreement"] == (base.argmax(-1) == arm.argmax(-1)).double().mean().item()
+
+
+def test_reference_greedy_matches_a_loop_without_cache(models):
+    """The KV-cache batched greedy is the argmax of the whole sequence, step by step."""
+    from transformers import AutoModelForCausalLM
+
+    prompts = [WINDOWS[0][:8], WINDOWS[1][:8], WINDOWS[2][:5]]  # two lengths: two batches
+    model = AutoModelForCausalLM.from_pretrained(models / "perturbed").eval()
+    with torch.inference_mode():
+        got = reference._greedy(model, prompts, 10)
+        for prompt, continuation in zip(prompts, got, strict=True):
+            ids = list(prompt)
+            for _ in range(10):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            assert continuation == ids[len(prompt):]
+
+
+def test_reference_quantized_arm(models, tmp_path):
+    """A real 4-bit arm: loads through the int4 kernel, close to but not equal to its baseline."""
+    from fourbit.config import canonical_quant, load_schema
+    from fourbit.quantize import quantize_checkpoint
+
+    arm = {"name": "t", "id": "t-0000000000",
+           "quant": canonical_quant({"method": "cpu_int4", "group_size": 64}, load_schema())}
+    quantize_checkpoint(models / "baseline", tmp_path / "q", tmp_path / "arm.json", arm)
+    out = compare_arm(tmp_path / "q", models / "baseline", models / "windows.json",
+                      tmp_path / "fidelity.json", REFERENCE, SMALL, threads=2)
+    assert 0 < out["kl_mean"] < 1
+    assert 0.5 < out["top1_agreement"] <= 1
+    assert "tinygemm" in out["runtime"] and out["baseline_runtime"].endswith("dense")
+
+
+def test_engine_without_it_writes_a_record_saying_so(models, tmp_path):
+    out = compare_arm(tmp_path / "absent.gguf", tmp_path / "absent-base.gguf",
+                      models / "windows.json", tmp_path / "fidelity.json",
+                      {"name": "llamacpp", "threads": 2}, {}, threads=2)
+    assert out["computed"] is False and out["method"] is None
+    assert "not computed" in out["reason"]
+    assert json.loads((tmp_path / "fidelity.json").read_text())["computed"] is False
+
+
+# --- vLLM: top-k lower bound ------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_vllm_copy_is_identical(models, tmp_path):
+    record = tmp_path / "vllm-x" / "arm-x" / "fidelity.json"  # the rule's <engine>/<arm>/ layout
+    out = compare_arm(models / "copy", models / "baseline", models / "windows.json", record,
+                      VLLM, SMALL, threads=2)
+    assert out["method"] == TOPK and out["bound"] == "lower bound"
+    assert out["positions"] == 4 * 63
+    assert out["kl_max"] == pytest.approx(0, abs=1e-6)
+    assert out["top1_agreement"] == 1.0
+    assert out["greedy"]["identical"] == 4
+    # the arm's compile cache next to its record; the baseline's shared by every arm's job
+    assert (record.parent / "fidelity.cache" / "arm" / "inductor").is_dir()
+    assert (tmp_path / "vllm-x" / "baseline" / "fidelity.cache" / "inductor").is_dir()
+
+
+@pytest.mark.slow
+def test_vllm_topk_kl_is_a_lower_bound_of_the_full_kl(models, tmp_path):
+    """Per position, on the same ids: vLLM's top-k bound <= the reference's full-logit KL."""
+    from fourbit.engines import vllm
+
+    windows, prompts = select(WINDOWS, resolve_settings(SMALL))
+    settings = {**VLLM, "cache_root": str(tmp_path / "cache")}
+    bound = vllm.compare_with_baseline(models / "perturbed", models / "baseline", windows, settings,
+                                       2, prompts=prompts, new_tokens=8, top_k=20)
+    full = reference.compare_with_baseline(models / "perturbed", models / "baseline", windows,
+                                           REFERENCE, 2, prompts=prompts, new_tokens=8)
+    lower = np.array(bound["window_kl"])
+    exact = np.array(full["window_kl"])
+    assert lower.shape == exact.shape == (4, 63)
+    # float32 logprobs from vLLM against float64 log-softmax of transformers' float32 logits
+    assert (lower <= exact + 1e-4 + 1e-3 * exact).all()
+    assert lower.mean() < exact.mean()  # top-20 holds ~3/4 of the mass here: not exact
+    assert lower.mean() > 0.3 * exact.mean()  # ... but informative
+    assert (lower >= -1e-6).all()
+    # top-1 and greedy are engine-independent up to near-ties
+    agree = (np.array(bound["window_top1"]) == np.array(full["window_top1"])).mean()
+    assert agree >= 0.97
+    assert np.mean(bound["window_mass_topk"]) == pytest.approx(0.75, abs=0.2)
+    assert bound["greedy_baseline"] == full["greedy_baseline"]

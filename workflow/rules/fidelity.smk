@@ -1,0 +1,34 @@
+# How closely each arm follows the same engine's unquantized baseline, on the same
+# token ids (fourbit.fidelity): next-token KL and top-1 agreement over the first
+# windows of windows.json, and how many fixed prompts keep the baseline's greedy
+# continuation exactly. Engines with full logits (the reference) give the KL exactly;
+# vLLM gives top-k logprobs, so its KL is a lower bound and labelled so; engines with
+# neither (llama.cpp) write a record saying it was not computed.
+
+
+def get_fidelity_input(wildcards):
+    return {
+        "checkpoint": scored_checkpoint(wildcards.engine, wildcards.arm, "quantized"),
+        "baseline": scored_checkpoint(wildcards.engine, "baseline", "dense"),
+        "windows": f"{EVAL_DIR}/windows.json",
+    }
+
+
+rule fidelity:
+    input:
+        unpack(get_fidelity_input),
+    output:
+        fidelity=f"{EVAL_DIR}/{{engine}}/{{arm}}/fidelity.json",
+    log:
+        f"{RESULTS}/logs/fidelity/{MODEL}/{CORPUS}/{{engine}}/{{arm}}.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/fidelity/{MODEL}/{CORPUS}/{{engine}}/{{arm}}.tsv"
+    conda:
+        "../../envs/fourbit.yaml"
+    threads: workflow.cores
+    params:
+        engine=get_engine_settings,
+        # Defaults are filled by fourbit.fidelity until the schema has a fidelity block.
+        fidelity=STUDY.config.get("fidelity", {}),
+    script:
+        "../../scripts/fidelity.py"
