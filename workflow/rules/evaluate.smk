@@ -17,18 +17,23 @@ rule ppl:
         "../../scripts/ppl.py"
 
 
-# Throughput is not measured yet: the rule exists so the report's columns and
-# the DAG are in place, and it writes a record that says so plainly.
+# Prefill and decode speed of the arm against the same engine's unquantized
+# baseline, paired pass by pass (fourbit.benchmark). The job claims every core of
+# the run, so Snakemake schedules nothing beside it. Engines that are not deployed
+# (the reference) write a record saying they were not benchmarked. No benchmark:
+# directive: Snakemake's resource sampler would run beside the timed passes.
 rule bench:
     input:
-        checkpoint=f"{MODEL_DIR}/arms/{{arm}}/quantized",
+        unpack(get_bench_input),
     output:
         bench=f"{EVAL_DIR}/{{engine}}/{{arm}}/bench.json",
     log:
         f"{RESULTS}/logs/bench/{MODEL}/{CORPUS}/{{engine}}/{{arm}}.log",
     conda:
         "../../envs/fourbit.yaml"
+    threads: workflow.cores
     params:
         engine=get_engine_settings,
+        bench=STUDY.config["bench"],
     script:
         "../../scripts/bench.py"

@@ -128,3 +128,80 @@ def score_windows(checkpoint: Path, windows: list[list[int]], settings: dict, th
                 results.append({"nll_sum": -row.double().sum().item(), "tokens": row.numel()})
             progress.update(len(batch))
     return results
+
+
+KL_POSITIONS = 128  # positions per float64 log-softmax slice in compare_with_baseline
+
+
+def _greedy(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Exactly ``new_tokens`` argmax tokens after each prompt (EOS does not stop), with a KV
+    cache; prompts of one length run as one batch, so decode steps are few-row (int4 kernel)."""
+    continuations: list[list[int] | None] = [None] * len(prompts)
+    by_length: dict[int, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        by_length.setdefault(len(prompt), []).append(i)
+    for indices in by_length.values():
+        out = model(torch.tensor([prompts[i] for i in indices]), use_cache=True)
+        token = out.logits[:, -1].argmax(-1)  # [B]
+        generated = [token]
+        for _ in range(new_tokens - 1):
+            out = model(token[:, None], past_key_values=out.past_key_values, use_cache=True)
+            token = out.logits[:, -1].argmax(-1)
+            generated.append(token)
+        for i, row in zip(indices, torch.stack(generated, 1).tolist(), strict=True):
+            continuations[i] = row
+    return continuations
+
+
+def compare_with_baseline(
+    arm_checkpoint: Path,
+    baseline_checkpoint: Path,
+    windows: list[list[int]],
+    settings: dict,
+    threads: int,
+    *,
+    prompts: list[list[int]],
+    new_tokens: int,
+    top_k: int | None = None,
+) -> dict:
+    """KL(P_base || P_arm) from full logits and top-1 agreement at positions 1..W-1 of each
+    window, and both models' greedy continuations (see fourbit.fidelity). Both models are
+    held at once. ``top_k`` is unused: this engine has the full distributions."""
+    from fourbit.fidelity import FULL, kl_full
+
+    torch.set_num_threads(settings["threads"])
+    dtype = DTYPES[settings["dtype"]]
+    baseline = load_model(Path(baseline_checkpoint), dtype)
+    arm = load_model(Path(arm_checkpoint), dtype)
+    window_kl, window_top1 = [], []
+    progress = Progress(
+        f"comparing {Path(arm_checkpoint).name} with its baseline", len(windows), "windows"
+    )
+    with torch.inference_mode():
+        for start in range(0, len(windows), BATCH_WINDOWS):
+            batch = torch.tensor(windows[start : start + BATCH_WINDOWS])  # [B, W]
+            base_logits = baseline(batch).logits[:, :-1]  # [B, W-1, V]: row t-1 predicts token t
+            arm_logits = arm(batch).logits[:, :-1]
+            for row in range(len(batch)):
+                kl, top1 = [], []
+                # float64 in slices of positions: [positions, V] doubles stay small for a large V
+                for s in range(0, base_logits.shape[1], KL_POSITIONS):
+                    span = slice(s, s + KL_POSITIONS)
+                    base_lp = torch.log_softmax(base_logits[row, span].double(), dim=-1)
+                    arm_lp = torch.log_softmax(arm_logits[row, span].double(), dim=-1)
+                    kl.extend(kl_full(base_lp, arm_lp).tolist())
+                    top1.extend((base_lp.argmax(-1) == arm_lp.argmax(-1)).tolist())
+                window_kl.append(kl)
+                window_top1.append(top1)
+            progress.update(len(batch))
+        greedy_baseline = _greedy(baseline, prompts, new_tokens)
+        greedy_arm = _greedy(arm, prompts, new_tokens)
+    return {
+        "method": FULL,
+        "window_kl": window_kl,
+        "window_top1": window_top1,
+        "greedy_baseline": greedy_baseline,
+        "greedy_arm": greedy_arm,
+        "runtime": runtime(Path(arm_checkpoint), settings),
+        "baseline_runtime": runtime(Path(baseline_checkpoint), settings),
+    }

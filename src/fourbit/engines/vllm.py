@@ -86,6 +86,7 @@ PLUGIN_METHOD = "fourbit_int4"
 PLUGIN_READS = ("fourbit_int4", "gptq", "compressed-tensors")
 
 _ENV_KEYS = (
+    "VLLM_ALLOW_LONG_MAX_MODEL_LEN",
     "VLLM_ENABLE_V1_MULTIPROCESSING",
     "VLLM_USE_V2_MODEL_RUNNER",
     "VLLM_NO_USAGE_STATS",
@@ -113,6 +114,10 @@ def _engine_env(cache_root: str | os.PathLike | None) -> Iterator[None]:
             "VLLM_USE_V2_MODEL_RUNNER": "0",
             "VLLM_NO_USAGE_STATS": "1",
             "VLLM_DO_NOT_TRACK": "1",
+            # Scoring a window that fills every position of the model needs
+            # max_model_len = window + 1 for the one token vLLM samples; that token
+            # is never fed back, so no position beyond the model's is computed.
+            "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1",
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
         }
@@ -469,3 +474,216 @@ def greedy(
             stats["run_s"] = time.perf_counter() - t0
             stats["tokens"] = sum(len(o.outputs[0].token_ids) for o in outs)
     return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def synthetic_prompt(length: int, vocab_size: int, seed: int = 0) -> list[int]:
+    """``length`` token ids drawn uniformly from the vocabulary: timing needs no real text."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (length,), generator=generator).tolist()
+
+
+@contextlib.contextmanager
+def _allow_last_position(checkpoint: str | os.PathLike, prompt_tokens: int) -> Iterator[None]:
+    """Let a prompt fill every position the model has, as llama-bench's pp does.
+
+    vLLM asks for one slot beyond the prompt for the output token (input_processor.py:
+    590-600) and refuses a max_model_len above the config's max_position_embeddings
+    (config/model.py:2639-2666) unless VLLM_ALLOW_LONG_MAX_MODEL_LEN is set. The output
+    token is sampled from the last prompt position and never fed back, so no position
+    beyond the model's range is ever computed; a prompt longer than the range is refused.
+    """
+    config = json.loads((Path(checkpoint) / "config.json").read_text())
+    positions = config.get("max_position_embeddings")
+    if positions is not None and prompt_tokens > positions:
+        raise ValueError(
+            f"{checkpoint}: a {prompt_tokens}-token prompt exceeds the model's "
+            f"{positions} positions; set bench.prompt_tokens to at most {positions}"
+        )
+    saved = os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN")
+    if positions is not None and prompt_tokens == positions:
+        os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("VLLM_ALLOW_LONG_MAX_MODEL_LEN", None)
+        else:
+            os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = saved
+
+
+def throughput(
+    checkpoint: str | os.PathLike,
+    settings: Mapping[str, Any],
+    threads: int,
+    *,
+    prompt_tokens: int = 512,
+    decode_tokens: int = 128,
+    cpu_rates: dict[str, float] | None = None,
+) -> dict[str, float]:
+    """One timed pass, as llama-bench measures pp512 and tg128: batch 1, synthetic ids.
+
+    One engine serves the whole pass; its start (weight loading, KV cache allocation) is
+    not timed, nor is one short untimed generation that pays for first-call costs
+    (allocator growth, kernel selection). Then, timed:
+
+        pp   a ``prompt_tokens`` prompt -> 1 output token; rate = prompt_tokens / time
+        tg   a 1-token prompt -> 1 token, and -> decode_tokens + 1 tokens; the first run
+             subtracted leaves exactly decode_tokens decode steps (bench.passes.tg_from_runs)
+
+    Greedy, EOS ignored (every run produces all its tokens, checked), no detokenization,
+    no prefix cache. Returns {"pp<prompt_tokens>_tok_s": .., "tg<decode_tokens>_tok_s": ..}.
+
+    ``cpu_rates``, if given, is filled with the same rates over this process's CPU time
+    instead of wall time: on a shared host, other jobs' turns on the cores stretch wall
+    time but not CPU time (threads spinning while they wait still count, so it is clean
+    only with one thread).
+    """
+    import torch
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from fourbit.bench.passes import tg_from_runs
+
+    vocab_size = json.loads((Path(checkpoint) / "config.json").read_text())["vocab_size"]
+    prompt = synthetic_prompt(prompt_tokens, vocab_size)
+    kv = settings.get("kv_cache_bytes") or int(float(settings.get("kv_cache_gib", 1)) * (1 << 30))
+
+    def timed(llm: Any, ids: list[int], outputs: int) -> tuple[float, float]:
+        """(wall seconds, process CPU seconds) of one generation."""
+        params = SamplingParams(
+            max_tokens=outputs, temperature=0.0, ignore_eos=True, detokenize=False
+        )
+        start, start_cpu = time.perf_counter(), time.process_time()
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
+        produced = len(out[0].outputs[0].token_ids)
+        if produced != outputs:
+            raise RuntimeError(
+                f"{checkpoint}: asked for {outputs} output tokens, got {produced}; a timed run "
+                "must produce every token it is credited with (ignore_eos=True)"
+            )
+        return seconds, cpu_seconds
+
+    def rates(prefill_s: float, one_token_s: float, decode_run_s: float) -> dict[str, float]:
+        return {
+            f"pp{prompt_tokens}_tok_s": prompt_tokens / prefill_s,
+            f"tg{decode_tokens}_tok_s": tg_from_runs(one_token_s, decode_run_s, decode_tokens + 1),
+        }
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(int(threads))
+    try:
+        with _allow_last_position(checkpoint, prompt_tokens), open_llm(
+            checkpoint,
+            dtype=settings.get("dtype", "bfloat16"),
+            kv_cache_bytes=kv,
+            max_model_len=max(prompt_tokens, 1 + decode_tokens) + 1,
+            cache_root=settings.get("cache_root"),
+            quant_overrides=settings.get("quant") or None,
+            enforce_eager=bool(settings.get("enforce_eager", True)),
+            seed=int(settings.get("seed", 0)),
+            # The whole prompt in one forward step, as llama-bench's pp512 evaluates it.
+            max_num_batched_tokens=prompt_tokens,
+            max_num_seqs=1,
+        ) as llm:
+            timed(llm, prompt[:-1], 2)  # untimed: a prefill and a decode step, in range
+            runs = [timed(llm, prompt, 1), timed(llm, prompt[:1], 1),
+                    timed(llm, prompt[:1], decode_tokens + 1)]  # pp, tg's two runs
+    finally:
+        torch.set_num_threads(before)
+    if cpu_rates is not None:
+        cpu_rates.update(rates(*(cpu for _, cpu in runs)))
+    return rates(*(wall for wall, _ in runs))
+
+
+def compare_with_baseline(
+    arm_checkpoint: str | os.PathLike,
+    baseline_checkpoint: str | os.PathLike,
+    windows: Sequence[Sequence[int]],
+    settings: Mapping[str, Any],
+    threads: int | None,
+    *,
+    prompts: Sequence[Sequence[int]],
+    new_tokens: int,
+    top_k: int = 20,
+) -> dict[str, Any]:
+    """fourbit.fidelity's entry: the arm against the same engine's baseline, from top-k logprobs.
+
+    Each side is its own in-process engine, one after the other (baseline first), each
+    with its own cache folder: settings["cache_root"]/arm, and
+    settings["baseline_cache_root"] (else cache_root/baseline): prompt_logprobs(top_k) over
+    ``windows``, then greedy(new_tokens, EOS ignored) on ``prompts``. vLLM gives the
+    logprobs of each model's own top k and of the actual token, not of ids of our
+    choosing: SamplingParams.prompt_logprob_token_ids would, but it needs the V2 model
+    runner (v1/engine/input_processor.py:163-169), which needs Triton, absent on CPU. So
+    KL is a lower bound (fourbit.fidelity explains which and why); top-1 agreement
+    compares the rank-1 ids. quant overrides apply to the arm only.
+    """
+    import torch
+
+    from fourbit.fidelity import TOPK, kl_topk_bounds
+
+    k = int(top_k)
+    if k < 1:
+        raise ValueError(f"top_k must be >= 1; got {k}")
+    kv = settings.get("kv_cache_bytes") or int(float(settings.get("kv_cache_gib", 1)) * (1 << 30))
+    root = settings.get("cache_root")
+    caches = {
+        "baseline": settings.get("baseline_cache_root")
+        or (None if root is None else Path(root) / "baseline"),
+        "arm": None if root is None else Path(root) / "arm",
+    }
+    sides = {"baseline": Path(baseline_checkpoint), "arm": Path(arm_checkpoint)}
+    scored: dict[str, list[dict[str, Any]]] = {}
+    continued: dict[str, list[list[int]]] = {}
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(int(threads))
+    try:
+        for side, checkpoint in sides.items():
+            common = {
+                "dtype": settings.get("dtype", "bfloat16"),
+                "kv_cache_bytes": kv,
+                "cache_root": caches[side],
+                "quant_overrides": (settings.get("quant") or None)
+                if checkpoint_quant_method(checkpoint) is not None else None,
+                "enforce_eager": bool(settings.get("enforce_eager", True)),
+                "seed": int(settings.get("seed", 0)),
+                "max_num_seqs": settings.get("max_num_seqs"),
+            }
+            log.info("fidelity: %s %s, %d windows (top %d)", side, checkpoint, len(windows), k)
+            scored[side] = prompt_logprobs(
+                checkpoint, windows, top_k=k, token_logprobs=True,
+                max_num_batched_tokens=settings.get("max_num_batched_tokens"), **common,
+            )
+            log.info("fidelity: %s greedy, %d prompts x %d tokens", side, len(prompts), new_tokens)
+            continued[side] = greedy(checkpoint, prompts, new_tokens, **common)
+    finally:
+        torch.set_num_threads(before)
+
+    out: dict[str, Any] = {"method": TOPK}
+    for key in ("window_kl", "window_kl_merged", "window_kl_substituted", "window_mass_topk",
+                "window_top1"):
+        out[key] = []
+    for w, base, arm in zip(windows, scored["baseline"], scored["arm"], strict=True):
+        rows = {key: [] for key in out if key != "method"}
+        for t in range(base["tokens"]):  # position t + 1 of the window
+            bounds = kl_topk_bounds(
+                base["top_ids"][t], base["top_logprobs"][t], arm["top_ids"][t],
+                arm["top_logprobs"][t], int(w[t + 1]), base["token_logprobs"][t],
+                arm["token_logprobs"][t],
+            )
+            rows["window_kl"].append(bounds["bound"])
+            rows["window_kl_merged"].append(bounds["merged"])
+            rows["window_kl_substituted"].append(bounds["substituted"])
+            rows["window_mass_topk"].append(bounds["mass_topk"])
+            rows["window_top1"].append(base["top_ids"][t][0] == arm["top_ids"][t][0])
+        for key, values in rows.items():
+            out[key].append(values)
+    out["greedy_baseline"] = continued["baseline"]
+    out["greedy_arm"] = continued["arm"]
+    out["runtime"] = runtime(arm_checkpoint, settings)
+    out["baseline_runtime"] = runtime(baseline_checkpoint, settings)
+    return out

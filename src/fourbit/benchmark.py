@@ -1,0 +1,252 @@
+"""The `bench` step: one arm's prefill and decode speed against its engine's baseline.
+
+What a bench.json holds, and why each part is there (fourbit.bench explains the
+errors each guard catches):
+
+    arm / baseline   per side: the checkpoint, what runs it, min/median/max and
+                     spread of every metric over the passes, the weight bytes a
+                     decode step reads and the decode roofline they imply
+    ratio            arm / baseline, pass by pass (both timed in the same pass,
+                     order rotated), and its min/median/max/spread
+    runs             every pass: its order, its checks (contention gate and
+                     page-cache residency before each timed run), its values
+    contention       threshold, allow_busy, whether the override was used, the
+                     busiest core seen
+    bandwidth        the triad bandwidth measured in this job, on its pinned cores
+    provenance       host, ISA, cores, threads, load, versions, speed-relevant env
+
+Engines take part through a module-level function
+``throughput(checkpoint, settings, threads, *, prompt_tokens, decode_tokens) ->
+{"pp<prompt>_tok_s": .., "tg<decode>_tok_s": ..}`` (one pass), or declare with a
+module-level ``NOT_BENCHMARKED = "<reason>"`` that their speed means nothing for a
+shipped build; the record then says so and ``measured`` is false.
+
+The bandwidth is measured once per bench job, right before its passes, on the
+same pinned cores and threads: on a shared host it moves with the neighbours'
+load, so only a figure taken next to the decode timings makes their fraction of
+it meaningful (a per-run rule output would also be cached across runs by
+Snakemake and go stale). It costs about as long as one engine start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from jsonschema import Draft202012Validator
+from safetensors import safe_open
+
+from fourbit.atomic import write_json
+from fourbit.bench.bandwidth import decode_roofline, measure_bandwidth
+from fourbit.bench.contention import check_quiet
+from fourbit.bench.passes import run_paired
+from fourbit.bench.provenance import provenance
+from fourbit.bench.residency import warm_and_check
+from fourbit.checkpoint import quantizable_linears, skeleton, weight_files
+from fourbit.config import load_schema
+from fourbit.engines import get_engine
+
+log = logging.getLogger("fourbit")
+
+_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2,
+                      "I8": 1, "U8": 1, "BOOL": 1}
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def resolve_settings(given: dict, threads: int) -> dict:
+    """``given`` checked against the schema's bench block, its defaults filled, cores chosen.
+
+    The workflow has already validated the config; this makes direct callers get the
+    same defaults and the same refusals (e.g. fewer than 3 passes).
+    """
+    block = load_schema()["properties"]["bench"]
+    settings = {name: spec["default"] for name, spec in block["properties"].items()} | dict(given)
+    errors = sorted(Draft202012Validator(block).iter_errors(settings), key=lambda e: list(e.path))
+    if errors:
+        problems = []
+        for error in errors:
+            key = ".".join(map(str, error.path))
+            meaning = block["properties"].get(key, {}).get("description")
+            problems.append(f"bench.{key or '(block)'}: {error.message}"
+                            + (f" ({meaning})" if meaning else ""))
+        raise ValueError(f"invalid bench settings: {'; '.join(problems)}; "
+                         f"allowed keys: {sorted(block['properties'])}")
+    settings["cores"] = choose_cores(settings["cores"], threads)
+    return settings
+
+
+def choose_cores(cores: list[int] | None, threads: int) -> list[int]:
+    """The CPUs to pin to: the config's, checked against the job, or the job's first ``threads``."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if cores is None:
+        return allowed[:threads]
+    chosen = sorted(set(cores))
+    outside = sorted(set(chosen) - set(allowed))
+    if outside:
+        raise ValueError(f"bench.cores {outside} are not available to this job; pick from {allowed}")
+    if len(chosen) > threads:
+        raise ValueError(
+            f"bench.cores lists {len(chosen)} cores but the job was given {threads}; "
+            f"run Snakemake with --cores {len(chosen)} or more, or list fewer cores"
+        )
+    return chosen
+
+
+@contextlib.contextmanager
+def pinned(cores: list[int]) -> Iterator[None]:
+    """Every thread of this process (and any it starts) on ``cores``; restored afterwards.
+
+    sched_setaffinity(0) would move the calling thread only; thread pools that already
+    exist (OpenMP's) must be moved one by one.
+    """
+    before = os.sched_getaffinity(0)
+    _set_all_threads(set(cores))
+    try:
+        yield
+    finally:
+        _set_all_threads(before)
+
+
+def _set_all_threads(cores: set[int]) -> None:
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(task.name), cores)
+
+
+def weight_bytes_per_token(checkpoint: str | os.PathLike, dense_dtype: str) -> dict:
+    """Bytes of linear weights (the head included) that one decode step reads.
+
+    Every linear weight is read once per decoded token. A quantized module counts its
+    stored tensors (packed codes, scales, zeros: the runtime's copy differs by a few
+    percent in how scales and zeros are held); a dense one counts its weights in the
+    engine's dtype, since the engine casts the checkpoint to that. Embeddings (one row
+    per token), norms and biases are left out: together well under 1% of the bytes.
+    Read from the safetensors headers, so nothing is loaded.
+    """
+    if dense_dtype not in _DTYPE_BYTES:
+        raise ValueError(f"dtype {dense_dtype!r}; expected one of {sorted(_DTYPE_BYTES)}")
+    modules = set(quantizable_linears(skeleton(checkpoint)))
+    quantized = dense = 0
+    for path in weight_files(checkpoint):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                module, _, suffix = name.rpartition(".")
+                if module not in modules or suffix == "bias":
+                    continue
+                piece = handle.get_slice(name)
+                count = 1
+                for size in piece.get_shape():
+                    count *= size
+                if suffix == "weight":
+                    dense += count * _DTYPE_BYTES[dense_dtype]
+                else:
+                    quantized += count * _SAFETENSORS_BYTES[piece.get_dtype()]
+    return {"bytes": quantized + dense, "quantized_bytes": quantized, "dense_bytes": dense,
+            "dense_dtype": dense_dtype, "linear_modules": len(modules)}
+
+
+def bench_arm(
+    arm_checkpoint: str | os.PathLike,
+    baseline_checkpoint: str | os.PathLike,
+    engine_settings: dict,
+    bench_settings: dict,
+    out_path: str | os.PathLike,
+    threads: int,
+) -> dict:
+    """Time the arm against the baseline on one engine; write and return the record."""
+    engine = get_engine(engine_settings["name"])
+    if not hasattr(engine, "throughput"):
+        reason = getattr(engine, "NOT_BENCHMARKED", None)
+        if reason is None:
+            raise TypeError(
+                f"engine {engine_settings['name']!r} has neither throughput() nor NOT_BENCHMARKED; "
+                "give it one of them (see fourbit.benchmark)"
+            )
+        record = {"measured": False, "reason": reason, "engine": engine_settings}
+        write_json(out_path, record)
+        log.info("%s: not benchmarked (%s)", engine_settings["name"], reason)
+        return record
+
+    settings = resolve_settings(bench_settings, threads)
+    cores = settings["cores"]
+    sides = {"arm": Path(arm_checkpoint), "baseline": Path(baseline_checkpoint)}
+    cache = Path(out_path).parent / f"{Path(out_path).stem}.cache"
+
+    def run(side: str):
+        # Compile caches per checkpoint: a cache shared between two can load the other's graph.
+        side_settings = {**engine_settings, "cache_root": str(cache / side)}
+        return lambda: engine.throughput(
+            sides[side], side_settings, len(cores),
+            prompt_tokens=settings["prompt_tokens"], decode_tokens=settings["decode_tokens"],
+        )
+
+    def before_pass(number: int) -> dict:
+        # run_paired does not say which side is next, so both are warmed and checked:
+        # neither may have been evicted by the other's run.
+        gate = check_quiet(
+            cores, settings["busy_threshold"], settings["allow_busy"], when=f"before pass {number}"
+        )
+        return {"contention": gate, "residency": {s: warm_and_check([p]) for s, p in sides.items()}}
+
+    with pinned(cores):
+        bandwidth = measure_bandwidth(threads=len(cores))
+        result = run_paired(
+            run("arm"), run("baseline"),
+            passes=settings["passes"], warmup=settings["warmup"], before_pass=before_pass,
+        )
+    record = {
+        "measured": True,
+        "engine": engine_settings,
+        "settings": settings,
+        "passes": result["passes"],
+        "warmup": result["warmup"],
+        "runs": result["runs"],
+        "ratio": result["ratio"],
+        "bandwidth": bandwidth,
+        "contention": _contention_summary(result["runs"], settings),
+        "provenance": provenance(len(cores), cores),
+    }
+    decode_metric = f"tg{settings['decode_tokens']}_tok_s"
+    dense_dtype = engine_settings["dtype"]
+    for side, checkpoint in sides.items():
+        weights = weight_bytes_per_token(checkpoint, dense_dtype)
+        record[side] = {
+            "checkpoint": str(checkpoint),
+            "runtime": engine.runtime(checkpoint, engine_settings),
+            "stats": result[side],
+            "weight_bytes_per_token": weights,
+            "roofline": decode_roofline(
+                weights["bytes"], result[side][decode_metric]["median"], bandwidth["gbs"]
+            ),
+        }
+    write_json(out_path, record)
+    _log_summary(record)
+    return record
+
+
+def _contention_summary(runs: list[dict], settings: dict) -> dict:
+    gates = [check["contention"] for run in runs for check in run["checks"].values()]
+    return {
+        "threshold": settings["busy_threshold"],
+        "allow_busy": settings["allow_busy"],
+        "override_used": any(gate["override_used"] for gate in gates),
+        "max_busy": max(max(gate["busy"].values()) for gate in gates),
+    }
+
+
+def _log_summary(record: dict) -> None:
+    for metric, ratio in record["ratio"].items():
+        arm, baseline = record["arm"]["stats"][metric], record["baseline"]["stats"][metric]
+        log.info(
+            "%s: arm %.2f, baseline %.2f (medians of %d passes); ratio %.3f [%.3f, %.3f]",
+            metric, arm["median"], baseline["median"], record["passes"],
+            ratio["median"], ratio["min"], ratio["max"],
+        )
+    if record["contention"]["override_used"]:
+        log.warning(
+            "cores were busier than %.0f%% (up to %.0f%%) and allow_busy timed anyway",
+            100 * record["contention"]["threshold"], 100 * record["contention"]["max_busy"],
+        )

