@@ -47,7 +47,7 @@ from fourbit.bench.provenance import provenance
 from fourbit.bench.residency import warm_and_check
 from fourbit.checkpoint import quantizable_linears, skeleton, weight_files
 from fourbit.config import load_schema
-from fourbit.engines import get_engine
+from fourbit.engines import ENGINE_READS, get_engine
 
 log = logging.getLogger("fourbit")
 
@@ -116,15 +116,25 @@ def _set_all_threads(cores: set[int]) -> None:
             os.sched_setaffinity(int(task.name), cores)
 
 
-def weight_bytes_per_token(checkpoint: str | os.PathLike, dense_dtype: str) -> dict:
-    """Bytes of linear weights (the head included) that one decode step reads.
+def decode_weight_bytes(checkpoint: str | os.PathLike, engine_settings: dict) -> dict:
+    """Bytes of weights one decode step reads, for the kind of checkpoint the engine runs.
 
-    Every linear weight is read once per decoded token. A quantized module counts its
-    stored tensors (packed codes, scales, zeros: the runtime's copy differs by a few
-    percent in how scales and zeros are held); a dense one counts its weights in the
-    engine's dtype, since the engine casts the checkpoint to that. Embeddings (one row
-    per token), norms and biases are left out: together well under 1% of the bytes.
-    Read from the safetensors headers, so nothing is loaded.
+    Every matrix a decode step multiplies by (the head included) is read once per token;
+    embeddings (one row per token), norms and biases are left out: together well under
+    1% of the bytes.
+    """
+    if ENGINE_READS[engine_settings["name"]] == "gguf":
+        return gguf_weight_bytes(checkpoint)
+    return linear_weight_bytes(checkpoint, engine_settings["dtype"])
+
+
+def linear_weight_bytes(checkpoint: str | os.PathLike, dense_dtype: str) -> dict:
+    """A Hugging Face folder's linear weights (the head included), as an engine reads them.
+
+    A quantized module counts its stored tensors (packed codes, scales, zeros: the
+    runtime's copy differs by a few percent in how scales and zeros are held); a dense
+    one counts its weights in the engine's dtype, since the engine casts the checkpoint
+    to that. Read from the safetensors headers, so nothing is loaded.
     """
     if dense_dtype not in _DTYPE_BYTES:
         raise ValueError(f"dtype {dense_dtype!r}; expected one of {sorted(_DTYPE_BYTES)}")
@@ -146,6 +156,19 @@ def weight_bytes_per_token(checkpoint: str | os.PathLike, dense_dtype: str) -> d
                     quantized += count * _SAFETENSORS_BYTES[piece.get_dtype()]
     return {"bytes": quantized + dense, "quantized_bytes": quantized, "dense_bytes": dense,
             "dense_dtype": dense_dtype, "linear_modules": len(modules)}
+
+
+def gguf_weight_bytes(checkpoint: str | os.PathLike) -> dict:
+    """A GGUF file's matrix weights as stored (llama.cpp computes on its block formats)."""
+    from fourbit.llamacpp.build import find_llamacpp
+    from fourbit.llamacpp.quantize import gguf_bits_per_weight
+
+    tools = find_llamacpp()
+    if tools is None:
+        raise FileNotFoundError("llama.cpp is not built, so its gguf-py cannot read "
+                                f"{checkpoint}; the build_llamacpp rule builds it")
+    matmul = gguf_bits_per_weight(Path(checkpoint), tools.check_complete().gguf_py)["matmul_2d"]
+    return {"bytes": matmul["bytes"], "tensors": matmul["tensors"], "weights": matmul["weights"]}
 
 
 def bench_arm(
@@ -210,9 +233,8 @@ def bench_arm(
         "provenance": provenance(len(cores), cores),
     }
     decode_metric = f"tg{settings['decode_tokens']}_tok_s"
-    dense_dtype = engine_settings["dtype"]
     for side, checkpoint in sides.items():
-        weights = weight_bytes_per_token(checkpoint, dense_dtype)
+        weights = decode_weight_bytes(checkpoint, engine_settings)
         record[side] = {
             "checkpoint": str(checkpoint),
             "runtime": engine.runtime(checkpoint, engine_settings),
