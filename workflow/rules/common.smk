@@ -71,6 +71,11 @@ def get_bench_input(wildcards):
     }
 
 
+def get_fidelity_input(wildcards):
+    """The arm and its engine's baseline, compared on the study's token windows."""
+    return {**get_bench_input(wildcards), "windows": f"{EVAL_DIR}/windows.json"}
+
+
 def all_results():
     """Every file the report reads: each engine scores the arms whose checkpoints it reads.
 

@@ -6,14 +6,6 @@
 # neither (llama.cpp) write a record saying it was not computed.
 
 
-def get_fidelity_input(wildcards):
-    return {
-        "checkpoint": scored_checkpoint(wildcards.engine, wildcards.arm, "quantized"),
-        "baseline": scored_checkpoint(wildcards.engine, "baseline", "dense"),
-        "windows": f"{EVAL_DIR}/windows.json",
-    }
-
-
 rule fidelity:
     input:
         unpack(get_fidelity_input),
@@ -28,7 +20,6 @@ rule fidelity:
     threads: workflow.cores
     params:
         engine=get_engine_settings,
-        # Defaults are filled by fourbit.fidelity until the schema has a fidelity block.
-        fidelity=STUDY.config.get("fidelity", {}),
+        fidelity=STUDY.config["fidelity"],
     script:
         "../../scripts/fidelity.py"
