@@ -33,7 +33,8 @@ def checkpoints(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("bench")
     save_tiny_llama(root / "baseline", tied=False)
-    quant = canonical_quant({"method": "cpu_int4", "group_size": 64, "shrink_steps": 1}, load_schema())
+    quant = canonical_quant({"method": "cpu_int4", "group_size": 64, "shrink_steps": 1},
+                            load_schema())
     arm = {"name": "t", "id": "t-0000000000", "quant": quant}
     quantize_checkpoint(root / "baseline", root / "arm", root / "arm.json", arm)
     return root / "arm", root / "baseline"
@@ -70,7 +71,8 @@ def fake_host(monkeypatch):
     """Fake engine and bandwidth; returns (engine calls, a setter for how busy the cores are)."""
     calls = []
     monkeypatch.setattr(benchmark, "get_engine", lambda name: fake_engine(calls))
-    monkeypatch.setattr(benchmark, "measure_bandwidth", lambda threads: {**BANDWIDTH, "threads": threads})
+    monkeypatch.setattr(benchmark, "measure_bandwidth",
+                        lambda threads: {**BANDWIDTH, "threads": threads})
 
     def set_busy(fraction: float) -> None:
         gate = functools.partial(check_quiet, window_s=0, read_stat=busy_stat(fraction))
@@ -126,7 +128,8 @@ def test_roofline_from_the_bytes_a_decode_step_reads(checkpoints, fake_host, tmp
     # (256 <-> 512), plus the 512 x 256 head; float32 in this engine.
     linear_weights = 2 * (256 * 256 * 2 + 256 * 128 * 2 + 3 * 256 * 512) + 512 * 256
     assert dense == {"bytes": 4 * linear_weights, "quantized_bytes": 0,
-                     "dense_bytes": 4 * linear_weights, "dense_dtype": "float32", "linear_modules": 15}
+                     "dense_bytes": 4 * linear_weights, "dense_dtype": "float32",
+                     "linear_modules": 15}
     # 4-bit codes, a float16 scale and a uint8 zero per group of 64.
     assert packed["dense_bytes"] == 0
     assert packed["bytes"] == linear_weights // 2 + linear_weights // 64 * 3
@@ -152,8 +155,10 @@ def test_allow_busy_times_anyway_and_says_so(checkpoints, fake_host, tmp_path):
     record = benchmark.bench_arm(*checkpoints, ENGINE, {"allow_busy": True}, tmp_path / "b.json", 1)
     assert record["contention"] == {"threshold": 0.25, "allow_busy": True, "override_used": True,
                                     "max_busy": pytest.approx(0.6)}
-    assert all(c["contention"]["override_used"] for r in record["runs"] for c in r["checks"].values())
-    calm = benchmark.bench_arm(*checkpoints, ENGINE, {"busy_threshold": 1.0}, tmp_path / "c.json", 1)
+    checks = [c for r in record["runs"] for c in r["checks"].values()]
+    assert all(c["contention"]["override_used"] for c in checks)
+    calm = benchmark.bench_arm(*checkpoints, ENGINE, {"busy_threshold": 1.0}, tmp_path / "c.json",
+                               1)
     assert calm["contention"]["override_used"] is False
 
 

@@ -86,7 +86,9 @@ def choose_cores(cores: list[int] | None, threads: int) -> list[int]:
     chosen = sorted(set(cores))
     outside = sorted(set(chosen) - set(allowed))
     if outside:
-        raise ValueError(f"bench.cores {outside} are not available to this job; pick from {allowed}")
+        raise ValueError(
+            f"bench.cores {outside} are not available to this job; pick from {allowed}"
+        )
     if len(chosen) > threads:
         raise ValueError(
             f"bench.cores lists {len(chosen)} cores but the job was given {threads}; "

@@ -11,21 +11,4 @@ reported as a result. Each module here makes one of those errors loud:
     passes       paired, order-rotated passes with their spread; never one pass
     provenance   the host, versions and settings a number was measured under
     hostprobe    which 4-bit runtimes this CPU can run at all, and why not
-
-``write_not_measured`` is the `bench` rule's placeholder record (called by
-scripts/bench.py). It lives here because this package shadows the old module
-``fourbit/bench.py`` of the same name: Python imports a package before a
-same-named module, so that file is no longer reachable.
 """
-
-from __future__ import annotations
-
-import os
-
-from fourbit.atomic import write_json
-
-NOT_MEASURED = "throughput is not measured yet: the bench step is a placeholder in this version"
-
-
-def write_not_measured(out_path: str | os.PathLike, engine_settings: dict) -> None:
-    write_json(out_path, {"measured": False, "reason": NOT_MEASURED, "engine": engine_settings})

@@ -6,6 +6,11 @@ An engine module provides:
         -> list[{"nll_sum": float, "tokens": int}]   (see fourbit.ppl for the definition)
     runtime(checkpoint: Path, settings: dict) -> str  (what actually executes the weights)
 
+and, for the bench step (fourbit.benchmark), either
+    throughput(checkpoint, settings, threads, *, prompt_tokens, decode_tokens) -> one pass's rates
+or a module-level NOT_BENCHMARKED = "<why its speed means nothing for a shipped build>";
+and, for the fidelity step (fourbit.fidelity), optionally compare_with_baseline(...).
+
 Adding an engine: a new module here, one line in ENGINE_MODULES, and its
 settings block in workflow/schemas/config.schema.yaml.
 """

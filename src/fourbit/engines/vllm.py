@@ -484,33 +484,16 @@ def synthetic_prompt(length: int, vocab_size: int, seed: int = 0) -> list[int]:
     return torch.randint(0, vocab_size, (length,), generator=generator).tolist()
 
 
-@contextlib.contextmanager
-def _allow_last_position(checkpoint: str | os.PathLike, prompt_tokens: int) -> Iterator[None]:
-    """Let a prompt fill every position the model has, as llama-bench's pp does.
-
-    vLLM asks for one slot beyond the prompt for the output token (input_processor.py:
-    590-600) and refuses a max_model_len above the config's max_position_embeddings
-    (config/model.py:2639-2666) unless VLLM_ALLOW_LONG_MAX_MODEL_LEN is set. The output
-    token is sampled from the last prompt position and never fed back, so no position
-    beyond the model's range is ever computed; a prompt longer than the range is refused.
-    """
+def _check_prompt_fits(checkpoint: str | os.PathLike, prompt_tokens: int) -> None:
+    """Refuse a prompt longer than the model's positions; one that fills them all is fine
+    (_engine_env allows the extra slot vLLM asks for the sampled token, never fed back)."""
     config = json.loads((Path(checkpoint) / "config.json").read_text())
     positions = config.get("max_position_embeddings")
     if positions is not None and prompt_tokens > positions:
         raise ValueError(
             f"{checkpoint}: a {prompt_tokens}-token prompt exceeds the model's "
-            f"{positions} positions; set bench.prompt_tokens to at most {positions}"
+            f"{positions} positions; bench a model with at least {prompt_tokens}"
         )
-    saved = os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN")
-    if positions is not None and prompt_tokens == positions:
-        os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("VLLM_ALLOW_LONG_MAX_MODEL_LEN", None)
-        else:
-            os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = saved
 
 
 def throughput(
@@ -572,10 +555,11 @@ def throughput(
             f"tg{decode_tokens}_tok_s": tg_from_runs(one_token_s, decode_run_s, decode_tokens + 1),
         }
 
+    _check_prompt_fits(checkpoint, prompt_tokens)
     before = torch.get_num_threads()
     torch.set_num_threads(int(threads))
     try:
-        with _allow_last_position(checkpoint, prompt_tokens), open_llm(
+        with open_llm(
             checkpoint,
             dtype=settings.get("dtype", "bfloat16"),
             kv_cache_bytes=kv,
