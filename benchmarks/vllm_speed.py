@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import multiprocessing
 import os
 import time
@@ -167,33 +166,6 @@ def resident_memory(checkpoint: Path, settings: dict) -> dict:
             for kind in ("after", "after_trim")}
 
 
-def profile_int4(checkpoint: Path, settings: dict, what: str, threads: int, rows: int = 15) -> str:
-    """torch.profiler over one decode step (a 1-token prompt, 2 outputs: two 1-row forwards,
-    the first being a 1-token prefill) or one 512-token prefill of the int4 arm."""
-    from torch.profiler import ProfilerActivity, profile
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    from fourbit.engines.vllm import open_llm, synthetic_prompt
-
-    vocab = json.loads((checkpoint / "config.json").read_text())["vocab_size"]
-    ids = synthetic_prompt(512, vocab)
-    prompt, outputs = (ids[:1], 2) if what == "decode" else (ids, 1)
-    params = SamplingParams(max_tokens=outputs, temperature=0.0, ignore_eos=True, detokenize=False)
-    torch.set_num_threads(threads)
-    with open_llm(checkpoint, dtype=settings["dtype"], kv_cache_bytes=KV_CACHE_BYTES,
-                  max_model_len=513, quant_overrides=settings.get("quant"),
-                  cache_root=settings["cache_root"], max_num_seqs=1,
-                  max_num_batched_tokens=512) as llm:
-        def run():
-            llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
-
-        run()  # untimed first call
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            run()
-    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
-
-
 def summary(values: list[float]) -> str:
     from fourbit.bench.passes import summarize
 
@@ -276,6 +248,7 @@ def main() -> None:
     from fourbit.bench.bandwidth import measure_bandwidth
     from fourbit.bench.provenance import provenance
     from fourbit.benchmark import pinned
+    from fourbit.engines.vllm import profile_step
 
     cores = sorted(args.cores)
     started = time.monotonic()
@@ -304,7 +277,7 @@ def main() -> None:
         print(f"\nprofile of one {kind} {'step ' if kind == 'decode' else ''}of {TARGET_ARM} "
               "(top ops by self CPU time):", flush=True)
         with pinned(cores):
-            print(profile_int4(checkpoints["int4"], engine_settings(TARGET_ARM, args.workdir),
+            print(profile_step(checkpoints["int4"], engine_settings(TARGET_ARM, args.workdir),
                                kind, len(cores)))
     print(f"total {time.monotonic() - started:.0f} s")
 

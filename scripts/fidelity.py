@@ -10,4 +10,5 @@ compare_arm(
     dict(snakemake.params.engine),
     dict(snakemake.params.fidelity),
     threads=snakemake.threads,
+    text_path=snakemake.input.text,
 )

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import save_tiny_llama
 
-from fourbit.engines import reference
+from fourbit.engines import ENGINE_MODULES, reference
 from fourbit.fidelity import (
     FULL,
     TOPK,
@@ -216,13 +216,19 @@ def test_reference_quantized_arm(models, tmp_path):
     assert "tinygemm" in out["runtime"] and out["baseline_runtime"].endswith("dense")
 
 
-def test_engine_without_it_writes_a_record_saying_so(models, tmp_path):
-    out = compare_arm(tmp_path / "absent.gguf", tmp_path / "absent-base.gguf",
-                      models / "windows.json", tmp_path / "fidelity.json",
-                      {"name": "llamacpp", "threads": 2}, {}, threads=2)
+def test_engine_without_it_writes_a_record_saying_so(models, tmp_path, monkeypatch):
+    monkeypatch.setitem(ENGINE_MODULES, "plain", "fourbit.engines")  # a module with neither
+    out = compare_arm(tmp_path / "absent", tmp_path / "absent-base", models / "windows.json",
+                      tmp_path / "fidelity.json", {"name": "plain"}, {}, threads=2)
     assert out["computed"] is False and out["method"] is None
     assert "not computed" in out["reason"]
     assert json.loads((tmp_path / "fidelity.json").read_text())["computed"] is False
+
+
+def test_engine_with_its_own_kl_mode_needs_the_text(models, tmp_path):
+    with pytest.raises(ValueError, match="text_path"):
+        compare_arm(tmp_path / "absent.gguf", tmp_path / "absent-base.gguf", models / "windows.json",
+                    tmp_path / "fidelity.json", {"name": "llamacpp", "threads": 2}, {}, threads=2)
 
 
 # --- vLLM: top-k lower bound ------------------------------------------------------------------

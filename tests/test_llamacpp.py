@@ -13,6 +13,7 @@ import tarfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 import torch
 
@@ -23,12 +24,14 @@ from fourbit.llamacpp.convert import convert_to_gguf
 from fourbit.llamacpp.perplexity import (
     _BASE_DONE,
     _run_perplexity,
+    greedy_continuations,
     kl_divergence,
+    parse_greedy_output,
     parse_kl_statistics,
     parse_scorer_output,
     score_windows,
 )
-from fourbit.llamacpp.quantize import gguf_bits_per_weight, quantize_gguf
+from fourbit.llamacpp.quantize import dequantize_gguf, gguf_bits_per_weight, quantize_gguf
 
 # --- recorded output of the real tools (llama.cpp 0c1e570), trimmed ---------------------------
 
@@ -392,7 +395,7 @@ def test_a_failed_build_leaves_nothing_that_looks_finished(tmp_path, monkeypatch
 def test_leftovers_of_interrupted_builds_are_removed(tmp_path):
     key = build.build_key()
     (tmp_path / f".{key}.tmp-12345" / "build").mkdir(parents=True)
-    (tmp_path / f".other.tmp-1").mkdir()
+    (tmp_path / ".other.tmp-1").mkdir()
     build._remove_interrupted_builds(tmp_path, key)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".other.tmp-1"]
 
@@ -478,6 +481,31 @@ def ggufs(tools, tiny_model, tmp_path_factory):
             files["F16"], out / f"{qtype}.gguf", qtype, tools=tools, threads=2
         )
     return files
+
+
+@pytest.mark.slow
+def test_dequantized_gguf_holds_gguf_pys_decoding_of_every_tensor(ggufs, tools):
+    """The dense control: llama-quantize's F32 expansion equals gguf-py's own numpy
+    decoding of each block (an independent implementation of the same tables)."""
+    from fourbit.llamacpp.quantize import _import_gguf
+
+    gguf = _import_gguf(tools.gguf_py)
+    dense = dequantize_gguf(ggufs["Q4_K_M"], ggufs["Q4_K_M"].with_name("Q4_K_M-f32.gguf"),
+                            tools=tools, threads=2)
+    quantized = {t.name: t for t in gguf.GGUFReader(str(ggufs["Q4_K_M"])).tensors}
+    expanded = {t.name: t for t in gguf.GGUFReader(str(dense)).tensors}
+    assert expanded.keys() == quantized.keys()
+    assert {t.tensor_type.name for t in quantized.values()} >= {"Q4_K", "Q6_K"}
+    for name, tensor in quantized.items():
+        assert expanded[name].tensor_type.name == "F32", name
+        decoded = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        np.testing.assert_array_equal(np.asarray(expanded[name].data).reshape(decoded.shape), decoded)
+
+
+@pytest.mark.slow
+def test_dequantize_needs_an_existing_gguf(tools, tmp_path):
+    with pytest.raises(FileNotFoundError, match="absent.gguf"):
+        dequantize_gguf(tmp_path / "absent.gguf", tmp_path / "out.gguf", tools=tools, threads=1)
 
 
 @pytest.fixture(scope="session")
@@ -578,6 +606,47 @@ def test_kl_divergence_of_quantized_models_from_f16(ggufs, tools, corpus, tmp_pa
     assert abs(itself["ppl_quant"] - itself["ppl_base"]) < 1e-3 * itself["ppl_base"]
     assert "--kl-divergence" in q4["commands"]["kl_divergence"] and "off" in q4["commands"]["base"]
     assert not list(ggufs["Q4_K_M"].parent.glob(".kld-*"))  # the base logits are gone
+
+
+@pytest.mark.slow
+def test_fidelity_of_a_gguf_arm_comes_from_llama_perplexitys_kl_mode(ggufs, tools, corpus,
+                                                                     windows, tmp_path):
+    from fourbit.fidelity import OWN_KL_MODE, compare_arm
+
+    windows_file = tmp_path / "windows.json"
+    windows_file.write_text(json.dumps({"windows": windows[:4], "token_ids_sha256": "test"}))
+    out = compare_arm(ggufs["Q4_K_M"], ggufs["F16"], windows_file, tmp_path / "fidelity.json",
+                      {"name": "llamacpp", "threads": 2},
+                      {"windows": 3, "prompts": 4, "new_tokens": 8}, threads=2,
+                      text_path=corpus / "evaluation.txt")
+    assert out["computed"] and out["method"] == OWN_KL_MODE
+    assert out["llama_perplexity"]["chunks"] == 3 and f"chunks of {WINDOW} tokens" in out["bound"]
+    assert 0 < out["kl_mean"] <= out["kl_p99"] and 0.5 < out["top1_agreement"] < 1
+    assert out["greedy"]["prompts"] == 4 and 0 <= out["greedy"]["identical"] <= 4
+    assert "llama.cpp" in out["runtime"] and "f16.gguf" in out["baseline_runtime"]
+    assert json.loads((tmp_path / "fidelity.json").read_text())["kl_mean"] == out["kl_mean"]
+
+
+@pytest.mark.slow
+def test_greedy_continuations_take_the_most_likely_token(ggufs, tools, windows):
+    prompts = [w[:16] for w in windows[:3]]
+    continued = greedy_continuations(ggufs["Q4_K_M"], prompts, 6, tools=tools, threads=2)
+    assert [len(c) for c in continued] == [6, 6, 6]
+    assert continued == greedy_continuations(ggufs["Q4_K_M"], prompts, 6, tools=tools, threads=1)
+    # The last token is the argmax at the last position, so any other token there scores worse.
+    for prompt, ids in zip(prompts, continued):
+        others = [t for t in (0, 5, 77, 901) if t != ids[-1]]
+        scored = score_windows(ggufs["Q4_K_M"], [prompt + ids] + [prompt + ids[:-1] + [t] for t in others],
+                               tools=tools, threads=2)
+        assert all(scored[0]["nll_sum"] < other["nll_sum"] for other in scored[1:])
+
+
+def test_greedy_output_is_checked():
+    assert parse_greedy_output("greedy 0 ids 4 5\ngreedy 1 ids 6 7\ndone 2\n", 2, 2) == [[4, 5], [6, 7]]
+    with pytest.raises(ToolError, match="did not finish"):
+        parse_greedy_output("greedy 0 ids 4 5\n", 1, 2)
+    with pytest.raises(ToolError, match="2 ids expected"):
+        parse_greedy_output("greedy 0 ids 4\ndone 1\n", 1, 2)
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import hub_cache, save_tiny_llama
 
-from fourbit.checkpoint import CheckpointError, read_config
+from fourbit.checkpoint import read_config
 from fourbit.sources import MANIFEST, fetch_model
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"

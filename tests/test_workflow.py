@@ -49,10 +49,11 @@ def test_report_has_a_row_per_arm_and_engine(finished_study):
     for row in arms:
         assert float(row["ppl"]) > 0
         assert 4.0 < float(row["bits_per_weight"]) < 5.5
+        # Every arm, llama.cpp's included, against its own dense expansion on its engine.
+        assert row["control"] == "faithful", row
+        assert float(row["dense_ppl"]) > 0
         if row["engine"].startswith("llamacpp"):
-            assert row["control"] == "" and "llama.cpp" in row["runtime"]
-        else:
-            assert row["control"] == "faithful", row
+            assert "llama.cpp" in row["runtime"]
         if row["engine"].startswith("llamacpp"):  # timed: paired passes against the f16 GGUF
             assert float(row["tg128_median"]) > 0 and float(row["tg128_ratio"]) > 0
         else:  # the reference engine is not a deployment engine

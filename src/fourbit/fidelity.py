@@ -74,8 +74,19 @@ returning {"method", "window_kl": [[float] per position] per window,
 "window_top1": [[bool]...], "greedy_baseline": [[ids]], "greedy_arm": [[ids]],
 "runtime": str, "baseline_runtime": str} and, for a top-k bound,
 "window_kl_merged", "window_kl_substituted" and "window_mass_topk" like
-window_kl. An engine without it (llama.cpp, whose own KL mode is
-fourbit.llamacpp.perplexity.kl_divergence) gets a record saying so.
+window_kl. An engine without it may instead give its own aggregate statistics
+over the evaluation text through
+
+    divergence_from_baseline(arm_checkpoint, baseline_checkpoint, text_file, settings,
+                             *, ctx, chunks) -> dict
+
+returning "mean_kld", "kld_p99" and "same_top_p_percent" (llama.cpp: llama-perplexity's
+KL mode, from full logits but on its own chunking, so labelled with its method), and
+greedy continuations through
+
+    greedy_continuations(checkpoint, prompts, new_tokens, settings) -> [[ids]]
+
+An engine with neither gets a record saying so.
 """
 
 from __future__ import annotations
@@ -114,10 +125,18 @@ DEFINITION = (
     "identical = equal token for token"
 )
 
+OWN_KL_MODE = "llama-perplexity KL mode"
+OWN_KL_DEFINITION = (
+    "KL(P_base || P_arm) in nats and top-1 agreement ('same top') computed by llama-perplexity "
+    "--kl-divergence from full logits: it tokenizes the evaluation text itself, cuts it into "
+    "chunks of {ctx} tokens (BOS first when the vocabulary asks for it) and compares the second "
+    "half of each of the first {chunks} chunks; greedy: the first {prompt_tokens} tokens of the "
+    "first {prompts} windows continued for exactly {new_tokens} tokens by each model (argmax, EOS "
+    "ignored), identical = equal token for token"
+)
 NOT_COMPARED = (
     "not computed for this engine: it returns neither full logits nor top-k logprobs of "
-    "chosen token ids here (llama.cpp has its own KL mode: fourbit.llamacpp.perplexity."
-    "kl_divergence, on its own chunking)"
+    "chosen token ids, and has no KL mode of its own"
 )
 
 
@@ -284,8 +303,11 @@ def compare_arm(
     fidelity_settings: Mapping,
     *,
     threads: int,
+    text_path: str | os.PathLike | None = None,
 ) -> dict:
-    """Compare one arm with the same engine's baseline; write ``out_path`` (JSON, atomically)."""
+    """Compare one arm with the same engine's baseline; write ``out_path`` (JSON, atomically).
+
+    ``text_path``, the evaluation text, is read only by engines with their own KL mode."""
     settings = resolve_settings(fidelity_settings)
     windows_file = json.loads(Path(windows_path).read_text())
     compared_windows, prompts = select(windows_file["windows"], settings)
@@ -304,6 +326,13 @@ def compare_arm(
         "windows": len(compared_windows),
     }
     compare = getattr(engine, "compare_with_baseline", None)
+    own_divergence = getattr(engine, "divergence_from_baseline", None)
+    if compare is None and own_divergence is not None:
+        if text_path is None:
+            raise ValueError(f"engine {engine_settings['name']} compares on the evaluation text; "
+                             "pass text_path")
+        return _own_kl_mode(engine, arm_checkpoint, baseline_checkpoint, text_path, out_path,
+                            record, engine_settings, prompts, ctx=len(compared_windows[0]))
     if compare is None:
         record.update({"computed": False, "method": None, "reason": NOT_COMPARED})
         write_json(out_path, record)
@@ -345,4 +374,44 @@ def compare_arm(
         record["top1_agreement"], record["greedy"]["identical"], record["greedy"]["prompts"],
         record["seconds"],
     )
+    return record
+
+
+def _own_kl_mode(engine, arm_checkpoint, baseline_checkpoint, text_path, out_path, record: dict,
+                 engine_settings: Mapping, prompts: list[list[int]], *, ctx: int) -> dict:
+    """The engine's own aggregate KL statistics, over as many chunks as windows are compared,
+    and the greedy continuations of the same prompts as every other engine."""
+    start = time.perf_counter()
+    settings, new_tokens = dict(engine_settings), record["settings"]["new_tokens"]
+    statistics = engine.divergence_from_baseline(
+        Path(arm_checkpoint), Path(baseline_checkpoint), Path(text_path), settings, ctx=ctx,
+        chunks=record["windows"],
+    )
+    greedy = {which: engine.greedy_continuations(Path(checkpoint), prompts, new_tokens, settings)
+              for which, checkpoint in (("baseline", baseline_checkpoint), ("arm", arm_checkpoint))}
+    record.update(
+        {
+            "computed": True,
+            "method": OWN_KL_MODE,
+            "bound": f"exact, its own chunking: {statistics['chunks']} chunks of {ctx} tokens",
+            "definition": OWN_KL_DEFINITION.format(
+                ctx=ctx, chunks=statistics["chunks"], prompts=len(prompts), new_tokens=new_tokens,
+                prompt_tokens=record["settings"]["prompt_tokens"],
+            ),
+            "kl_mean": statistics["mean_kld"],
+            "kl_mean_uncertainty": statistics["mean_kld_uncertainty"],
+            "kl_p99": statistics["kld_p99"],
+            "top1_agreement": statistics["same_top_p_percent"] / 100,
+            "greedy": greedy_summary(greedy["baseline"], greedy["arm"], new_tokens),
+            "llama_perplexity": statistics,
+            "runtime": engine.runtime(Path(arm_checkpoint), settings),
+            "baseline_runtime": engine.runtime(Path(baseline_checkpoint), settings),
+            "seconds": time.perf_counter() - start,
+        }
+    )
+    write_json(out_path, record)
+    log.info("%s vs %s (%s): KL mean %.5f p99 %.5f, top-1 %.4f, greedy %d/%d identical (%.1f s)",
+             arm_checkpoint, baseline_checkpoint, OWN_KL_MODE, record["kl_mean"], record["kl_p99"],
+             record["top1_agreement"], record["greedy"]["identical"], record["greedy"]["prompts"],
+             record["seconds"])
     return record

@@ -1,4 +1,5 @@
-"""The workflow's llama.cpp steps: tools, the f16 GGUF base, and quantized GGUF arms.
+"""The workflow's llama.cpp steps: tools, the f16 GGUF base, quantized GGUF arms and
+their F32 expansions (the control).
 
 llama.cpp arms are arms like any other (an id from the hash of their settings),
 but their checkpoint is one GGUF file quantized by llama-quantize from an f16
@@ -15,7 +16,7 @@ from pathlib import Path
 from fourbit.atomic import write_json
 from fourbit.llamacpp.build import LlamaCpp, ensure_llamacpp
 from fourbit.llamacpp.convert import convert_to_gguf
-from fourbit.llamacpp.quantize import gguf_bits_per_weight, quantize_gguf
+from fourbit.llamacpp.quantize import dequantize_gguf, gguf_bits_per_weight, quantize_gguf
 
 log = logging.getLogger("fourbit")
 
@@ -64,3 +65,8 @@ def quantize_arm(f16_gguf: str | os.PathLike, out_gguf: str | os.PathLike, arm_p
     log.info("%s: %s, %.3f bits/weight in matmul weights", arm["id"], quant["type"],
              manifest["storage"]["quantized_bits_per_weight"])
     return manifest
+
+
+def dequantize_arm(quantized_gguf: str | os.PathLike, out_gguf: str | os.PathLike,
+                   tools_json: str | os.PathLike, threads: int) -> None:
+    dequantize_gguf(Path(quantized_gguf), Path(out_gguf), tools=load_tools(tools_json), threads=threads)

@@ -377,13 +377,16 @@ def render_markdown(study: dict, rows: list[dict], facts: dict) -> str:
         "- **control**: the arm run by its 4-bit runtime against its dense float32 expansion on the "
         "same engine; the mean NLL difference in nats/token. *faithful* if within "
         f"{study['evaluation']['control_tolerance']} nats/token; otherwise the runtime or the "
-        "packing, not the quantizer, is wrong. llama.cpp (GGUF) arms have no dense expansion in "
-        "this version, so no control (—).",
+        "packing, not the quantizer, is wrong. A llama.cpp arm's expansion is its GGUF with "
+        "every tensor decoded to F32 by llama-quantize; llama.cpp's quantized matmuls also round "
+        "the activations to 8 bits, which this difference includes.",
         "",
         "- **KL / top-1**: per scored position, KL(baseline ‖ arm) of the next-token "
         "distributions and whether their most likely tokens agree, on the first windows of the "
         "same token ids. From full logits where the engine gives them; vLLM returns only top-k "
-        "logprobs, so its KL is a lower bound (≥). **greedy identical**: of N fixed prompts, how "
+        "logprobs, so its KL is a lower bound (≥); llama.cpp's come from llama-perplexity's own KL "
+        "mode against the f16 GGUF (full logits, but its own tokenization of the evaluation text "
+        "and the second half of each chunk). **greedy identical**: of N fixed prompts, how "
         "many continue exactly like the baseline's greedy continuation.",
         "- **pp512 / tg128**: tokens/s for a 512-token prompt (one output token) and for 128 "
         "greedy tokens after a one-token prompt (the one-token run subtracted), batch 1, synthetic "

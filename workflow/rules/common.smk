@@ -53,7 +53,7 @@ def scored_checkpoint(engine_id, arm, form):
     if reads == "gguf":
         if arm == "baseline":
             return GGUF_BASE
-        return f"{MODEL_DIR}/arms/{arm}/gguf/model.gguf"
+        return f"{MODEL_DIR}/arms/{arm}/gguf/" + ("model.gguf" if form == "quantized" else "dense.gguf")
     if arm == "baseline":
         return f"{MODEL_DIR}/untied"
     return f"{MODEL_DIR}/arms/{arm}/{form}"
@@ -72,21 +72,23 @@ def get_bench_input(wildcards):
 
 
 def get_fidelity_input(wildcards):
-    """The arm and its engine's baseline, compared on the study's token windows."""
-    return {**get_bench_input(wildcards), "windows": f"{EVAL_DIR}/windows.json"}
+    """The arm and its engine's baseline, compared on the study's token windows (an
+    engine with its own KL mode, llama.cpp's, reads the evaluation text instead)."""
+    return {
+        **get_bench_input(wildcards),
+        "windows": f"{EVAL_DIR}/windows.json",
+        "text": f"{RESULTS}/corpus/{CORPUS}/evaluation.txt",
+    }
 
 
 def all_results():
-    """Every file the report reads: each engine scores the arms whose checkpoints it reads.
-
-    GGUF arms have no dense expansion (no control) in this version.
-    """
+    """Every file the report reads: each engine scores the arms whose checkpoints it
+    reads, each arm both as quantized and as its dense expansion (the control)."""
     files = []
     for engine in STUDY.engines.values():
         files.append(f"{EVAL_DIR}/{engine.id}/baseline/dense.ppl.json")
-        forms = ("quantized", "dense") if engine.reads == "hf" else ("quantized",)
         for arm_id in STUDY.arms_of_kind(engine.reads):
-            for form in forms:
+            for form in ("quantized", "dense"):
                 files.append(f"{EVAL_DIR}/{engine.id}/{arm_id}/{form}.ppl.json")
             files.append(f"{EVAL_DIR}/{engine.id}/{arm_id}/bench.json")
             files.append(f"{EVAL_DIR}/{engine.id}/{arm_id}/fidelity.json")

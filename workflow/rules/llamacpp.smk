@@ -1,5 +1,6 @@
 # llama.cpp: the tools (built once per machine, cached outside the work tree),
-# the f16 GGUF of the untied model, and llama-quantize arms made from it.
+# the f16 GGUF of the untied model, llama-quantize arms made from it, and each
+# arm expanded back to F32 by the same tool (the control).
 
 
 rule build_llamacpp:
@@ -49,3 +50,20 @@ rule quantize_gguf:
         arm=get_arm_manifest,
     script:
         "../../scripts/quantize_gguf.py"
+
+
+rule dequantize_gguf:
+    input:
+        gguf=rules.quantize_gguf.output.gguf,
+        tools=rules.build_llamacpp.output.tools,
+    output:
+        gguf=f"{MODEL_DIR}/arms/{{arm}}/gguf/dense.gguf",
+    log:
+        f"{RESULTS}/logs/dequantize_gguf/{MODEL}/{{arm}}.log",
+    wildcard_constraints:
+        arm="|".join(STUDY.arms_of_kind("gguf")) or "(?!)",
+    conda:
+        "../../envs/fourbit.yaml"
+    threads: workflow.cores
+    script:
+        "../../scripts/dequantize_gguf.py"

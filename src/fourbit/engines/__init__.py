@@ -9,7 +9,9 @@ An engine module provides:
 and, for the bench step (fourbit.benchmark), either
     throughput(checkpoint, settings, threads, *, prompt_tokens, decode_tokens) -> one pass's rates
 or a module-level NOT_BENCHMARKED = "<why its speed means nothing for a shipped build>";
-and, for the fidelity step (fourbit.fidelity), optionally compare_with_baseline(...).
+and, for the fidelity step (fourbit.fidelity), optionally compare_with_baseline(...)
+(per-position results on the study's windows) or divergence_from_baseline(...) (the
+engine's own aggregate KL statistics on the evaluation text).
 
 Adding an engine: a new module here, one line in ENGINE_MODULES, and its
 settings block in workflow/schemas/config.schema.yaml.

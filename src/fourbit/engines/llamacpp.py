@@ -11,6 +11,8 @@ from pathlib import Path
 from fourbit.llamacpp import ARITHMETIC
 from fourbit.llamacpp.bench import llama_bench
 from fourbit.llamacpp.build import find_llamacpp
+from fourbit.llamacpp.perplexity import greedy_continuations as llamacpp_greedy
+from fourbit.llamacpp.perplexity import kl_divergence
 from fourbit.llamacpp.perplexity import score_windows as llamacpp_score
 
 
@@ -23,6 +25,21 @@ def _tools():
 
 def score_windows(checkpoint: Path, windows: list[list[int]], settings: dict, threads: int) -> list[dict]:
     return llamacpp_score(Path(checkpoint), windows, tools=_tools(), threads=settings["threads"])
+
+
+def divergence_from_baseline(arm_checkpoint: Path, baseline_checkpoint: Path, text_file: Path,
+                             settings: dict, *, ctx: int, chunks: int) -> dict:
+    """llama-perplexity's own KL mode (fourbit.llamacpp.perplexity.kl_divergence): the
+    arm's next-token distributions against the f16 baseline's, from full logits, over
+    the second half of each of the first ``chunks`` chunks of ``ctx`` tokens of the text."""
+    return kl_divergence(Path(baseline_checkpoint), Path(arm_checkpoint), Path(text_file),
+                         tools=_tools(), threads=settings["threads"], ctx=ctx, chunks=chunks)
+
+
+def greedy_continuations(checkpoint: Path, prompts: list[list[int]], new_tokens: int,
+                         settings: dict) -> list[list[int]]:
+    return llamacpp_greedy(Path(checkpoint), prompts, new_tokens, tools=_tools(),
+                           threads=settings["threads"])
 
 
 def runtime(checkpoint: Path, settings: dict) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from fourbit.checkpoint import read_config, skeleton
+from fourbit.checkpoint import skeleton
 from fourbit.kernels import tinygemm
 from fourbit.progress import Progress
 from fourbit.quant.qweight import QuantizedWeight

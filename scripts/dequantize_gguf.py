@@ -1,0 +1,5 @@
+from fourbit.gguf_arms import dequantize_arm
+from fourbit.progress import setup_logging
+
+setup_logging(snakemake.log[0])
+dequantize_arm(snakemake.input.gguf, snakemake.output.gguf, snakemake.input.tools, threads=snakemake.threads)
