@@ -93,3 +93,41 @@ def test_path_model_without_safetensors_is_refused(tmp_path):
     bad["model"] = {"source": "path", "path": str(tmp_path)}
     with pytest.raises(ConfigError, match="no \\*.safetensors"):
         study(bad)
+
+
+def test_each_engine_scores_the_arms_it_can_run(monkeypatch):
+    from fourbit import engines
+
+    monkeypatch.setitem(engines.ENGINE_HOST_CHECKS, "vllm_native", lambda: None)
+    config = copy.deepcopy(BASE)
+    config["engines"] = {"vllm": {}, "vllm_native": {}, "llamacpp": {}}
+    config["arms"] = [
+        {"name": "plain", "quant": {"method": "cpu_int4"}},
+        {"name": "gs", "quant": {"method": "gptq", "sym": True}},
+        {"name": "ga", "quant": {"method": "gptq", "sym": False}},
+        {"name": "q4", "quant": {"method": "llamacpp", "type": "Q4_K_M"}},
+    ]
+    s = study(config)
+    names = {e.name: [s.arms[a].name for a in s.arms_for(e)] for e in s.engines.values()}
+    assert names == {"vllm": ["plain", "gs", "ga"], "vllm_native": ["gs"], "llamacpp": ["q4"]}
+    assert [e.name for e in s.runnable_engines] == ["llamacpp", "vllm", "vllm_native"]
+
+
+def test_an_engine_this_host_cannot_run_gets_no_jobs_and_a_reason(monkeypatch):
+    from fourbit import engines
+
+    monkeypatch.setitem(engines.ENGINE_HOST_CHECKS, "vllm_native", lambda: "no avx512f here")
+    config = copy.deepcopy(BASE)
+    config["engines"] = {"vllm": {}, "vllm_native": {}}
+    config["arms"] = [{"name": "gs", "quant": {"method": "gptq", "sym": True}}]
+    s = study(config)
+    native = s.engines["vllm_native"]
+    assert s.arms_for(native) == [] and native not in s.runnable_engines
+    assert s.summary()["engines"][native.id]["unavailable"] == "no avx512f here"
+
+
+def test_vllm_native_refuses_float32_before_any_job():
+    config = copy.deepcopy(BASE)
+    config["engines"] = {"vllm_native": {"dtype": "float32"}}
+    with pytest.raises(ConfigError, match="float32"):
+        study(config)

@@ -15,7 +15,9 @@ def study(source="builtin"):
         "model": {"id": "m", "source": source},
         "corpus": {"id": "c", "source": "builtin"},
         "evaluation": {"control_tolerance": 0.001},
-        "engines": {ENGINE: {"name": "reference", "reads": "hf"}},
+        "engines": {ENGINE: {"name": "reference", "reads": "hf", "arms": [ARM], "unavailable": None},
+                    "vllm_native-0000000000": {"name": "vllm_native", "reads": "hf", "arms": [],
+                                               "unavailable": "no avx512f: reason given"}},
         "arms": [{"id": ARM, "name": "a", "kind": "hf", "quant": {"method": "cpu_int4"}}],
     }
 
@@ -65,6 +67,8 @@ def test_report_rows_come_from_the_result_files(tmp_path, tiny_untied, results):
     assert f"`{ARM}`" in markdown and "faithful" in markdown
     table = (tmp_path / "report.tsv").read_text().splitlines()
     assert table[0].startswith("engine\tarm_id") and len(table) == 3
+    # An engine that could not run here has no rows, and the report says why.
+    assert "Not run on this host: vllm_native-0000000000** (vllm_native): no avx512f" in markdown
 
 
 def test_missing_result_file_is_named(tmp_path, tiny_untied, results):

@@ -254,3 +254,29 @@ def test_tinygemm_and_dequant_paths_agree(root, cache_root):
     # dense kernels from the kept copy and from the packed layout compute the same W_hat
     if "direct" in runs:
         assert _max_diff(runs["direct"], runs["kept"]) == 0.0
+
+
+# --- vLLM's own kernel (the vllm_native engine) -------------------------------------------
+
+
+@pytest.mark.slow
+def test_native_kernel_runs_the_gptq_checkpoint_without_the_plugin(root, cache_root):
+    """Where vLLM's cpu_gemm_wna16 exists (AVX-512), the vllm_native engine runs a GPTQ
+    checkpoint on it, not on the plugin, and stays within bf16 rounding of its dense control."""
+    from fourbit.bench.hostprobe import choose_runtimes, isa_flags
+    from fourbit.engines import unavailable_here, vllm_native
+    from fourbit.vllm_plugin import ops
+
+    verdict = choose_runtimes(isa_flags())["vllm_native_w4a16"]
+    assert unavailable_here("vllm_native") == (None if verdict["available"] else verdict["reason"])
+    if not verdict["available"]:
+        pytest.skip(f"vLLM's native 4-bit kernel cannot run here: {verdict['reason']}")
+    quant_dir, dense_dir = build_pair(root, "gptq")
+    settings = {"dtype": "bfloat16", "kv_cache_bytes": 32 << 20, "cache_root": str(cache_root)}
+    ops.calls.clear()
+    native = vllm_native.score_windows(quant_dir, WINDOWS, settings, 2)
+    assert not ops.calls  # the plugin's op never ran
+    dense = vllm_native.score_windows(dense_dir, WINDOWS, settings, 2)
+    nll = [sum(r["nll_sum"] for r in side) / sum(r["tokens"] for r in side) for side in (native, dense)]
+    assert abs(nll[0] - nll[1]) <= 0.002 * nll[1], nll  # perplexity within ~0.2%
+    assert "cpu_gemm_wna16" in vllm_native.runtime(quant_dir, settings)

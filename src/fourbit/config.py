@@ -19,7 +19,7 @@ from typing import Any
 import jsonschema
 import yaml
 
-from fourbit.engines import ENGINE_READS
+from fourbit.engines import ENGINE_READS, ENGINE_RUNS_ARM, unavailable_here
 from fourbit.hashing import canonical_json, file_sha256, short_hash
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
@@ -78,10 +78,20 @@ def _message_of(error, root: dict) -> str | None:
     for step in error.absolute_schema_path:
         if not isinstance(node, (dict, list)):
             break
+        if isinstance(node, dict) and step not in node and "$ref" in node:
+            node = _resolve(root, node["$ref"])  # the schema path steps through refs silently
         node = node[step]
         if isinstance(node, dict) and "errorMessage" in node:
             message = node["errorMessage"]
     return message
+
+
+def _resolve(root: dict, ref: str) -> dict:
+    """A local "#/$defs/name" reference of ``root``."""
+    node = root
+    for part in ref.removeprefix("#/").split("/"):
+        node = node[part]
+    return node
 
 
 def canonical_quant(quant: dict, schema: dict, where: str = "quant") -> dict:
@@ -134,6 +144,11 @@ class Engine:
     def reads(self) -> str:
         return ENGINE_READS[self.name]
 
+    def runs(self, arm: "Arm") -> bool:
+        """Whether this engine scores ``arm``: it reads the arm's kind of checkpoint, and
+        engines that run only some formats (vLLM's own kernels) run this one."""
+        return arm.kind == self.reads and ENGINE_RUNS_ARM.get(self.name, lambda _: True)(arm.quant)
+
 
 @dataclass
 class Study:
@@ -143,6 +158,8 @@ class Study:
     corpus_id: str
     engines: dict[str, Engine]
     arms: dict[str, Arm] = field(default_factory=dict)
+    # engine name -> why it cannot run on this host (None: it can)
+    unavailable: dict[str, str | None] = field(default_factory=dict)
 
     @classmethod
     def from_config(cls, config: dict, schema: dict | None = None) -> "Study":
@@ -178,10 +195,21 @@ class Study:
             corpus_id=corpus_id,
             engines=engines,
             arms=arms,
+            unavailable={name: unavailable_here(name) for name in engines},
         )
 
     def arms_of_kind(self, kind: str) -> list[str]:
         return [arm_id for arm_id, arm in self.arms.items() if arm.kind == kind]
+
+    def arms_for(self, engine: Engine) -> list[str]:
+        """The arms ``engine`` scores here: none when it cannot run on this host."""
+        if self.unavailable.get(engine.name):
+            return []
+        return [arm_id for arm_id, arm in self.arms.items() if engine.runs(arm)]
+
+    @property
+    def runnable_engines(self) -> list[Engine]:
+        return [e for e in self.engines.values() if not self.unavailable.get(e.name)]
 
     def summary(self) -> dict:
         """What the report needs to know about the study, as plain data."""
@@ -189,7 +217,9 @@ class Study:
             "model": {"id": self.model_id, **self.config["model"]},
             "corpus": {"id": self.corpus_id, **self.config["corpus"]},
             "evaluation": self.config["evaluation"],
-            "engines": {e.id: {"name": e.name, "reads": e.reads, **e.settings} for e in self.engines.values()},
+            "engines": {e.id: {"name": e.name, "reads": e.reads, **e.settings,
+                               "arms": self.arms_for(e), "unavailable": self.unavailable.get(e.name)}
+                        for e in self.engines.values()},
             "arms": [{**arm.manifest(), "kind": arm.kind} for arm in self.arms.values()],
         }
 

@@ -63,11 +63,12 @@ def build_rows(
     tolerance = study["evaluation"]["control_tolerance"]
     rows = []
     for engine_id, engine in study["engines"].items():
+        if engine["unavailable"]:
+            continue  # said under the table (unavailable_engines)
         baseline = read_result(index[(engine_id, "baseline", "dense.ppl.json")])
         unquantized = {"quant": {}, "storage": baseline_storage[engine["reads"]]}
         engine_rows = []
-        for arm in (a for a in study["arms"] if a["kind"] == engine["reads"]):
-            arm_id = arm["id"]
+        for arm_id in engine["arms"]:
             quantized = read_result(index[(engine_id, arm_id, "quantized.ppl.json")])
             dense_path = index.get((engine_id, arm_id, "dense.ppl.json"))
             dense = read_result(dense_path) if dense_path else None
@@ -318,6 +319,13 @@ def render_tsv(rows: list[dict]) -> str:
     return out.getvalue()
 
 
+def unavailable_engines(study: dict) -> list[str]:
+    """Engines of the config that could not run on this host, each with the reason."""
+    lines = [f"- **Not run on this host: {engine_id}** ({engine['name']}): {engine['unavailable']}."
+             for engine_id, engine in study["engines"].items() if engine["unavailable"]]
+    return ["", *lines] if lines else []
+
+
 def render_markdown(study: dict, rows: list[dict], facts: dict) -> str:
     headers = ["engine", "arm", "method", "group", "sym", "bits/weight", "file bits/param", "size MiB",
                "ppl", f"Δppl vs baseline [{CONFIDENCE:.0%} CI]", "control (arm vs dense Δ nats/token)"]
@@ -355,6 +363,7 @@ def render_markdown(study: dict, rows: list[dict], facts: dict) -> str:
                  _fmt(r["bits_per_weight"]), _fmt(r["file_bits_per_param"]), _fmt(r["size_mib"]),
                  _fmt(r["ppl"]), delta, control]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    lines += unavailable_engines(study)
     lines += ["", "## What the evaluation split can and cannot tell apart", ""] + separability(rows)
     lines += ["", "## Fidelity to the baseline", ""] + fidelity_table(rows)
     lines += ["", "## Throughput", ""] + throughput_table(rows)

