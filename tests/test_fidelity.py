@@ -235,7 +235,8 @@ def test_engine_with_its_own_kl_mode_needs_the_text(models, tmp_path):
 
 
 @pytest.mark.slow
-def test_vllm_copy_is_identical(models, tmp_path):
+def test_vllm_copy_is_identical(models, tmp_path, caplog):
+    caplog.set_level("INFO")
     record = tmp_path / "vllm-x" / "arm-x" / "fidelity.json"  # the rule's <engine>/<arm>/ layout
     out = compare_arm(models / "copy", models / "baseline", models / "windows.json", record,
                       VLLM, SMALL, threads=2)
@@ -247,6 +248,13 @@ def test_vllm_copy_is_identical(models, tmp_path):
     # the arm's compile cache next to its record; the baseline's shared by every arm's job
     assert (record.parent / "fidelity.cache" / "arm" / "inductor").is_dir()
     assert (tmp_path / "vllm-x" / "baseline" / "fidelity.cache" / "inductor").is_dir()
+    # The baseline's side is kept for the engine's next arm, which reads it instead.
+    kept = list((tmp_path / "vllm-x" / "baseline" / "fidelity.cache").glob("side-*.json"))
+    assert len(kept) == 1
+    second = compare_arm(models / "perturbed", models / "baseline", models / "windows.json",
+                         tmp_path / "vllm-x" / "arm-y" / "fidelity.json", VLLM, SMALL, threads=2)
+    assert second["kl_mean"] > 0 and "baseline side read from" in caplog.text
+    assert kept == list((tmp_path / "vllm-x" / "baseline" / "fidelity.cache").glob("side-*.json"))
 
 
 @pytest.mark.slow

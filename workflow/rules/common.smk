@@ -53,7 +53,9 @@ def scored_checkpoint(engine_id, arm, form):
     if reads == "gguf":
         if arm == "baseline":
             return GGUF_BASE
-        return f"{MODEL_DIR}/arms/{arm}/gguf/" + ("model.gguf" if form == "quantized" else "dense.gguf")
+        return f"{MODEL_DIR}/arms/{arm}/gguf/" + (
+            "model.gguf" if form == "quantized" else "dense.gguf"
+        )
     if arm == "baseline":
         return f"{MODEL_DIR}/untied"
     return f"{MODEL_DIR}/arms/{arm}/{form}"

@@ -78,6 +78,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fourbit.atomic import write_json
+from fourbit.hashing import short_hash
+
 log = logging.getLogger(__name__)
 
 PLUGIN_METHOD = "fourbit_int4"
@@ -623,6 +626,25 @@ def profile_step(checkpoint: str | os.PathLike, settings: Mapping[str, Any], wha
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
 
 
+def _baseline_side_file(settings: Mapping[str, Any], checkpoint: str | os.PathLike,
+                        windows: Sequence[Sequence[int]], prompts: Sequence[Sequence[int]],
+                        new_tokens: int, k: int) -> Path | None:
+    root = settings.get("baseline_cache_root")
+    if root is None:
+        return None
+    key = short_hash("fidelity-baseline-side", {
+        "checkpoint": str(Path(checkpoint).resolve()),
+        # a checkpoint rewritten in place (a rerun upstream) must not reuse the old side
+        "files": sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns)
+                        for f in Path(checkpoint).iterdir() if f.is_file()),
+        "windows": [list(map(int, w)) for w in windows],
+        "prompts": [list(map(int, p)) for p in prompts], "new_tokens": new_tokens, "top_k": k,
+        "settings": {key: value for key, value in settings.items()
+                     if key not in ("cache_root", "baseline_cache_root")},
+    })
+    return Path(root) / f"side-{key}.json"
+
+
 def compare_with_baseline(
     arm_checkpoint: str | os.PathLike,
     baseline_checkpoint: str | os.PathLike,
@@ -645,6 +667,11 @@ def compare_with_baseline(
     runner (v1/engine/input_processor.py:163-169), which needs Triton, absent on CPU. So
     KL is a lower bound (fourbit.fidelity explains which and why); top-1 agreement
     compares the rank-1 ids. quant overrides apply to the arm only.
+
+    The baseline's side is the same for every arm of an engine, so it is kept in
+    settings["baseline_cache_root"] as JSON named by a hash of everything it depends on
+    (checkpoint, windows, prompts, new_tokens, k, settings), written atomically, and read
+    back by the next arm's job instead of being computed again.
     """
     import torch
 
@@ -666,6 +693,12 @@ def compare_with_baseline(
     before = torch.get_num_threads()
     if threads:
         torch.set_num_threads(int(threads))
+    kept = _baseline_side_file(settings, baseline_checkpoint, windows, prompts, new_tokens, k)
+    if kept is not None and kept.is_file():
+        side = json.loads(kept.read_text())
+        scored["baseline"], continued["baseline"] = side["scored"], side["greedy"]
+        log.info("fidelity: baseline side read from %s", kept)
+        sides.pop("baseline")
     try:
         for side, checkpoint in sides.items():
             common = {
@@ -686,6 +719,8 @@ def compare_with_baseline(
             )
             log.info("fidelity: %s greedy, %d prompts x %d tokens", side, len(prompts), new_tokens)
             continued[side] = greedy(checkpoint, prompts, new_tokens, **common)
+            if side == "baseline" and kept is not None:
+                write_json(kept, {"scored": scored[side], "greedy": continued[side]})
     finally:
         torch.set_num_threads(before)
 
