@@ -635,7 +635,7 @@ def test_greedy_continuations_take_the_most_likely_token(ggufs, tools, windows):
     assert continued == greedy_continuations(ggufs["Q4_K_M"], prompts, 6, tools=tools, threads=1)
     # The last token is the argmax at the last position, so any other token there scores worse.
     for prompt, ids in zip(prompts, continued):
-        others = [t for t in (0, 5, 77, 901) if t != ids[-1]]
+        others = [t for t in (0, 5, 77, 301) if t != ids[-1]]
         scored = score_windows(ggufs["Q4_K_M"], [prompt + ids] + [prompt + ids[:-1] + [t] for t in others],
                                tools=tools, threads=2)
         assert all(scored[0]["nll_sum"] < other["nll_sum"] for other in scored[1:])
