@@ -5,16 +5,19 @@
 Two models, each on the same cores with the same thread count for both engines:
 
 - ``default``: the embedded default model of a finished study (``--study``, the
-  folder holding report.tsv; run ``make report`` first). The vLLM arm is the study's
-  fastest-decoding vLLM 4-bit row of report.tsv; the llama.cpp arm is the study's
-  Q4_K_M GGUF (both built by the workflow, unchanged).
+  folder holding report.tsv; run ``make report`` first). The plugin's arm is the
+  study's fastest-decoding row of the vllm engine, the native kernel's the study's
+  vllm_native row (the symmetric GPTQ arm); the llama.cpp arm is the study's Q4_K_M
+  GGUF (all built by the workflow, unchanged).
 - ``qwen2.5-0.5b``: random weights at Qwen2.5-0.5B's shapes (speed only), untied
-  head, quantized here to cpu_int4 g128 (the plugin's arm) and, from its f16 GGUF, to
-  Q4_K_M with the same llama.cpp build as the study.
+  head, quantized here to cpu_int4 g128 (the plugin's arm), to symmetric RTN g128 as a
+  GPTQ checkpoint (for vLLM's own kernel) and, from its f16 GGUF, to Q4_K_M with the
+  same llama.cpp build as the study.
 
-The vLLM arm runs through fourbit's plugin twice: with the study's float32 engine
-and with bfloat16 activations (faster here; tinygemm keeps bf16 scales then). Its
-best of the two (by median decode) is "the best vLLM 4-bit arm". Each pass runs every
+vLLM variants: the plugin's arm with the study's float32 engine and with bfloat16
+activations (faster here; tinygemm keeps bf16 scales then), and, where the host has
+it (AVX-512), the GPTQ checkpoint on vLLM's own cpu_gemm_wna16 in bfloat16. The best
+of them by median decode is "the best vLLM 4-bit arm". Each pass runs every
 variant once, the order rotated from pass to pass, and the decode ratio vLLM /
 llama.cpp is taken within a pass: pp512 and tg128 as llama-bench defines them
 (fourbit.engines.vllm.throughput for vLLM; llama-bench with 3 repetitions, their
@@ -37,9 +40,12 @@ import torch
 QWEN_QUANT = {"method": "cpu_int4", "group_size": 128, "bits": 4, "sym": False,
               "shrink_steps": 1, "importance": "none", "quantize_head": True}
 KV_CACHE_BYTES = 64 << 20  # a 513-token sequence; the same for every variant
+QWEN_GPTQ = {"method": "rtn", "group_size": 128, "bits": 4, "sym": True, "quantize_head": True}
+# name -> (which checkpoint of the model, engine settings)
 VLLM_VARIANTS = {
-    "vLLM 4-bit fp32": {"dtype": "float32"},
-    "vLLM 4-bit bf16": {"dtype": "bfloat16", "quant": {"activation_dtype": "bfloat16"}},
+    "plugin fp32": ("vllm", {"dtype": "float32"}),
+    "plugin bf16": ("vllm", {"dtype": "bfloat16", "quant": {"activation_dtype": "bfloat16"}}),
+    "native bf16": ("gptq", {"dtype": "bfloat16", "kernel": "native"}),
 }
 LLAMA = "llama.cpp Q4_K_M"
 
@@ -50,22 +56,22 @@ def default_model(study: Path) -> dict:
     if not table.is_file():
         raise SystemExit(f"{table} does not exist: run the default study first (make report)")
     rows = list(csv.DictReader(table.open(), delimiter="\t"))
-    vllm = [r for r in rows if r["engine"].startswith("vllm") and r["arm_id"] != "baseline"
-            and r["tg128_median"] not in ("", None)]
+    timed = [r for r in rows if r["arm_id"] != "baseline" and r["tg128_median"] not in ("", None)]
+    plugin = [r for r in timed if r["engine"].startswith("vllm-")]
+    native = [r for r in timed if r["engine"].startswith("vllm_native-")]
     q4km = [r for r in rows if r["method"] == "llamacpp" and "q4_k_m" in r["arm_id"].lower()]
-    if not vllm or not q4km:
-        raise SystemExit(f"{table} needs a timed vLLM 4-bit row and a Q4_K_M row; it has neither "
-                         "or only one: was the bench step refused?")
-    best = max(vllm, key=lambda r: float(r["tg128_median"]))
-    arm_dirs = {row["arm_id"]: next(study.glob(f"*/arms/{row['arm_id']}"), None)
-                for row in (best, q4km[0])}
-    missing = [arm for arm, folder in arm_dirs.items() if folder is None]
+    if not plugin or not q4km:
+        raise SystemExit(f"{table} needs a timed vllm 4-bit row and a Q4_K_M row; it lacks one: "
+                         "was the bench step refused?")
+    best = max(plugin, key=lambda r: float(r["tg128_median"]))
+    chosen = {"vllm": best, "gguf": q4km[0], **({"gptq": native[0]} if native else {})}
+    arm_dirs = {key: next(study.glob(f"*/arms/{row['arm_id']}"), None) for key, row in chosen.items()}
+    missing = [chosen[key]["arm_id"] for key, folder in arm_dirs.items() if folder is None]
     if missing:
         raise SystemExit(f"no folder {study}/*/arms/{missing[0]}: is {study} the study's results?")
-    print(f"default model: fastest vLLM 4-bit arm of the study {best['arm_id']} "
-          f"(study tg128 {float(best['tg128_median']):.1f} tok/s), llama.cpp arm {q4km[0]['arm_id']}")
-    return {"vllm": arm_dirs[best["arm_id"]] / "quantized",
-            "gguf": arm_dirs[q4km[0]["arm_id"]] / "gguf" / "model.gguf"}
+    print("default model: " + ", ".join(f"{key} {row['arm_id']}" for key, row in chosen.items()))
+    return {key: folder / ("gguf/model.gguf" if key == "gguf" else "quantized")
+            for key, folder in arm_dirs.items()}
 
 
 def qwen_shaped_model(workdir: Path, threads: int) -> dict:
@@ -79,7 +85,7 @@ def qwen_shaped_model(workdir: Path, threads: int) -> dict:
     from fourbit.sources import fetch_model
     from fourbit.untie import untie_head
 
-    paths = {name: workdir / name for name in ("corpus", "tied", "untied", "int4")}
+    paths = {name: workdir / name for name in ("corpus", "tied", "untied", "int4", "gptq")}
     if not (paths["corpus"] / "manifest.json").is_file():
         prepare_corpus({"source": "builtin"}, paths["corpus"])
     if not paths["tied"].exists():  # fetch_model writes the folder atomically
@@ -87,18 +93,32 @@ def qwen_shaped_model(workdir: Path, threads: int) -> dict:
                     paths["corpus"], threads)
     if not paths["untied"].exists():
         untie_head(paths["tied"], paths["untied"])
-    if not paths["int4"].exists():
-        arm = {"name": "cpu_int4_g128", "id": "cpu_int4_g128-vs-llamacpp",
-               "quant": canonical_quant(QWEN_QUANT, load_schema())}
-        quantize_checkpoint(paths["untied"], paths["int4"], workdir / "int4.arm.json", arm,
-                            threads=threads)
+    for key, name, quant in (("int4", "cpu_int4_g128", QWEN_QUANT), ("gptq", "rtn_sym_g128", QWEN_GPTQ)):
+        if not paths[key].exists():
+            arm = {"name": name, "id": f"{name}-vs-llamacpp",
+                   "quant": canonical_quant(quant, load_schema())}
+            quantize_checkpoint(paths["untied"], paths[key], workdir / f"{key}.arm.json", arm,
+                                threads=threads)
     tools = ensure_llamacpp(jobs=threads)
     f16, q4km = workdir / "f16.gguf", workdir / "Q4_K_M.gguf"
     if not f16.is_file():
         convert_to_gguf(paths["untied"], f16, "f16", tools=tools)
     if not q4km.is_file():
         quantize_gguf(f16, q4km, "Q4_K_M", tools=tools, threads=threads)
-    return {"vllm": paths["int4"], "gguf": q4km}
+    return {"vllm": paths["int4"], "gptq": paths["gptq"], "gguf": q4km}
+
+
+def variants(model: dict) -> list[str]:
+    """The vLLM variants this model and host can run: the native kernel needs a GPTQ
+    checkpoint and AVX-512 (fourbit.bench.hostprobe)."""
+    from fourbit.engines import unavailable_here
+
+    names = [name for name, (checkpoint, _) in VLLM_VARIANTS.items() if checkpoint in model]
+    reason = unavailable_here("vllm_native")
+    if reason and "native bf16" in names:
+        print(f"native bf16: not run on this host: {reason}")
+        names.remove("native bf16")
+    return names
 
 
 def one_run(variant: str, model: dict, cores: list[int], workdir: Path) -> dict:
@@ -112,11 +132,11 @@ def one_run(variant: str, model: dict, cores: list[int], workdir: Path) -> dict:
         result = llama_bench(model["gguf"], tools=ensure_llamacpp(), threads=len(cores),
                              cores=cores, repetitions=3)
         return {"pp512_tok_s": result["pp512"]["median"], "tg128_tok_s": result["tg128"]["median"]}
+    checkpoint, settings = VLLM_VARIANTS[variant]
     settings = {"enforce_eager": True, "kv_cache_bytes": KV_CACHE_BYTES,
-                "cache_root": str(workdir / "cache" / variant.replace(" ", "_")),
-                **VLLM_VARIANTS[variant]}
+                "cache_root": str(workdir / "cache" / variant.replace(" ", "_")), **settings}
     with pinned(cores):
-        return throughput(model["vllm"], settings, len(cores))
+        return throughput(model[checkpoint], settings, len(cores))
 
 
 def side_by_side(model: dict, cores: list[int], passes: int, threshold: float,
@@ -124,13 +144,13 @@ def side_by_side(model: dict, cores: list[int], passes: int, threshold: float,
     from fourbit.bench.contention import check_quiet
     from fourbit.bench.residency import warm_and_check
 
-    names = [*VLLM_VARIANTS, LLAMA]
+    names = [*variants(model), LLAMA]
     rates = {name: [] for name in names}
     flagged = 0
     for number in range(1, passes + 1):
         shift = (number - 1) % len(names)
         for name in names[shift:] + names[:shift]:
-            files = [model["gguf"]] if name == LLAMA else [model["vllm"]]
+            files = [model["gguf"] if name == LLAMA else model[VLLM_VARIANTS[name][0]]]
             resident = warm_and_check(files)
             gate = check_quiet(cores, threshold, override=True, when=f"before pass {number}")
             busy = max(gate["busy"].values())
@@ -140,7 +160,8 @@ def side_by_side(model: dict, cores: list[int], passes: int, threshold: float,
             rates[name].append(run)
             print(f"  pass {number}: {name:18s} pp512 {run['pp512_tok_s']:8.1f}  tg128 "
                   f"{run['tg128_tok_s']:7.2f} tok/s  [busiest core {busy:.0%} before; resident "
-                  f"{resident['min_fraction']:.0%}; {time.monotonic() - started:.0f} s]", flush=True)
+                  f"{resident['resident_fraction']:.0%}; {time.monotonic() - started:.0f} s]",
+                  flush=True)
     return {"rates": rates, "flagged": flagged, "runs": passes * len(names)}
 
 
@@ -160,8 +181,9 @@ def report(label: str, timed: dict, model: dict, cores: list[int], workdir: Path
     for name, runs in rates.items():
         print(f"  {name:18s} pp512 {summary([r['pp512_tok_s'] for r in runs])}   "
               f"tg128 {summary([r['tg128_tok_s'] for r in runs])} tok/s")
-    best = max(VLLM_VARIANTS, key=lambda v: summarize([r["tg128_tok_s"] for r in rates[v]])["median"])
-    for name in VLLM_VARIANTS:
+    vllm_names = [name for name in rates if name != LLAMA]
+    best = max(vllm_names, key=lambda v: summarize([r["tg128_tok_s"] for r in rates[v]])["median"])
+    for name in vllm_names:
         for metric, kind in (("tg128_tok_s", "decode"), ("pp512_tok_s", "prefill")):
             ratios = [v[metric] / q[metric] for v, q in zip(rates[name], rates[LLAMA], strict=True)]
             marker = "  <- best vLLM 4-bit arm" if name == best and kind == "decode" else ""
@@ -174,10 +196,11 @@ def report(label: str, timed: dict, model: dict, cores: list[int], workdir: Path
         from fourbit.engines.vllm import profile_step
 
         print(f"\nprofile of one decode step of {best} (top ops by self CPU time):", flush=True)
+        checkpoint, settings = VLLM_VARIANTS[best]
         settings = {"enforce_eager": True, "kv_cache_bytes": KV_CACHE_BYTES,
-                    "cache_root": str(workdir / "cache" / "profile"), **VLLM_VARIANTS[best]}
+                    "cache_root": str(workdir / "cache" / "profile"), **settings}
         with pinned(cores):
-            print(profile_step(model["vllm"], settings, "decode", len(cores)))
+            print(profile_step(model[checkpoint], settings, "decode", len(cores)))
 
 
 def main() -> None:

@@ -614,8 +614,9 @@ def profile_step(checkpoint: str | os.PathLike, settings: Mapping[str, Any], wha
     params = SamplingParams(max_tokens=outputs, temperature=0.0, ignore_eos=True, detokenize=False)
     torch.set_num_threads(threads)
     with open_llm(checkpoint, dtype=settings["dtype"], kv_cache_bytes=settings["kv_cache_bytes"],
-                  max_model_len=513, quant_overrides=settings.get("quant"),
-                  cache_root=settings.get("cache_root"), max_num_seqs=1,
+                  max_model_len=513, quantization=_quantization(settings),
+                  quant_overrides=settings.get("quant"), cache_root=settings.get("cache_root"),
+                  max_num_seqs=1,
                   max_num_batched_tokens=512) as llm:
         def run():
             llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
