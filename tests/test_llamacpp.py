@@ -400,6 +400,13 @@ def test_leftovers_of_interrupted_builds_are_removed(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [".other.tmp-1"]
 
 
+def test_a_build_without_its_tools_stops_before_any_download(tmp_path, monkeypatch):
+    monkeypatch.setattr(build.shutil, "which", lambda tool: None if tool == "cmake" else "/bin/x")
+    monkeypatch.setattr(build, "_fetch_sdist", lambda folder: pytest.fail("fetched the sdist"))
+    with pytest.raises(FileNotFoundError, match="missing: cmake .*apt-get install cmake build-essential"):
+        build.ensure_llamacpp(cache_root=tmp_path)
+
+
 # --- slow: the real tools --------------------------------------------------------------------
 
 
@@ -410,7 +417,7 @@ def tools():
     found = build.find_llamacpp()
     if found:
         return found
-    missing = [tool for tool in ("cmake", "make", "cc", "c++") if shutil.which(tool) is None]
+    missing = build.missing_build_tools()
     if missing:
         pytest.skip(
             f"no llama.cpp build in {build.default_cache_root()} and {missing} "

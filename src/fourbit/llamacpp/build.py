@@ -199,6 +199,14 @@ def find_llamacpp(cache_root: Path | None = None) -> LlamaCpp | None:
     return LlamaCpp.at(root).check_complete() if root.is_dir() else None
 
 
+# What building from source needs on PATH (Debian: apt-get install cmake build-essential).
+BUILD_TOOLS = ("cmake", "make", "cc", "c++")
+
+
+def missing_build_tools() -> list[str]:
+    return [tool for tool in BUILD_TOOLS if shutil.which(tool) is None]
+
+
 def ensure_llamacpp(cache_root: Path | None = None, jobs: int | None = None) -> LlamaCpp:
     """The cached build for this machine and recipe, built first if there is none
     (about 10 CPU-minutes)."""
@@ -208,6 +216,12 @@ def ensure_llamacpp(cache_root: Path | None = None, jobs: int | None = None) -> 
     if found:
         log.info("using the llama.cpp build in %s", found.root)
         return found
+    missing = missing_build_tools()
+    if missing:  # before the download and the half-hour build, not in the middle of it
+        raise FileNotFoundError(
+            f"building llama.cpp's tools needs {', '.join(BUILD_TOOLS)} on PATH; missing: "
+            f"{', '.join(missing)} (Debian: apt-get install cmake build-essential)"
+        )
     cache_root.mkdir(parents=True, exist_ok=True)
     with _exclusive(cache_root / f"{key}.lock"):
         found = find_llamacpp(cache_root)  # another job may have finished it while this one waited
