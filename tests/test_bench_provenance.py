@@ -20,6 +20,7 @@ def test_records_host_placement_and_versions():
     assert record["cpu_model"]
     assert len(record["load_average"]) == 3
     assert record["versions"]["torch"].startswith("2.")
+    assert {"numpy", "safetensors", "sentencepiece", "snakemake"} <= record["versions"].keys()
     assert record["versions"]["python"] == ".".join(map(str, sys.version_info[:3]))
 
 

@@ -51,7 +51,9 @@ def results(tmp_path):
     manifest = tmp_path / "arm.json"
     manifest.write_text(json.dumps({"id": ARM, "quant": {"method": "cpu_int4", "group_size": 128, "sym": False},
                                     "storage": {"quantized_bits_per_weight": 4.19, "file_bits_per_param": 5.0,
-                                                "size_mib": 1.0}}))
+                                                "size_mib": 1.0},
+                                    "method_facts": {"algorithm": "rtn, shrink search", "head": "rtn"},
+                                    "quantize_seconds": 1.25, "peak_rss_mib": 700.4}))
     return paths, manifest
 
 
@@ -67,6 +69,9 @@ def test_report_rows_come_from_the_result_files(tmp_path, tiny_untied, results):
     assert f"`{ARM}`" in markdown and "faithful" in markdown
     table = (tmp_path / "report.tsv").read_text().splitlines()
     assert table[0].startswith("engine\tarm_id") and len(table) == 3
+    assert f"- Engine {ENGINE}: r (its 4-bit runtimes: under Runtimes)" in markdown  # host block
+    # how the arm was made, from its manifest: algorithm, head, calibration, time, peak RSS
+    assert f"| `{ARM}` | rtn, shrink search | rtn | — | none | 1.2 s | 700 MiB |" in markdown
     # An engine that could not run here has no rows, and the report says why.
     assert "Not run on this host: vllm_native-0000000000** (vllm_native): no avx512f" in markdown
 

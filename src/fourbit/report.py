@@ -253,12 +253,15 @@ def recommend(rows: list[dict]) -> list[str]:
     return lines
 
 
-def host_block(study: dict, facts: dict) -> list[str]:
+def host_block(study: dict, facts: dict, rows: list[dict]) -> list[str]:
+    engines = {r["engine"]: r["runtime"] for r in rows if r["arm_id"] == "baseline"}
     lines = [
         f"- Model: `{study['model']['id']}` ({study['model']['source']}); weights sha256: "
         + ", ".join(f"{k} {v[:16]}…" for k, v in facts.get("model_sha256", {}).items()),
         f"- Corpus: `{study['corpus']['id']}` ({study['corpus']['source']}); split sha256: "
         + ", ".join(f"{k} {v[:16]}…" for k, v in facts.get("corpus_sha256", {}).items()),
+        *(f"- Engine {engine}: {runtime} (its 4-bit runtimes: under Runtimes)"
+          for engine, runtime in engines.items()),
     ]
     host = facts.get("provenance")
     if host is None:
@@ -324,6 +327,21 @@ def render_tsv(rows: list[dict]) -> str:
     return out.getvalue()
 
 
+def quantization_table(manifests: list[dict]) -> list[str]:
+    """How each fourbit-quantized arm was made, from what its quantize job recorded."""
+    lines = ["| arm | algorithm | head | act-order / static groups | calibration | time | peak RSS |",
+             "|---|---|---|---|---|---|---|"]
+    for m in manifests:
+        facts, quant = m["method_facts"], m["quant"]
+        calibration = quant.get("calibration")
+        drawn = (f"{calibration['samples']} × {calibration['seq_len']} tokens, seed {calibration['seed']}"
+                 if calibration else "none")
+        order = (f"{facts['act_order']} / {facts['static_groups']}" if "act_order" in facts else "—")
+        lines.append(f"| `{m['id']}` | {facts['algorithm']} | {facts['head']} | {order} | {drawn} | "
+                     f"{m['quantize_seconds']:.1f} s | {m['peak_rss_mib']:.0f} MiB |")
+    return lines
+
+
 def unavailable_engines(study: dict) -> list[str]:
     """Engines of the config that could not run on this host, each with the reason."""
     lines = [f"- **Not run on this host: {engine_id}** ({engine['name']}): {engine['unavailable']}."
@@ -372,10 +390,12 @@ def render_markdown(study: dict, rows: list[dict], facts: dict) -> str:
     lines += ["", "## What the evaluation split can and cannot tell apart", ""] + separability(rows)
     lines += ["", "## Fidelity to the baseline", ""] + fidelity_table(rows)
     lines += ["", "## Throughput", ""] + throughput_table(rows)
+    if facts.get("quantization"):
+        lines += ["", "## How each arm was quantized", ""] + quantization_table(facts["quantization"])
     lines += ["", "## Recommendation for this host", ""] + recommend(rows)
     if facts.get("plots"):
         lines += ["", "## Plots", ""] + [f"![{title}]({name})" for title, name in facts["plots"]]
-    lines += ["", "## Host", ""] + host_block(study, facts)
+    lines += ["", "## Host", ""] + host_block(study, facts, rows)
     lines += [
         "",
         "## Definitions",
@@ -438,6 +458,7 @@ def write_report(
     if gguf_base_storage:
         storage["gguf"] = read_result(gguf_base_storage)
     rows = build_rows(study, results, arm_manifests, storage)
+    manifests = [read_result(p) for p in arm_manifests]
     first = read_result(next(p for p in results if p.endswith("dense.ppl.json")))
     facts = {
         "definition": first["definition"],
@@ -457,6 +478,7 @@ def write_report(
     if measured:
         facts["provenance"] = measured[0]["provenance"]
         facts["bandwidth_gbs"] = measured[0]["bandwidth"]["gbs"]
+    facts["quantization"] = [m for m in manifests if "method_facts" in m]
     facts["plots"] = plot(rows, Path(markdown_path).parent)
     write_text(table_path, render_tsv(rows))
     write_text(markdown_path, render_markdown(study, rows, facts))

