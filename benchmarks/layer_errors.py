@@ -35,14 +35,13 @@ def study_paths(study: Path) -> dict:
     return {"untied": models[0], "arms": arms, "calibration": corpus[0]}
 
 
-def layer_inputs(model, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Every nn.Linear's inputs, [tokens, in_features], from one forward of ``ids``."""
+def layer_inputs(model, linears: dict, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Each of ``linears``' inputs, [tokens, in_features], from one forward of ``ids``."""
     captured, hooks = {}, []
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear):
-            def keep(_module, args, _out, name=name):
-                captured[name] = args[0].detach().reshape(-1, args[0].shape[-1])
-            hooks.append(module.register_forward_hook(keep))
+    for name, module in linears.items():
+        def keep(_module, args, _out, name=name):
+            captured[name] = args[0].detach().reshape(-1, args[0].shape[-1])
+        hooks.append(module.register_forward_hook(keep))
     with torch.no_grad():
         model(ids)
     for hook in hooks:
@@ -57,8 +56,9 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     args = parser.parse_args()
 
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fourbit.checkpoint import load_tensors, quantizable_linears
 
     paths = study_paths(args.study)
     tokenizer = AutoTokenizer.from_pretrained(paths["untied"])
@@ -68,15 +68,13 @@ def main() -> None:
         raise SystemExit(f"the calibration split has {len(ids)} tokens; {need} asked for")
     batch = torch.tensor(ids[:need]).view(args.sequences, args.seq_len)
     model = AutoModelForCausalLM.from_pretrained(paths["untied"], dtype=torch.float32).eval()
-    inputs = layer_inputs(model, batch)
-    weights = {name: module.weight.detach() for name, module in model.named_modules()
-               if isinstance(module, torch.nn.Linear)}
+    linears = quantizable_linears(model)  # what the arms quantize: the layers' linears and the head
+    inputs = layer_inputs(model, linears, batch)
+    weights = {name: module.weight.detach() for name, module in linears.items()}
     arm_names = [p.parent.name for p in paths["arms"]]
     rows = {name: {} for name in weights}
     for arm, folder in zip(arm_names, paths["arms"], strict=True):
-        state = {}
-        for file in sorted(folder.glob("*.safetensors")):
-            state.update(load_file(file))
+        state = load_tensors(folder)
         for name, w in weights.items():
             w_hat = state[f"{name}.weight"].float()
             x = inputs[name]

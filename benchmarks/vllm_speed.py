@@ -42,6 +42,8 @@ from pathlib import Path
 
 import torch
 
+from fourbit.bench.passes import MIN_PASSES
+
 QUANT = {"method": "cpu_int4", "group_size": 128, "bits": 4, "sym": False, "shrink_steps": 1,
          "importance": "none", "quantize_head": True}
 KV_CACHE_BYTES = 64 << 20  # 513 tokens of this model's KV need ~6 MiB; the same for every variant
@@ -242,8 +244,8 @@ def main() -> None:
     parser.add_argument("--busy-threshold", type=float, default=0.25,
                         help="busy fraction above which a pass is flagged (never refused here)")
     args = parser.parse_args()
-    if args.passes < 3:
-        parser.error("--passes must be at least 3: a single pass is never a result")
+    if args.passes < MIN_PASSES:
+        parser.error(f"--passes must be at least {MIN_PASSES}: a single pass is never a result")
 
     from fourbit.bench.bandwidth import measure_bandwidth
     from fourbit.bench.provenance import provenance

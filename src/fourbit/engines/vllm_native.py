@@ -6,37 +6,47 @@ CPU, which only the AVX-512 builds of vLLM's ops library contain
 engine gives each symmetric GPTQ arm (a standard GPTQ checkpoint; fourbit.engines.
 ENGINE_RUNS_ARM) a row of its own, next to the same arm through the plugin; on
 other hosts the workflow does not schedule it and the report says why
-(fourbit.engines.ENGINE_HOST_CHECKS). Everything else is the vllm engine's, with the
+(fourbit.engines.ENGINE_HOST_CHECKS; jobs check again on the node that runs them).
+Everything else is the vllm engine's, with the
 same settings except the dtype (vLLM's GPTQ method refuses float32), so its dense
 baseline and controls run exactly as there.
 """
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Mapping
 from typing import Any
 
-from fourbit.engines import vllm
-
-_NATIVE = {"kernel": "native"}
+from fourbit.engines import unavailable_here, vllm
 
 
-def _native(settings: Mapping[str, Any]) -> dict[str, Any]:
-    return {**settings, **_NATIVE}
+def _native(settings: Mapping[str, Any], checkpoint) -> dict[str, Any]:
+    """The vllm engine's settings with vLLM's own kernel chosen. The workflow decides on
+    the host that builds the DAG whether to schedule this engine; a job sent to a node
+    without the kernel (a cluster with mixed CPUs) stops here, saying so, instead of
+    failing inside vLLM's first forward."""
+    reason = vllm.checkpoint_quant_method(checkpoint) and unavailable_here("vllm_native")
+    if reason:
+        raise RuntimeError(
+            f"vLLM's native 4-bit kernel cannot run on this node ({platform.node()}): {reason}; "
+            "send vllm_native jobs to AVX-512 nodes (the profile's constraint) or drop the engine"
+        )
+    return {**settings, "kernel": "native"}
 
 
 def score_windows(checkpoint, windows, settings, threads):
-    return vllm.score_windows(checkpoint, windows, _native(settings), threads)
+    return vllm.score_windows(checkpoint, windows, _native(settings, checkpoint), threads)
 
 
 def runtime(checkpoint, settings):
-    return vllm.runtime(checkpoint, _native(settings))
+    return vllm.runtime(checkpoint, {**settings, "kernel": "native"})
 
 
 def throughput(checkpoint, settings, threads, **kwargs):
-    return vllm.throughput(checkpoint, _native(settings), threads, **kwargs)
+    return vllm.throughput(checkpoint, _native(settings, checkpoint), threads, **kwargs)
 
 
 def compare_with_baseline(arm_checkpoint, baseline_checkpoint, windows, settings, threads, **kwargs):
     return vllm.compare_with_baseline(arm_checkpoint, baseline_checkpoint, windows,
-                                      _native(settings), threads, **kwargs)
+                                      _native(settings, arm_checkpoint), threads, **kwargs)

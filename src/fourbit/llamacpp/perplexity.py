@@ -288,16 +288,26 @@ def score_windows(
             f"each needs one of context and one scored"
         )
     progress = Progress(f"scoring {Path(gguf).name} with llama.cpp", len(windows), "windows")
+    stdout = _run_scorer(
+        gguf, windows, [], f"scoring {gguf}", tools=tools, threads=threads,
+        on_stdout_line=lambda line: progress.update() if line.startswith("window ") else None,
+    )
+    return parse_scorer_output(stdout, [len(w) - 1 for w in windows])
+
+
+def _run_scorer(gguf: Path, rows: list[list[int]], options: list, what: str, *, tools: LlamaCpp,
+                threads: int, on_stdout_line=None) -> str:
+    """fourbit-score over ``rows`` of token ids (one line each in a temporary file); its stdout."""
     with tempfile.TemporaryDirectory(prefix="fourbit-score-") as temp:
-        windows_file = Path(temp) / "windows.txt"
-        windows_file.write_text("".join(" ".join(map(str, w)) + "\n" for w in windows))
+        rows_file = Path(temp) / "rows.txt"
+        rows_file.write_text("".join(" ".join(map(str, row)) + "\n" for row in rows))
         run = run_tool(
-            [tools.scorer, "-m", gguf, "-f", windows_file, "-t", threads,
+            [tools.scorer, "-m", gguf, "-f", rows_file, "-t", threads, *options,
              *common_arithmetic_flags()],
-            f"scoring {gguf}",
-            on_stdout_line=lambda line: progress.update() if line.startswith("window ") else None,
+            what,
+            on_stdout_line=on_stdout_line,
         )
-    return parse_scorer_output(run.stdout, [len(w) - 1 for w in windows])
+    return run.stdout
 
 
 def greedy_continuations(
@@ -309,15 +319,9 @@ def greedy_continuations(
         raise ValueError("greedy decoding needs at least one prompt, each of at least 2 tokens")
     if new_tokens < 1:
         raise ValueError(f"new_tokens={new_tokens}; it must be at least 1")
-    with tempfile.TemporaryDirectory(prefix="fourbit-greedy-") as temp:
-        prompts_file = Path(temp) / "prompts.txt"
-        prompts_file.write_text("".join(" ".join(map(str, p)) + "\n" for p in prompts))
-        run = run_tool(
-            [tools.scorer, "-m", gguf, "-f", prompts_file, "-t", threads, "--greedy", new_tokens,
-             *common_arithmetic_flags()],
-            f"greedy decoding with {gguf}",
-        )
-    return parse_greedy_output(run.stdout, len(prompts), new_tokens)
+    stdout = _run_scorer(gguf, prompts, ["--greedy", new_tokens], f"greedy decoding with {gguf}",
+                         tools=tools, threads=threads)
+    return parse_greedy_output(stdout, len(prompts), new_tokens)
 
 
 _GREEDY_LINE = re.compile(r"^greedy (\d+) ids((?: -?\d+)*)$")
@@ -385,6 +389,9 @@ _KL_STATISTICS = {
     ),
 }
 _KL_CHUNKS = re.compile(r"computing over (\d+) chunks")
+# Runs of llama-perplexity before giving up: its logger loses its last lines about once in
+# ten runs here, more often on a loaded machine (seen twice in a row under load).
+ATTEMPTS = 3
 _KL_CHUNK_ROW = re.compile(_LOG_PREFIX + r"\s*\d+\s+\S+\s+±")
 
 
@@ -416,7 +423,7 @@ def kl_divergence(
     lines: its KL mode returns 0 after most errors, and this commit's logger
     can lose the lines still queued when the program exits
     (ggml-org/llama.cpp#22142; seen here once in ten runs, output cut after the
-    last chunk's number). A run lacking them is retried once.
+    last chunk's number). A run lacking them is retried (ATTEMPTS runs in all).
     """
     base_f16_gguf, quant_gguf, text_file = Path(base_f16_gguf), Path(quant_gguf), Path(text_file)
     for path in (base_f16_gguf, quant_gguf, text_file):
@@ -487,8 +494,9 @@ def parse_kl_statistics(output: str) -> dict:
 def _run_perplexity(
     command: list, what: str, required: list[re.Pattern], progress_what: str | None = None
 ) -> str:
-    """Run llama-perplexity; retry once if it fails or its output lacks a ``required`` line."""
-    for attempt in (1, 2):
+    """Run llama-perplexity; retry (up to ATTEMPTS runs in all) while it fails or its output
+    lacks a ``required`` line."""
+    for attempt in range(1, ATTEMPTS + 1):
         chunks = _ChunkProgress(progress_what)
         try:
             output = run_tool(command, what, on_stdout_line=chunks.line, merge_stderr=True).stdout
@@ -499,8 +507,9 @@ def _run_perplexity(
             if not missing:
                 return output
             failure = f"{what} exited 0 but printed no {missing}; its output ends:\n{tail(output)}"
-        if attempt == 1:
-            log.warning("%s; retrying once", failure.splitlines()[0])
+        if attempt < ATTEMPTS:
+            log.warning("%s; retrying (attempt %d of %d)", failure.splitlines()[0], attempt + 1,
+                        ATTEMPTS)
     raise ToolError(failure)
 
 
