@@ -39,24 +39,41 @@ def keep(records: dict[Path, dict], folder: Path) -> None:
         target.write_text(json.dumps(record, indent=1))
 
 
-def compare(first: dict[Path, dict], second: dict[Path, dict]) -> int:
-    """Print both runs side by side; return how many second medians fall outside the first spread."""
-    outside = 0
-    print(f"{'engine/arm':64s} {'metric':12s} {'first median [min-max]':>30s} "
-          f"{'second median [min-max]':>30s}  within first spread")
+def _stats(record: dict, side: str, metric: str) -> dict:
+    return record["ratio"][metric] if side == "ratio" else record[side]["stats"][metric]
+
+
+def compare(first: dict[Path, dict], second: dict[Path, dict]) -> dict[str, dict[str, int]]:
+    """Print both runs side by side, with two readings of "within the reported spread".
+
+    range:  the second median lies in the first run's [min, max];
+    spread: the medians differ by at most the first run's spread, (max - min) / median,
+            the relative figure the report prints.
+    Returns {"arm"|"baseline"|"ratio": {"total", "outside range", "outside spread"}}.
+    """
+    counts = {side: {"total": 0, "outside range": 0, "outside spread": 0}
+              for side in ("arm", "baseline", "ratio")}
+    print(f"{'engine/arm':56s} {'metric':12s} {'first median [min-max] spread':>36s} "
+          f"{'second median [min-max]':>28s}  in range / in spread")
     for relative in sorted(first.keys() & second.keys()):
         engine, arm = relative.parts[-3], relative.parts[-2]
-        for side in ("arm", "baseline"):
+        for side in ("arm", "baseline", "ratio"):
             for metric in METRICS:
-                a = first[relative][side]["stats"][metric]
-                b = second[relative][side]["stats"][metric]
-                inside = a["min"] <= b["median"] <= a["max"]
-                outside += not inside
-                name = f"{engine}/{arm}" + (" (its baseline)" if side == "baseline" else "")
-                print(f"{name:64s} {metric:12s} {a['median']:10.1f} [{a['min']:.1f}-{a['max']:.1f}]"
-                      f"{'':>3s} {b['median']:10.1f} [{b['min']:.1f}-{b['max']:.1f}]   "
-                      f"{'yes' if inside else 'NO'}")
-    return outside
+                a, b = _stats(first[relative], side, metric), _stats(second[relative], side, metric)
+                in_range = a["min"] <= b["median"] <= a["max"]
+                in_spread = abs(b["median"] - a["median"]) <= a["max"] - a["min"]
+                tally = counts[side]
+                tally["total"] += 1
+                tally["outside range"] += not in_range
+                tally["outside spread"] += not in_spread
+                label = {"arm": "", "baseline": " (its baseline)", "ratio": " (arm/baseline)"}[side]
+                digits = 3 if side == "ratio" else 1
+                print(f"{engine[:16] + '/' + arm + label:56s} {metric:12s} "
+                      f"{a['median']:10.{digits}f} [{a['min']:.{digits}f}-{a['max']:.{digits}f}] "
+                      f"{a['spread']:4.0%} {b['median']:10.{digits}f} [{b['min']:.{digits}f}-"
+                      f"{b['max']:.{digits}f}]  {'yes' if in_range else 'NO '} / "
+                      f"{'yes' if in_spread else 'NO'}")
+    return counts
 
 
 def main() -> None:
@@ -65,12 +82,17 @@ def main() -> None:
                         help="the folder the study ran in (holds results/)")
     parser.add_argument("--results", default="results", help="the study's results folder name")
     parser.add_argument("--cores", type=int, default=2)
+    parser.add_argument("--compare-only", action="store_true",
+                        help="compare the records a previous run kept in bench-repeat/ again")
     args = parser.parse_args()
     results = args.study_dir / args.results
+    out = results / "bench-repeat"
+    if args.compare_only:
+        summarize(compare(bench_records(out / "first"), bench_records(out / "second")), out)
+        return
     first = bench_records(results)
     if not first:
         raise SystemExit(f"no measured bench.json under {results}: run the study first (make report)")
-    out = results / "bench-repeat"
     shutil.rmtree(out, ignore_errors=True)
     keep(first, out / "first")
     snakemake = Path(sys.executable).with_name("snakemake")
@@ -80,9 +102,16 @@ def main() -> None:
         raise SystemExit(f"the repeated bench step failed (exit {run.returncode}); see its logs")
     second = bench_records(results)
     keep(second, out / "second")
-    outside = compare(first, second)
-    print(f"\n{outside} second-run medians fall outside the first run's [min, max]; both runs' "
-          f"records are in {out}")
+    summarize(compare(first, second), out)
+
+
+def summarize(counts: dict[str, dict[str, int]], out: Path) -> None:
+    print()
+    for side, tally in counts.items():
+        print(f"{side:9s}: of {tally['total']} second-run medians, {tally['outside range']} outside "
+              f"the first run's [min, max], {tally['outside spread']} further from the first "
+              "median than the first run's spread")
+    print(f"both runs' records are in {out}")
 
 
 if __name__ == "__main__":

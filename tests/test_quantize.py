@@ -86,3 +86,35 @@ def test_both_int4_paths_agree(tiny_untied, tmp_path):
         few = torch.cat([linear(row[None]) for row in x])  # the kernel, one row at a time
     assert linear._expanded is not None
     assert torch.allclose(many, few, rtol=1e-5, atol=1e-5)
+
+
+def test_quantized_embedding_is_looked_up_from_4_bits(tiny_untied, tmp_path):
+    """quantize_embedding: the table [V, H] is stored like a linear and read back exactly."""
+    manifest = quantize_checkpoint(
+        tiny_untied, tmp_path / "q", tmp_path / "arm.json",
+        arm(method="cpu_int4", group_size=64, quantize_embedding=True),
+    )
+    assert "model.embed_tokens" in manifest["quantized_modules"]
+    assert manifest["method_facts"]["embedding"] == "rtn"
+    assert read_config(tmp_path / "q")["quantization_config"]["embedding"] is True
+    dequantize_checkpoint(tmp_path / "q", tmp_path / "d")
+    from fourbit.checkpoint import load_tensors
+
+    table = read_quantized(tmp_path / "q")[2]["model.embed_tokens"]
+    assert torch.equal(load_tensors(tmp_path / "d")["model.embed_tokens.weight"],
+                       table.dequantize(torch.float32))
+    original = load_tensors(tiny_untied)["model.embed_tokens.weight"]
+    assert not torch.equal(table.dequantize(torch.float32), original)  # really rounded
+    quantized = reference.score_windows(tmp_path / "q", WINDOWS, SETTINGS, 2)
+    dense = reference.score_windows(tmp_path / "d", WINDOWS, SETTINGS, 2)
+    for q, d in zip(quantized, dense):
+        assert abs(q["nll_sum"] - d["nll_sum"]) / q["tokens"] < 1e-5
+
+
+def test_only_cpu_int4_can_quantize_the_embedding():
+    from fourbit import formats
+
+    with pytest.raises(Exception, match="quantize_embedding"):
+        arm(method="gptq", quantize_embedding=True)
+    with pytest.raises(ValueError, match="only with method cpu_int4"):
+        formats.get_format("gptq").quantization_config(128, True, embedding=True)

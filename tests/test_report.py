@@ -71,7 +71,7 @@ def test_report_rows_come_from_the_result_files(tmp_path, tiny_untied, results):
     assert table[0].startswith("engine\tarm_id") and len(table) == 3
     assert f"- Engine {ENGINE}: r (its 4-bit runtimes: under Runtimes)" in markdown  # host block
     # how the arm was made, from its manifest: algorithm, head, calibration, time, peak RSS
-    assert f"| `{ARM}` | rtn, shrink search | rtn | — | none | 1.2 s | 700 MiB |" in markdown
+    assert f"| `{ARM}` | rtn, shrink search | rtn | dense | — | none | 1.2 s | 700 MiB |" in markdown
     # An engine that could not run here has no rows, and the report says why.
     assert "Not run on this host: vllm_native-0000000000** (vllm_native): no avx512f" in markdown
 

@@ -56,11 +56,11 @@ def _save_model(folder, arch: str, seed: int, vocab: int):
 
 
 def build_pair(root, fmt_name: str, *, arch: str = "llama", quantize_head: bool = True,
-               vocab: int = 512, seed: int = 0):
+               vocab: int = 512, seed: int = 0, embedding: bool = False):
     """(quantized folder, dense-control folder) from one random model."""
     from safetensors.torch import save_file
 
-    tag = f"{arch}{vocab}-{fmt_name}-{'head' if quantize_head else 'nohead'}"
+    tag = f"{arch}{vocab}-{fmt_name}-{'head' if quantize_head else 'nohead'}{'-emb' * embedding}"
     if (root / tag).exists():
         return root / tag, root / f"dense-{tag}"
     src = root / f"source-{arch}{vocab}"
@@ -77,6 +77,7 @@ def build_pair(root, fmt_name: str, *, arch: str = "llama", quantize_head: bool 
         name[: -len(".weight")]: _random_qweight(*t.shape, sym=sym, gen=gen)
         for name, t in sorted(state.items())
         if name.endswith("_proj.weight") or (quantize_head and name == "lm_head.weight")
+        or (embedding and name == "model.embed_tokens.weight")
     }
 
     def write(folder, tensors, cfg):
@@ -92,7 +93,7 @@ def build_pair(root, fmt_name: str, *, arch: str = "llama", quantize_head: bool 
     for module, qw in qws.items():
         quant.update({f"{module}.{s}": t for s, t in fmt.pack(qw).items()})
         dense[f"{module}.weight"] = qw.dequantize(torch.float32)
-    qc = fmt.quantization_config(GROUP, sym, lm_head=quantize_head)
+    qc = fmt.quantization_config(GROUP, sym, lm_head=quantize_head, embedding=embedding)
     qcfg = dict(config, quantization_config=qc)
     return write(root / tag, quant, qcfg), write(root / f"dense-{tag}", dense, config)
 
@@ -202,24 +203,28 @@ def test_config_reads_every_format_and_knobs():
 
 # --- vLLM --------------------------------------------------------------------------------
 
-CASES = [(f, "llama", True, 512) for f in FORMATS] + [
-    ("cpu_int4", "qwen2", True, 512),  # biases on q/k/v
-    ("gptq", "llama", False, 512),  # lm_head left dense
-    ("cpu_int4", "llama", True, 488),  # vLLM pads the head to 512 rows, tinygemm needs N % 16
+CASES = [(f, "llama", True, 512, False) for f in FORMATS] + [
+    ("cpu_int4", "qwen2", True, 512, False),  # biases on q/k/v
+    ("gptq", "llama", False, 512, False),  # lm_head left dense
+    ("cpu_int4", "llama", True, 488, False),  # vLLM pads the head to 512 rows, tinygemm N % 16
+    ("cpu_int4", "llama", True, 488, True),  # the input embedding looked up from 4 bits too
+    ("cpu_int4", "qwen2", True, 512, True),  # ... where vLLM names the embedding (a prefix)
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("fmt_name", "arch", "quantize_head", "vocab"), CASES)
-def test_plugin_matches_dense_control(root, cache_root, fmt_name, arch, quantize_head, vocab):
+@pytest.mark.parametrize(("fmt_name", "arch", "quantize_head", "vocab", "embedding"), CASES)
+def test_plugin_matches_dense_control(root, cache_root, fmt_name, arch, quantize_head, vocab,
+                                      embedding):
     from fourbit.vllm_plugin import ops
 
     quant_dir, dense_dir = build_pair(root, fmt_name, arch=arch, quantize_head=quantize_head,
-                                      vocab=vocab)
+                                      vocab=vocab, embedding=embedding)
     ops.calls.clear()
     quant = _score(quant_dir, cache_root)
     # 2 layers x (qkv, o, gate_up, down) per forward, plus the head's calls
-    assert sum(ops.calls.values()) >= 8
+    assert sum(ops.calls.values()) - ops.calls["embedding"] >= 8
+    assert bool(ops.calls["embedding"]) == embedding
     ops.calls.clear()
     dense = _score(dense_dir, cache_root)
     assert not ops.calls

@@ -19,7 +19,13 @@ Engines take part through a module-level function
 ``throughput(checkpoint, settings, threads, *, prompt_tokens, decode_tokens) ->
 {"pp<prompt>_tok_s": .., "tg<decode>_tok_s": ..}`` (one pass), or declare with a
 module-level ``NOT_BENCHMARKED = "<reason>"`` that their speed means nothing for a
-shipped build; the record then says so and ``measured`` is false.
+shipped build; the record then says so and ``measured`` is false. An engine that
+can also keep one engine open across passes offers ``throughput_session`` (same
+arguments, a context manager yielding the one-pass function): the job then holds
+the arm's and the baseline's engines open side by side (vLLM: one worker process
+each; both sides' weights are resident at once) and a pass costs only its timed
+runs, so many passes fit where one engine start per pass left room for few.
+llama.cpp's llama-bench loads its model itself, as llama.cpp users run it.
 
 The bandwidth is measured once per bench job, right before its passes, on the
 same pinned cores and threads: on a shared host it moves with the neighbours'
@@ -200,13 +206,12 @@ def bench_arm(
     sides = {"arm": Path(arm_checkpoint), "baseline": Path(baseline_checkpoint)}
     cache = Path(out_path).parent / f"{Path(out_path).stem}.cache"
 
-    def run(side: str):
+    def open_side(side: str):
         # Compile caches per checkpoint: a cache shared between two can load the other's graph.
         side_settings = {**engine_settings, "cache_root": str(cache / side)}
-        return lambda: engine.throughput(
-            sides[side], side_settings, len(cores),
-            prompt_tokens=settings["prompt_tokens"], decode_tokens=settings["decode_tokens"],
-        )
+        return _pass_runner(engine, sides[side], side_settings, len(cores),
+                            prompt_tokens=settings["prompt_tokens"],
+                            decode_tokens=settings["decode_tokens"])
 
     def before_pass(number: int) -> dict:
         # run_paired does not say which side is next, so both are warmed and checked:
@@ -217,11 +222,13 @@ def bench_arm(
         return {"contention": gate, "residency": {s: warm_and_check([p]) for s, p in sides.items()}}
 
     with pinned(cores):
-        bandwidth = measure_bandwidth(threads=len(cores))
-        result = run_paired(
-            run("arm"), run("baseline"),
-            passes=settings["passes"], warmup=settings["warmup"], before_pass=before_pass,
-        )
+        bandwidth = measure_bandwidth(threads=len(cores))  # before any engine starts
+        with contextlib.ExitStack() as open_engines:
+            runs = {side: open_engines.enter_context(open_side(side)) for side in sides}
+            result = run_paired(
+                runs["arm"], runs["baseline"],
+                passes=settings["passes"], warmup=settings["warmup"], before_pass=before_pass,
+            )
     record = {
         "measured": True,
         "engine": engine_settings,
@@ -249,6 +256,18 @@ def bench_arm(
     write_json(out_path, record)
     _log_summary(record)
     return record
+
+
+@contextlib.contextmanager
+def _pass_runner(engine, checkpoint: Path, settings: dict, threads: int, **sizes):
+    """A function timing one pass: in an engine kept open for the job where the engine
+    offers one (throughput_session), else one engine start per pass (throughput)."""
+    session = getattr(engine, "throughput_session", None)
+    if session is None:
+        yield lambda: engine.throughput(checkpoint, settings, threads, **sizes)
+        return
+    with session(checkpoint, settings, threads, **sizes) as one_pass:
+        yield one_pass
 
 
 def _contention_summary(runs: list[dict], settings: dict) -> dict:

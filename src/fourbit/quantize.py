@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from fourbit.atomic import atomic_dir, write_json
-from fourbit.checkpoint import quantizable_linears, skeleton
+from fourbit.checkpoint import module_name, quantizable_linears, skeleton
 from fourbit.quant.methods import QuantizeJob, get_method
 from fourbit.quantized_checkpoint import storage_stats, write_quantized
 
@@ -20,8 +20,11 @@ class GroupSizeError(ValueError):
     """A layer whose input width the group size does not divide."""
 
 
-def select_linears(model_dir: str | os.PathLike, quant: dict) -> dict[str, tuple[int, int]]:
-    """Module name -> (N, K) for every linear the arm quantizes, checked against the group."""
+def select_modules(
+    model_dir: str | os.PathLike, quant: dict
+) -> tuple[dict[str, tuple[int, int]], str | None]:
+    """(module name -> (N, K) for every linear the arm quantizes, the input embedding's
+    name if the arm quantizes it too), every width checked against the group."""
     model = skeleton(model_dir)
     linears = quantizable_linears(model)
     head = model.get_output_embeddings()
@@ -30,15 +33,21 @@ def select_linears(model_dir: str | os.PathLike, quant: dict) -> dict[str, tuple
         for name, module in linears.items()
         if quant["quantize_head"] or module is not head
     }
+    widths = {name: k for name, (_, k) in chosen.items()}
+    embedding = None
+    if quant.get("quantize_embedding"):
+        table = model.get_input_embeddings()
+        embedding = module_name(model, table)
+        widths[embedding] = table.embedding_dim  # [V, H], grouped along H like a linear's K
     group = quant["group_size"]
-    bad = [f"{name}: K={k} is not a multiple of group_size {group}" for name, (_, k) in chosen.items() if k % group]
+    bad = [f"{name}: K={k} is not a multiple of group_size {group}" for name, k in widths.items() if k % group]
     if bad:
         raise GroupSizeError(
             f"group_size {group} does not divide the input width of {len(bad)} layer(s):\n  "
             + "\n  ".join(bad[:10])
             + "\nchoose a group size that divides every input width (32, 64 or 128 usually do)"
         )
-    return chosen
+    return chosen, embedding
 
 
 def quantize_checkpoint(
@@ -52,9 +61,10 @@ def quantize_checkpoint(
 ) -> dict:
     quant = arm["quant"]
     method = get_method(quant["method"])
-    linears = select_linears(model_dir, quant)  # fails before any expensive work
+    linears, embedding = select_modules(model_dir, quant)  # fails before any expensive work
     started = time.monotonic()
-    job = QuantizeJob(Path(model_dir), linears, quant, Path(calibration_text) if calibration_text else None, threads)
+    calibration = Path(calibration_text) if calibration_text else None
+    job = QuantizeJob(Path(model_dir), linears, quant, calibration, threads, embedding)
     qweights, facts = method.quantize(job)
     seconds = time.monotonic() - started
     with atomic_dir(out_dir) as folder:

@@ -1,8 +1,9 @@
 """Quantized checkpoints: Hugging Face folders whose linears are stored packed.
 
 A quantized module ``m`` stores its format's tensors as ``m.<suffix>`` (see
-fourbit.formats) instead of ``m.weight``; everything else (embeddings, norms,
-biases) stays dense. config.json carries the format's ``quantization_config``,
+fourbit.formats) instead of ``m.weight``; everything else (norms, biases, and the
+input embedding unless the arm quantizes it) stays dense. A quantized embedding
+[V, H] is a matrix like any linear's [N, K], with N = V and K = H. config.json carries the format's ``quantization_config``,
 which is how a reader finds the format again.
 """
 
@@ -42,6 +43,7 @@ def write_quantized(
         raise ValueError(f"format {format_name} cannot store a {'sym' if quant['sym'] else 'asym'}metric grid")
     model = skeleton(source)
     head = module_name(model, model.get_output_embeddings())
+    embedding = module_name(model, model.get_input_embeddings())
     tensors = load_tensors(source)
     for name, qweight in qweights.items():
         del tensors[f"{name}.weight"]
@@ -49,7 +51,7 @@ def write_quantized(
             tensors[f"{name}.{suffix}"] = tensor
     config = read_config(source)
     config["quantization_config"] = fmt.quantization_config(
-        quant["group_size"], quant["sym"], lm_head=head in qweights
+        quant["group_size"], quant["sym"], lm_head=head in qweights, embedding=embedding in qweights
     )
     write_checkpoint(folder, tensors, config, copy_from=source)
 
@@ -69,10 +71,19 @@ def read_quantized(folder: str | os.PathLike) -> tuple[dict, dict[str, torch.Ten
     model = skeleton(folder)
     qweights = {}
     for name in modules:
-        linear = model.get_submodule(name)
         parts = {spec.suffix: tensors.pop(f"{name}.{spec.suffix}") for spec in fmt.layout}
-        qweights[name] = fmt.unpack(parts, linear.out_features, linear.in_features, group_size)
+        qweights[name] = fmt.unpack(parts, *matrix_shape(model.get_submodule(name)), group_size)
     return config, tensors, qweights
+
+
+def matrix_shape(module: torch.nn.Module) -> tuple[int, int]:
+    """(N, K) of the weight matrix a quantized module stores: a linear's (out, in), an
+    embedding's (V, H)."""
+    if isinstance(module, torch.nn.Linear):
+        return module.out_features, module.in_features
+    if isinstance(module, torch.nn.Embedding):
+        return module.num_embeddings, module.embedding_dim
+    raise TypeError(f"{type(module).__name__} is neither a linear nor an embedding; not quantizable")
 
 
 def storage_stats(folder: str | os.PathLike) -> dict:

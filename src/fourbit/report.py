@@ -329,16 +329,18 @@ def render_tsv(rows: list[dict]) -> str:
 
 def quantization_table(manifests: list[dict]) -> list[str]:
     """How each fourbit-quantized arm was made, from what its quantize job recorded."""
-    lines = ["| arm | algorithm | head | act-order / static groups | calibration | time | peak RSS |",
-             "|---|---|---|---|---|---|---|"]
+    header = ("| arm | algorithm | head | embedding | act-order / static groups | calibration | "
+              "time | peak RSS |")
+    lines = [header, "|---|---|---|---|---|---|---|---|"]
     for m in manifests:
         facts, quant = m["method_facts"], m["quant"]
         calibration = quant.get("calibration")
         drawn = (f"{calibration['samples']} × {calibration['seq_len']} tokens, seed {calibration['seed']}"
                  if calibration else "none")
         order = (f"{facts['act_order']} / {facts['static_groups']}" if "act_order" in facts else "—")
-        lines.append(f"| `{m['id']}` | {facts['algorithm']} | {facts['head']} | {order} | {drawn} | "
-                     f"{m['quantize_seconds']:.1f} s | {m['peak_rss_mib']:.0f} MiB |")
+        embedding = facts.get("embedding", "dense")  # only cpu_int4 can quantize it
+        lines.append(f"| `{m['id']}` | {facts['algorithm']} | {facts['head']} | {embedding} | {order} | "
+                     f"{drawn} | {m['quantize_seconds']:.1f} s | {m['peak_rss_mib']:.0f} MiB |")
     return lines
 
 

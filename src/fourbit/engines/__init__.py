@@ -8,6 +8,8 @@ An engine module provides:
 
 and, for the bench step (fourbit.benchmark), either
     throughput(checkpoint, settings, threads, *, prompt_tokens, decode_tokens) -> one pass's rates
+    (optionally also throughput_session(...) with the same arguments: a context manager
+    yielding a function that times one pass in an engine kept open for the whole job)
 or a module-level NOT_BENCHMARKED = "<why its speed means nothing for a shipped build>";
 and, for the fidelity step (fourbit.fidelity), optionally compare_with_baseline(...)
 (per-position results on the study's windows) or divergence_from_baseline(...) (the

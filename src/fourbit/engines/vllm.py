@@ -73,8 +73,10 @@ import json
 import logging
 import math
 import os
+import subprocess
+import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -513,32 +515,31 @@ def _check_prompt_fits(checkpoint: str | os.PathLike, prompt_tokens: int) -> Non
         )
 
 
-def throughput(
+@contextlib.contextmanager
+def bench_engine(
     checkpoint: str | os.PathLike,
     settings: Mapping[str, Any],
     threads: int,
     *,
     prompt_tokens: int = 512,
     decode_tokens: int = 128,
-    cpu_rates: dict[str, float] | None = None,
-) -> dict[str, float]:
-    """One timed pass, as llama-bench measures pp512 and tg128: batch 1, synthetic ids.
+) -> Iterator[Callable[[], tuple[dict[str, float], dict[str, float]]]]:
+    """An engine opened for timing; yields a function that times one pass in it.
 
-    One engine serves the whole pass; its start (weight loading, KV cache allocation) is
-    not timed, nor is one short untimed generation that pays for first-call costs
-    (allocator growth, kernel selection). Then, timed:
+    A pass measures pp and tg as llama-bench does: batch 1, synthetic ids.
 
         pp   a ``prompt_tokens`` prompt -> 1 output token; rate = prompt_tokens / time
         tg   a 1-token prompt -> 1 token, and -> decode_tokens + 1 tokens; the first run
              subtracted leaves exactly decode_tokens decode steps (bench.passes.tg_from_runs)
 
-    Greedy, EOS ignored (every run produces all its tokens, checked), no detokenization,
-    no prefix cache. Returns {"pp<prompt_tokens>_tok_s": .., "tg<decode_tokens>_tok_s": ..}.
-
-    ``cpu_rates``, if given, is filled with the same rates over this process's CPU time
-    instead of wall time: on a shared host, other jobs' turns on the cores stretch wall
-    time but not CPU time (threads spinning while they wait still count, so it is clean
-    only with one thread).
+    The engine's start (weight loading, KV cache allocation) is not timed, nor is one
+    short untimed generation right after it that pays for first-call costs (allocator
+    growth, kernel selection). Greedy, EOS ignored (every run produces all its tokens,
+    checked), no detokenization, no prefix cache. Each call returns
+    ({"pp<prompt_tokens>_tok_s": .., "tg<decode_tokens>_tok_s": ..} over the wall clock,
+    the same over this process's CPU time). On a shared host other jobs' turns on the
+    cores stretch wall time but not CPU time (threads spinning while they wait still
+    count, so the CPU clock is clean only with one thread).
     """
     import torch
     from vllm import SamplingParams
@@ -591,13 +592,91 @@ def throughput(
             max_num_seqs=1,
         ) as llm:
             timed(llm, prompt[:-1], 2)  # untimed: a prefill and a decode step, in range
-            runs = [timed(llm, prompt, 1), timed(llm, prompt[:1], 1),
-                    timed(llm, prompt[:1], decode_tokens + 1)]  # pp, tg's two runs
+
+            def one_pass() -> tuple[dict[str, float], dict[str, float]]:
+                runs = [timed(llm, prompt, 1), timed(llm, prompt[:1], 1),
+                        timed(llm, prompt[:1], decode_tokens + 1)]  # pp, tg's two runs
+                return rates(*(wall for wall, _ in runs)), rates(*(cpu for _, cpu in runs))
+
+            yield one_pass
     finally:
         torch.set_num_threads(before)
+
+
+def throughput(
+    checkpoint: str | os.PathLike,
+    settings: Mapping[str, Any],
+    threads: int,
+    *,
+    prompt_tokens: int = 512,
+    decode_tokens: int = 128,
+    cpu_rates: dict[str, float] | None = None,
+) -> dict[str, float]:
+    """One timed pass in an engine of its own (see bench_engine); wall-clock rates.
+
+    ``cpu_rates``, if given, is filled with the same rates over this process's CPU time.
+    """
+    with bench_engine(checkpoint, settings, threads, prompt_tokens=prompt_tokens,
+                      decode_tokens=decode_tokens) as one_pass:
+        wall, cpu = one_pass()
     if cpu_rates is not None:
-        cpu_rates.update(rates(*(cpu for _, cpu in runs)))
-    return rates(*(wall for wall, _ in runs))
+        cpu_rates.update(cpu)
+    return wall
+
+
+@contextlib.contextmanager
+def throughput_session(
+    checkpoint: str | os.PathLike,
+    settings: Mapping[str, Any],
+    threads: int,
+    *,
+    prompt_tokens: int = 512,
+    decode_tokens: int = 128,
+) -> Iterator[Callable[[], dict[str, float]]]:
+    """One engine held open for a whole bench job; each call times one pass in it.
+
+    The engine lives in a worker process (fourbit.engines.vllm_bench_worker, which says
+    why), started here with this process's CPU affinity and stopped on exit. The
+    worker's start returns as soon as it is launched: the first call (or ``ready``)
+    waits until its engine is open, so both sides of a job can start side by side.
+    """
+    request = {"checkpoint": str(checkpoint), "settings": dict(settings), "threads": int(threads),
+               "prompt_tokens": prompt_tokens, "decode_tokens": decode_tokens}
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "fourbit.engines.vllm_bench_worker", json.dumps(request)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    waiting_for_ready = True
+
+    def reply(key: str) -> Any:
+        line = worker.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the bench worker for {checkpoint} exited with {worker.wait()} "
+                               "without answering; its output is above in this job's log")
+        message = json.loads(line)
+        if "error" in message:
+            raise RuntimeError(f"the bench worker for {checkpoint} failed:\n{message['error']}")
+        return message[key]
+
+    def one_pass() -> dict[str, float]:
+        nonlocal waiting_for_ready
+        if waiting_for_ready:
+            reply("ready")
+            waiting_for_ready = False
+        worker.stdin.write("pass\n")
+        worker.stdin.flush()
+        return reply("rates")
+
+    try:
+        yield one_pass
+    finally:
+        with contextlib.suppress(OSError):
+            worker.stdin.close()
+        try:
+            worker.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
 
 
 def profile_step(checkpoint: str | os.PathLike, settings: Mapping[str, Any], what: str,

@@ -47,6 +47,10 @@ def throughput(checkpoint, settings, threads, **kwargs):
     return vllm.throughput(checkpoint, _native(settings, checkpoint), threads, **kwargs)
 
 
+def throughput_session(checkpoint, settings, threads, **kwargs):
+    return vllm.throughput_session(checkpoint, _native(settings, checkpoint), threads, **kwargs)
+
+
 def compare_with_baseline(arm_checkpoint, baseline_checkpoint, windows, settings, threads, **kwargs):
     return vllm.compare_with_baseline(arm_checkpoint, baseline_checkpoint, windows,
                                       _native(settings, arm_checkpoint), threads, **kwargs)

@@ -92,9 +92,14 @@ class Format(abc.ABC):
 
     @abc.abstractmethod
     def quantization_config(
-        self, group_size: int, sym: bool, *, lm_head: bool = False
+        self, group_size: int, sym: bool, *, lm_head: bool = False, embedding: bool = False
     ) -> dict[str, Any]:
-        """config.json["quantization_config"] for a checkpoint in this format."""
+        """config.json["quantization_config"] for a checkpoint in this format.
+
+        ``embedding``: the input embedding table is stored quantized too; a format whose
+        ecosystem has no way to say so (its loaders would read a table that is not there)
+        raises ValueError.
+        """
 
     @abc.abstractmethod
     def reads_config(self, cfg: Mapping[str, Any]) -> bool:
@@ -189,6 +194,14 @@ def format_for_config(quantization_config: Mapping[str, Any]) -> Format:
             f"(known formats: {', '.join(sorted(FORMATS))})"
         )
     return readers[0]
+
+
+def refuse_quantized_embedding(format_name: str, embedding: bool) -> None:
+    if embedding:
+        raise ValueError(
+            f"format {format_name} cannot mark a quantized input embedding (its loaders expect "
+            "a dense table); quantize the embedding only with method cpu_int4"
+        )
 
 
 def check_nibbles(qw: QuantizedWeight) -> None:

@@ -55,6 +55,7 @@ from fourbit.formats import (
     TensorSpec,
     check_nibbles,
     pack_nibbles_int32,
+    refuse_quantized_embedding,
     register_format,
     unpack_nibbles_int32,
 )
@@ -110,8 +111,9 @@ class CompressedTensors(Format):
         return QuantizedWeight(codes, t["weight_scale"].clone(), zeros, group_size)
 
     def quantization_config(
-        self, group_size: int, sym: bool, *, lm_head: bool = False
+        self, group_size: int, sym: bool, *, lm_head: bool = False, embedding: bool = False
     ) -> dict[str, Any]:
+        refuse_quantized_embedding(self.name, embedding)
         # Keys as ModelCompressor.update_config writes them
         # (compressed_tensors/compressors/model_compressors/model_compressor.py:222-228).
         # ``sym`` does not change the layout: zero points are always stored (module doc).

@@ -12,6 +12,9 @@ zeros one per group, nothing transposed. It is what the tinygemm plugin reads
 
     W_hat[n, k] = (codes[n, k] - zeros[n, k // G]) * scales[n, k // G]
 
+The input embedding table [V, H] may be stored the same way (N = V tokens, K = H;
+config "embedding": true), read one row per looked-up token.
+
 Bytes per group of G weights: G/2 + 2 (float16 scale) + 1, i.e. 4 + 24/G bits per
 weight (4.1875 at G = 128).
 """
@@ -69,7 +72,7 @@ class CpuInt4(Format):
         )
 
     def quantization_config(
-        self, group_size: int, sym: bool, *, lm_head: bool = False
+        self, group_size: int, sym: bool, *, lm_head: bool = False, embedding: bool = False
     ) -> dict[str, Any]:
         return {
             "quant_method": QUANT_METHOD,
@@ -78,6 +81,7 @@ class CpuInt4(Format):
             "group_size": group_size,
             "sym": sym,
             "lm_head": lm_head,
+            "embedding": embedding,
         }
 
     def reads_config(self, cfg: Mapping[str, Any]) -> bool:

@@ -53,6 +53,7 @@ from fourbit.formats import (
     TensorSpec,
     check_nibbles,
     pack_nibbles_int32,
+    refuse_quantized_embedding,
     register_format,
     unpack_nibbles_int32,
 )
@@ -118,8 +119,9 @@ class Gptq(Format):
         )
 
     def quantization_config(
-        self, group_size: int, sym: bool, *, lm_head: bool = False
+        self, group_size: int, sym: bool, *, lm_head: bool = False, embedding: bool = False
     ) -> dict[str, Any]:
+        refuse_quantized_embedding(self.name, embedding)
         if not self.supports(sym):
             raise ValueError(
                 "gptq stores symmetric grids only (vLLM's GPTQ loader accepts sym=True only)"

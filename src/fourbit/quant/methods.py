@@ -30,6 +30,7 @@ class QuantizeJob:
     quant: dict
     calibration_text: Path | None
     threads: int
+    embedding: str | None = None  # the input embedding's module name, if the arm quantizes it
 
 
 class Method(Protocol):
@@ -86,6 +87,15 @@ def quantize_each(job: QuantizeJob, quantize_one) -> dict[str, QuantizedWeight]:
     return qweights
 
 
+def quantize_embedding(job: QuantizeJob, grid: Grid, shrink_steps: int) -> dict[str, QuantizedWeight]:
+    """The input embedding [V, H] by RTN when the arm asks for it: a row per token, groups
+    along H. Calibration says nothing about it (its input is a token id, not activations)."""
+    if job.embedding is None:
+        return {}
+    table = TensorReader(job.model_dir).get(f"{job.embedding}.weight").float()  # [V, H]
+    return {job.embedding: quantize_rtn(table, grid, shrink_steps=shrink_steps)}
+
+
 def quantize_walking(job: QuantizeJob, quantize_one) -> tuple[dict[str, QuantizedWeight], dict]:
     """Sequential calibration: ``quantize_one(name, W, H) -> QuantizedWeight`` per linear.
 
@@ -126,15 +136,19 @@ class CpuInt4:
 
     def quantize(self, job: QuantizeJob) -> tuple[dict[str, QuantizedWeight], dict]:
         grid, steps = grid_of(job.quant), job.quant["shrink_steps"]
+        embedding = quantize_embedding(job, grid, steps)
+        table = {"embedding": "rtn" if embedding else "dense"}
         if job.quant["importance"] == "none":
             qweights = quantize_each(job, lambda name, w: quantize_rtn(w, grid, shrink_steps=steps))
-            return qweights, {"algorithm": "rtn, shrink search on squared weight error", "head": "rtn"}
+            return {**qweights, **embedding}, {
+                "algorithm": "rtn, shrink search on squared weight error", "head": "rtn", **table}
 
         def weighted(name, weight, hessian):
             return quantize_rtn(weight, grid, shrink_steps=steps, importance=hessian.diagonal().float())
 
         qweights, info = quantize_walking(job, weighted)
-        return qweights, {**info, "algorithm": "rtn, shrink search weighted by diag(H)", "head": "rtn"}
+        return {**qweights, **embedding}, {
+            **info, "algorithm": "rtn, shrink search weighted by diag(H)", "head": "rtn", **table}
 
 
 @register_method("rtn")

@@ -54,8 +54,11 @@ How vLLM 0.32 takes an out-of-tree method (line numbers: site-packages/vllm):
     The lm_head (ParallelLMHead) goes through the same three calls: the logits
     processor calls lm_head.quant_method.apply (layers/logits_processor.py:136-146).
     get_quant_method returns our LinearMethod for quantized linears and a quantized
-    ParallelLMHead, vLLM's UnquantizedLinearMethod for other linears, None for
-    everything else (embeddings: vLLM's UnquantizedEmbeddingMethod).
+    ParallelLMHead, our EmbeddingMethod for an input embedding stored quantized
+    (VocabParallelEmbedding.forward calls quant_method.embedding, vocab_parallel_
+    embedding.py:522-525), vLLM's UnquantizedLinearMethod for other linears, None for
+    everything else (a dense embedding: vLLM's UnquantizedEmbeddingMethod, which on
+    the CPU also keeps a packed GEMM copy of the table, :66-71).
   * Merged layers: vLLM's GPTQ/AWQ declare PackedvLLMParameter/GroupQuantScaleParameter
     with output_dim/input_dim/packed_dim so linear.py's loaders narrow each shard into
     place. Here the parameters are empty placeholders whose weight_loader keeps each

@@ -19,7 +19,9 @@ Which layers are quantized: read from the checkpoint itself (safetensors headers
 ``maybe_update_config``, vllm/config/vllm.py:914-918), a module being quantized when
 it has the format's first tensor (e.g. "lm_head.qweight"). A merged layer must be all
 or nothing. Other layers get vLLM's UnquantizedLinearMethod, an unquantized lm_head
-(and every embedding) gets None, i.e. vLLM's own.
+or input embedding gets None, i.e. vLLM's own. A quantized input embedding (cpu_int4
+with ``quantize_embedding``) gets FourbitEmbeddingMethod: the table stays packed and
+each lookup dequantizes only the rows it reads.
 
 vLLM's default checkpoint mapper drops ".g_idx" (layers/quantization/base_config.py:
 249-256); this config keeps it, so the GPTQ reader can refuse act-order checkpoints.
@@ -41,7 +43,10 @@ from vllm.model_executor.layers.linear import (
     LinearMethodBase,
     UnquantizedLinearMethod,
 )
-from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+from vllm.model_executor.layers.quantization.base_config import (
+    QuantizationConfig,
+    QuantizeMethodBase,
+)
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
@@ -273,6 +278,17 @@ class FourbitInt4Config(QuantizationConfig):
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         if isinstance(layer, ParallelLMHead):
             return FourbitLinearMethod(self) if self.is_quantized(prefix, layer) else None
+        if isinstance(layer, VocabParallelEmbedding):
+            # Some models build their embedding without a prefix (vLLM's Llama does), so
+            # the checkpoint's own flag decides; where the name is known it must agree.
+            stored = bool(self.checkpoint_config.get("embedding", False))
+            known = prefix and self.quantized_modules is not None
+            if known and self.is_quantized(prefix, layer) != stored:
+                raise ValueError(
+                    f"{QUANT_METHOD}: quantization_config says embedding={stored}, but the "
+                    f"checkpoint stores {prefix} {'dense' if stored else 'quantized'}"
+                )
+            return FourbitEmbeddingMethod(self) if stored else None
         if isinstance(layer, LinearBase):
             if self.is_quantized(prefix, layer):
                 return FourbitLinearMethod(self)
@@ -280,8 +296,12 @@ class FourbitInt4Config(QuantizationConfig):
         return None
 
 
-class FourbitLinearMethod(LinearMethodBase):
-    """tinygemm for small batches, dense matmul on W_hat for large ones (see ops.py)."""
+class _StoredTensors:
+    """Placeholders for a module's checkpoint tensors, and the QuantizedWeight they hold.
+
+    Shared by the linear and the embedding method: both load the format's tensors the
+    same way and differ only in what they build from the decoded weight.
+    """
 
     def __init__(self, config: FourbitInt4Config) -> None:
         self.config = config
@@ -314,7 +334,7 @@ class FourbitLinearMethod(LinearMethodBase):
         """(shard key, checkpoint rows) for every tensor group the layer must have received."""
         sizes = layer.fourbit_out_sizes
         shards = layer.fourbit_shards
-        if isinstance(layer, VocabParallelEmbedding):  # lm_head: the checkpoint's vocab, unpadded
+        if isinstance(layer, VocabParallelEmbedding):  # the checkpoint's vocab, unpadded
             return [("all", layer.org_vocab_size)]
         if "all" in shards:
             if len(shards) != 1:
@@ -322,22 +342,65 @@ class FourbitLinearMethod(LinearMethodBase):
             return [("all", sum(sizes))]
         return list(enumerate(sizes))
 
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+    def take_loaded(self, layer: torch.nn.Module) -> QuantizedWeight:
+        """The loaded shards decoded and stacked along N; the placeholders removed."""
         cfg = self.config
         fmt = cfg.format
         k = layer.fourbit_in_features
-        g = cfg.group_size
         parts = []
         for key, rows in self._shard_rows(layer):
             if key not in layer.fourbit_shards:
                 raise ValueError(f"{QUANT_METHOD}: {layer.prefix}: no tensors for shard {key}")
-            parts.append(fmt.unpack(layer.fourbit_shards[key], rows, k, g))
-        out_features = sum(layer.fourbit_out_sizes)
-        qw = _pad_rows(_stack(parts), out_features)
-        self._install(layer, qw, out_features)
+            parts.append(fmt.unpack(layer.fourbit_shards[key], rows, k, cfg.group_size))
         for spec in fmt.layout:
             del layer._parameters[spec.suffix]
         del layer.fourbit_shards
+        return _stack(parts)
+
+
+class FourbitEmbeddingMethod(_StoredTensors, QuantizeMethodBase):
+    """A 4-bit embedding table: lookups gather packed rows and dequantize only those.
+
+    Kept per table: codes two to a byte (uint8 [V, H/2], even h in the low nibble),
+    scales as stored and integer zeros (uint8) per group, i.e. the checkpoint's own
+    cpu_int4 tensors, about 4.2 bits per weight.
+    """
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        qw = self.take_loaded(layer)  # [V, H]
+        v, h = qw.shape
+        pairs = qw.codes.reshape(v, h // 2, 2)  # [V, H] -> [V, H/2, 2]: (even h, odd h)
+        layer.register_buffer("fourbit_table", pairs[..., 0] | (pairs[..., 1] << 4), persistent=False)
+        layer.register_buffer("fourbit_scales", qw.scales.contiguous(), persistent=False)
+        layer.register_buffer("fourbit_zeros", qw.zeros.contiguous(), persistent=False)
+        layer.fourbit_group_size = qw.group_size
+
+    def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
+        """W_hat rows for token ids [...] -> [..., H], computed as the dense control's are."""
+        ops.calls["embedding"] += 1
+        g = layer.fourbit_group_size
+        packed = layer.fourbit_table[input_]  # [..., H/2]
+        codes = torch.stack([packed & 0xF, packed >> 4], dim=-1)  # [..., H/2, 2]
+        codes = codes.reshape(*input_.shape, -1, g).float()  # [..., H/G, G]
+        zeros = layer.fourbit_zeros[input_].unsqueeze(-1).float()  # [..., H/G, 1]
+        scales = layer.fourbit_scales[input_].unsqueeze(-1).float()  # [..., H/G, 1]
+        rows = ((codes - zeros) * scales).flatten(-2)  # exact in float32; [..., H]
+        return rows.to(layer.fourbit_params_dtype)
+
+    def apply(self, layer: torch.nn.Module, *args, **kwargs) -> torch.Tensor:
+        raise NotImplementedError(
+            f"{QUANT_METHOD}: {layer.prefix} is an input embedding; it is looked up, never "
+            "multiplied (a tied head would need the head quantized as its own matrix)"
+        )
+
+
+class FourbitLinearMethod(_StoredTensors, LinearMethodBase):
+    """tinygemm for small batches, dense matmul on W_hat for large ones (see ops.py)."""
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        out_features = sum(layer.fourbit_out_sizes)
+        qw = _pad_rows(self.take_loaded(layer), out_features)
+        self._install(layer, qw, out_features)
 
     def _install(self, layer: torch.nn.Module, qw: QuantizedWeight, out_features: int) -> None:
         cfg = self.config

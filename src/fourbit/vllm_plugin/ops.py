@@ -46,7 +46,8 @@ MODE_KEPT = 2  # dequantize from a kept copy of the codes
 
 NO_THRESHOLD = 1 << 62  # "never switch to the dense path"
 
-# Calls per path in this process ("tinygemm", "direct", "kept"): for tests and sanity checks.
+# Calls per path in this process ("tinygemm", "direct", "kept", and "embedding" for a
+# quantized table's lookups): for tests and sanity checks.
 calls: Counter[str] = Counter()
 
 

@@ -1,0 +1,58 @@
+"""One vLLM engine held open for a whole bench job, in a process of its own.
+
+Started by fourbit.engines.vllm.throughput_session; not meant to be run by hand.
+A bench job alternates the arm and the baseline pass after pass. Restarting an
+engine for every pass would spend most of the job on engine starts; two engines
+cannot be open side by side in one process, because vLLM's in-process engines
+share global state (the distributed groups, the frozen environment). So each side
+runs in its own worker, which idles between passes while the other side is timed.
+
+Protocol (one JSON object per line):
+
+    argv[1]   {"checkpoint", "settings", "threads", "prompt_tokens", "decode_tokens"}
+    out       {"ready": true} once the engine is open and warmed up
+    in        "pass"  ->  out {"rates": {"pp512_tok_s": .., "tg128_tok_s": ..}}
+    in        end of input: close the engine and exit 0
+    out       {"error": "<traceback>"} on any failure, then exit 1
+
+The protocol stream is the process's original stdout, moved to a descriptor of its
+own before anything is imported; vLLM's and torch's output goes to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+
+def main() -> int:
+    protocol = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # whatever writes to stdout from here on lands in stderr
+
+    def send(message: dict) -> None:
+        protocol.write(json.dumps(message) + "\n")
+
+    try:
+        request = json.loads(sys.argv[1])
+        from fourbit.engines.vllm import bench_engine
+
+        with bench_engine(
+            request["checkpoint"], request["settings"], request["threads"],
+            prompt_tokens=request["prompt_tokens"], decode_tokens=request["decode_tokens"],
+        ) as one_pass:
+            send({"ready": True})
+            for line in sys.stdin:
+                if line.strip() != "pass":
+                    raise ValueError(f"unknown command {line.strip()!r}; the worker knows 'pass'")
+                wall, _ = one_pass()
+                send({"rates": wall})
+    except BaseException:
+        send({"error": traceback.format_exc()})
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
