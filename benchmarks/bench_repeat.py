@@ -4,9 +4,12 @@
 
 Keeps a copy of every bench.json of the study under ``<results>/bench-repeat/first/``,
 reruns only the bench jobs (``snakemake --forcerun bench``; nothing else changes),
-keeps the new records under ``.../second/``, and prints, per engine, arm and metric,
-both runs' median [min-max] and whether the second median lies within the first
-run's [min, max] (the spread the report shows). The study's own bench.json files are
+keeps the new records under ``.../second/``, and prints, per engine, arm and metric
+(the arm, its baseline and their pass-by-pass ratio), both runs' median [min-max] and
+whether the second median is "within the reported spread" in two readings: inside
+the first run's [min, max], and no further from the first median than the first
+run's spread ((max - min) / median, the figure the report prints). ``--compare-only``
+compares the kept records again without rerunning anything. The study's own bench.json files are
 the second run's afterwards, and report.md is rebuilt from them.
 """
 

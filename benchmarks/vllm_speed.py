@@ -225,6 +225,8 @@ def memory_report(checkpoints: dict, workdir: Path) -> None:
         print(f"  {name:12s} RSS +{grown['after']['VmRSS'] / 1024:7.1f} MiB "
               f"(anon +{grown['after']['RssAnon'] / 1024:.1f}); after malloc_trim "
               f"+{grown['after_trim']['VmRSS'] / 1024:.1f} MiB")
+    print("  (vLLM keeps a dense embedding twice on the CPU, the table and a packed GEMM copy "
+          "of it; a quantized one is kept once, packed)")
     for kind in ("after", "after_trim"):
         ratio = memory[TARGET_ARM][kind]["VmRSS"] / memory["dense bf16"][kind]["VmRSS"]
         ok = ratio <= TARGETS["memory"]

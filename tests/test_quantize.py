@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from fourbit.checkpoint import read_config
+from fourbit.checkpoint import load_tensors, read_config
 from fourbit.config import canonical_quant, load_schema
 from fourbit.dequantize import dequantize_checkpoint
 from fourbit.engines import reference
@@ -52,8 +52,6 @@ def test_dense_expansion_is_exactly_the_quantizers_weights(tiny_untied, tmp_path
     quantize_checkpoint(tiny_untied, tmp_path / "q", tmp_path / "arm.json", arm(method="cpu_int4"))
     dequantize_checkpoint(tmp_path / "q", tmp_path / "d")
     _, _, qweights = read_quantized(tmp_path / "q")
-    from fourbit.checkpoint import load_tensors
-
     dense = load_tensors(tmp_path / "d")
     for name, qweight in qweights.items():
         assert torch.equal(dense[f"{name}.weight"], qweight.dequantize(torch.float32))
@@ -95,11 +93,14 @@ def test_quantized_embedding_is_looked_up_from_4_bits(tiny_untied, tmp_path):
         arm(method="cpu_int4", group_size=64, quantize_embedding=True),
     )
     assert "model.embed_tokens" in manifest["quantized_modules"]
+    table_size = load_tensors(tiny_untied)["model.embed_tokens.weight"].numel()
+    without = quantize_checkpoint(tiny_untied, tmp_path / "q0", tmp_path / "arm0.json",
+                                  arm(method="cpu_int4", group_size=64))
+    assert manifest["storage"]["linear_weights"] == without["storage"]["linear_weights"] + table_size
+    assert manifest["storage"]["size_bytes"] < without["storage"]["size_bytes"]
     assert manifest["method_facts"]["embedding"] == "rtn"
     assert read_config(tmp_path / "q")["quantization_config"]["embedding"] is True
     dequantize_checkpoint(tmp_path / "q", tmp_path / "d")
-    from fourbit.checkpoint import load_tensors
-
     table = read_quantized(tmp_path / "q")[2]["model.embed_tokens"]
     assert torch.equal(load_tensors(tmp_path / "d")["model.embed_tokens.weight"],
                        table.dequantize(torch.float32))

@@ -201,6 +201,31 @@ def test_config_reads_every_format_and_knobs():
     assert FourbitInt4Config.override_quantization_method(awq, "fourbit_int4") is None
 
 
+def test_embedding_lookup_is_exactly_the_dense_controls_rows():
+    """The quantized table is loaded through its placeholders like any layer; each looked-up
+    row is bit for bit the row of W_hat the dense control stores (and only those rows)."""
+    from fourbit.vllm_plugin import ops
+    from fourbit.vllm_plugin.config import FourbitEmbeddingMethod, FourbitInt4Config
+
+    fmt = formats.get_format("cpu_int4")
+    config = FourbitInt4Config.from_config(fmt.quantization_config(GROUP, False, embedding=True))
+    vocab, hidden = 40, 256
+    qw = _random_qweight(vocab, hidden, sym=False, gen=torch.Generator().manual_seed(7))
+    layer, method = torch.nn.Module(), FourbitEmbeddingMethod(config)
+    method.create_weights(layer, hidden, [vocab], hidden, vocab, torch.float32)
+    for suffix, tensor in fmt.pack(qw).items():
+        placeholder = getattr(layer, suffix)
+        placeholder.weight_loader(placeholder, tensor)
+    method.process_weights_after_loading(layer)
+    ids = torch.tensor([[3, 0, 39], [7, 7, 12]])
+    ops.calls.clear()
+    rows = method.embedding(layer, ids)
+    assert ops.calls["embedding"] == 1
+    assert rows.shape == (2, 3, hidden) and rows.dtype == torch.float32
+    assert torch.equal(rows, qw.dequantize(torch.float32)[ids])
+    assert method.embedding(layer, torch.tensor([], dtype=torch.long)).shape == (0, hidden)
+
+
 # --- vLLM --------------------------------------------------------------------------------
 
 CASES = [(f, "llama", True, 512, False) for f in FORMATS] + [

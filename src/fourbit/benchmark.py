@@ -25,7 +25,10 @@ arguments, a context manager yielding the one-pass function): the job then holds
 the arm's and the baseline's engines open side by side (vLLM: one worker process
 each; both sides' weights are resident at once) and a pass costs only its timed
 runs, so many passes fit where one engine start per pass left room for few.
-llama.cpp's llama-bench loads its model itself, as llama.cpp users run it.
+llama.cpp's llama-bench loads its model itself, as llama.cpp users run it. The
+page-cache check before every pass matters for engines that read their files
+while timing (llama-bench maps the GGUF); an engine kept open read its files
+once, untimed, at its start, and for it the check only records the cache state.
 
 The bandwidth is measured once per bench job, right before its passes, on the
 same pinned cores and threads: on a shared host it moves with the neighbours'

@@ -1,4 +1,4 @@
-"""Quantized checkpoints: Hugging Face folders whose linears are stored packed.
+"""Quantized checkpoints: Hugging Face folders whose linears (and maybe embedding) are packed.
 
 A quantized module ``m`` stores its format's tensors as ``m.<suffix>`` (see
 fourbit.formats) instead of ``m.weight``; everything else (norms, biases, and the
@@ -89,9 +89,10 @@ def matrix_shape(module: torch.nn.Module) -> tuple[int, int]:
 def storage_stats(folder: str | os.PathLike) -> dict:
     """Bits per weight from what is stored, not from a nominal 4.
 
-    ``quantized_bits_per_weight``: every stored bit of the linear layers a
-    quantizer would touch (codes, scales, zeros and index tensors when quantized;
-    the plain weights when dense) over their weight count.
+    ``quantized_bits_per_weight``: every stored bit of the matrices the arm quantized
+    (its linear layers, and the input embedding if it quantized that too; codes,
+    scales, zeros and index tensors) over their weight count (``linear_weights``);
+    for a dense checkpoint, the plain weights of the linears a quantizer would touch.
     ``file_bits_per_param``: every stored tensor over the model's parameter count
     (embeddings, norms and the untied head's copy included).
     """

@@ -100,13 +100,11 @@ def load_model(checkpoint: Path, dtype: torch.dtype) -> torch.nn.Module:
         module = model.get_submodule(name)
         if isinstance(module, torch.nn.Embedding):
             # A lookup reads rows, no kernel: the table's W_hat holds exactly those rows.
-            replacement = torch.nn.Embedding.from_pretrained(
-                qweight.dequantize(dtype), freeze=True, padding_idx=module.padding_idx
-            )
-        else:
-            bias = None if module.bias is None else module.bias.to(dtype)
-            replacement = Int4Linear(qweight, bias, dtype)
-        setattr(model.get_submodule(parent_name), child, replacement)
+            # The module itself stays (an architecture's embedding may scale its output).
+            module.weight = torch.nn.Parameter(qweight.dequantize(dtype), requires_grad=False)
+            continue
+        bias = None if module.bias is None else module.bias.to(dtype)
+        setattr(model.get_submodule(parent_name), child, Int4Linear(qweight, bias, dtype))
     still_missing = sorted(n for n in missing if n.rpartition(".")[0] not in qweights)
     if still_missing:
         raise ValueError(f"{checkpoint}: missing tensors {still_missing[:5]}")

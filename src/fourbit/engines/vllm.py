@@ -636,9 +636,9 @@ def throughput_session(
     """One engine held open for a whole bench job; each call times one pass in it.
 
     The engine lives in a worker process (fourbit.engines.vllm_bench_worker, which says
-    why), started here with this process's CPU affinity and stopped on exit. The
-    worker's start returns as soon as it is launched: the first call (or ``ready``)
-    waits until its engine is open, so both sides of a job can start side by side.
+    why), started here with this process's CPU affinity and stopped on exit. Entering
+    returns as soon as the worker is launched; the first call waits until its engine is
+    open, so both sides of a job start side by side.
     """
     request = {"checkpoint": str(checkpoint), "settings": dict(settings), "threads": int(threads),
                "prompt_tokens": prompt_tokens, "decode_tokens": decode_tokens}
@@ -648,11 +648,15 @@ def throughput_session(
     )
     waiting_for_ready = True
 
+    def gone() -> RuntimeError:
+        return RuntimeError(f"the bench worker for {checkpoint} exited with {worker.wait()} "
+                            "without answering (killed for memory?); its output is above in "
+                            "this job's log")
+
     def reply(key: str) -> Any:
         line = worker.stdout.readline()
         if not line:
-            raise RuntimeError(f"the bench worker for {checkpoint} exited with {worker.wait()} "
-                               "without answering; its output is above in this job's log")
+            raise gone()
         message = json.loads(line)
         if "error" in message:
             raise RuntimeError(f"the bench worker for {checkpoint} failed:\n{message['error']}")
@@ -663,8 +667,11 @@ def throughput_session(
         if waiting_for_ready:
             reply("ready")
             waiting_for_ready = False
-        worker.stdin.write("pass\n")
-        worker.stdin.flush()
+        try:
+            worker.stdin.write("pass\n")
+            worker.stdin.flush()
+        except OSError as e:  # the worker died between passes
+            raise gone() from e
         return reply("rates")
 
     try:
@@ -677,6 +684,9 @@ def throughput_session(
         except subprocess.TimeoutExpired:
             worker.kill()
             worker.wait()
+        if worker.returncode and not waiting_for_ready:
+            log.warning("the bench worker for %s exited with %d on close", checkpoint,
+                        worker.returncode)
 
 
 def profile_step(checkpoint: str | os.PathLike, settings: Mapping[str, Any], what: str,

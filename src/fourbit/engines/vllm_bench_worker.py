@@ -16,7 +16,7 @@ Protocol (one JSON object per line):
     out       {"error": "<traceback>"} on any failure, then exit 1
 
 The protocol stream is the process's original stdout, moved to a descriptor of its
-own before anything is imported; vLLM's and torch's output goes to stderr.
+own before vLLM or torch is imported; their output goes to stderr.
 """
 
 from __future__ import annotations

@@ -142,6 +142,11 @@ def _pad_rows(qw: QuantizedWeight, rows: int) -> QuantizedWeight:
     )
 
 
+def _name(layer: torch.nn.Module) -> str:
+    """The layer's name for messages; vLLM builds some embeddings without a prefix."""
+    return getattr(layer, "prefix", "") or f"the {type(layer).__name__}"
+
+
 class FourbitInt4Config(QuantizationConfig):
     """4-bit group-wise weights on PyTorch's CPU int4 kernel; reads three checkpoint formats."""
 
@@ -338,7 +343,7 @@ class _StoredTensors:
             return [("all", layer.org_vocab_size)]
         if "all" in shards:
             if len(shards) != 1:
-                raise ValueError(f"{QUANT_METHOD}: {layer.prefix}: fused and per-shard tensors")
+                raise ValueError(f"{QUANT_METHOD}: {_name(layer)}: fused and per-shard tensors")
             return [("all", sum(sizes))]
         return list(enumerate(sizes))
 
@@ -350,7 +355,10 @@ class _StoredTensors:
         parts = []
         for key, rows in self._shard_rows(layer):
             if key not in layer.fourbit_shards:
-                raise ValueError(f"{QUANT_METHOD}: {layer.prefix}: no tensors for shard {key}")
+                raise ValueError(
+                    f"{QUANT_METHOD}: {_name(layer)}: the checkpoint gave no tensors for shard "
+                    f"{key} (expected {[spec.suffix for spec in fmt.layout]})"
+                )
             parts.append(fmt.unpack(layer.fourbit_shards[key], rows, k, cfg.group_size))
         for spec in fmt.layout:
             del layer._parameters[spec.suffix]
@@ -361,35 +369,33 @@ class _StoredTensors:
 class FourbitEmbeddingMethod(_StoredTensors, QuantizeMethodBase):
     """A 4-bit embedding table: lookups gather packed rows and dequantize only those.
 
-    Kept per table: codes two to a byte (uint8 [V, H/2], even h in the low nibble),
-    scales as stored and integer zeros (uint8) per group, i.e. the checkpoint's own
-    cpu_int4 tensors, about 4.2 bits per weight.
+    The table is kept as the cpu_int4 format stores it (codes two to a byte, scales,
+    integer zeros: about 4.2 bits per weight), and the rows a step looks up are decoded
+    by that format's own unpack and QuantizedWeight.dequantize, i.e. exactly as the
+    dense control was expanded. Only cpu_int4 checkpoints mark a quantized embedding.
     """
 
+    TABLE_FORMAT = "cpu_int4"
+
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        qw = self.take_loaded(layer)  # [V, H]
-        v, h = qw.shape
-        pairs = qw.codes.reshape(v, h // 2, 2)  # [V, H] -> [V, H/2, 2]: (even h, odd h)
-        layer.register_buffer("fourbit_table", pairs[..., 0] | (pairs[..., 1] << 4), persistent=False)
-        layer.register_buffer("fourbit_scales", qw.scales.contiguous(), persistent=False)
-        layer.register_buffer("fourbit_zeros", qw.zeros.contiguous(), persistent=False)
-        layer.fourbit_group_size = qw.group_size
+        table = formats.get_format(self.TABLE_FORMAT).pack(self.take_loaded(layer))  # [V, ...]
+        for suffix, tensor in table.items():
+            layer.register_buffer(f"fourbit_table_{suffix}", tensor, persistent=False)
 
     def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
-        """W_hat rows for token ids [...] -> [..., H], computed as the dense control's are."""
+        """W_hat rows for token ids [...] -> [..., H]."""
         ops.calls["embedding"] += 1
-        g = layer.fourbit_group_size
-        packed = layer.fourbit_table[input_]  # [..., H/2]
-        codes = torch.stack([packed & 0xF, packed >> 4], dim=-1)  # [..., H/2, 2]
-        codes = codes.reshape(*input_.shape, -1, g).float()  # [..., H/G, G]
-        zeros = layer.fourbit_zeros[input_].unsqueeze(-1).float()  # [..., H/G, 1]
-        scales = layer.fourbit_scales[input_].unsqueeze(-1).float()  # [..., H/G, 1]
-        rows = ((codes - zeros) * scales).flatten(-2)  # exact in float32; [..., H]
-        return rows.to(layer.fourbit_params_dtype)
+        fmt = formats.get_format(self.TABLE_FORMAT)
+        ids = input_.reshape(-1)  # [...] -> [T]
+        rows = {spec.suffix: getattr(layer, f"fourbit_table_{spec.suffix}")[ids]
+                for spec in fmt.layout}  # each [T, ...]
+        h = layer.fourbit_in_features
+        qw = fmt.unpack(rows, ids.numel(), h, self.config.group_size)  # [T, H]
+        return qw.dequantize(layer.fourbit_params_dtype).reshape(*input_.shape, h)
 
     def apply(self, layer: torch.nn.Module, *args, **kwargs) -> torch.Tensor:
         raise NotImplementedError(
-            f"{QUANT_METHOD}: {layer.prefix} is an input embedding; it is looked up, never "
+            f"{QUANT_METHOD}: {_name(layer)} is an input embedding; it is looked up, never "
             "multiplied (a tied head would need the head quantized as its own matrix)"
         )
 
