@@ -347,23 +347,28 @@ class _StoredTensors:
             return [("all", sum(sizes))]
         return list(enumerate(sizes))
 
-    def take_loaded(self, layer: torch.nn.Module) -> QuantizedWeight:
-        """The loaded shards decoded and stacked along N; the placeholders removed."""
-        cfg = self.config
-        fmt = cfg.format
-        k = layer.fourbit_in_features
-        parts = []
+    def take_stored(self, layer: torch.nn.Module) -> list[tuple[int, dict[str, torch.Tensor]]]:
+        """(checkpoint rows, the format's tensors) per shard as loaded; placeholders removed."""
+        fmt = self.config.format
+        stored = []
         for key, rows in self._shard_rows(layer):
             if key not in layer.fourbit_shards:
                 raise ValueError(
                     f"{QUANT_METHOD}: {_name(layer)}: the checkpoint gave no tensors for shard "
                     f"{key} (expected {[spec.suffix for spec in fmt.layout]})"
                 )
-            parts.append(fmt.unpack(layer.fourbit_shards[key], rows, k, cfg.group_size))
+            stored.append((rows, layer.fourbit_shards[key]))
         for spec in fmt.layout:
             del layer._parameters[spec.suffix]
         del layer.fourbit_shards
-        return _stack(parts)
+        return stored
+
+    def take_loaded(self, layer: torch.nn.Module) -> QuantizedWeight:
+        """The loaded shards decoded and stacked along N; the placeholders removed."""
+        cfg = self.config
+        k = layer.fourbit_in_features
+        return _stack([cfg.format.unpack(tensors, rows, k, cfg.group_size)
+                       for rows, tensors in self.take_stored(layer)])
 
 
 class FourbitEmbeddingMethod(_StoredTensors, QuantizeMethodBase):
@@ -378,8 +383,15 @@ class FourbitEmbeddingMethod(_StoredTensors, QuantizeMethodBase):
     TABLE_FORMAT = "cpu_int4"
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        table = formats.get_format(self.TABLE_FORMAT).pack(self.take_loaded(layer))  # [V, ...]
-        for suffix, tensor in table.items():
+        if self.config.format_name != self.TABLE_FORMAT:
+            raise ValueError(f"{QUANT_METHOD}: a quantized input embedding must be stored in "
+                             f"{self.TABLE_FORMAT}, this checkpoint is {self.config.format_name}")
+        # Kept as loaded, checked against the format's table: decoding the whole table
+        # only to pack it again would briefly need V x H more bytes.
+        [(rows, tensors)] = self.take_stored(layer)
+        fmt = self.config.format
+        table = fmt.checked(tensors, rows, layer.fourbit_in_features, self.config.group_size)
+        for suffix, tensor in table.items():  # each [V, ...]
             layer.register_buffer(f"fourbit_table_{suffix}", tensor, persistent=False)
 
     def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
