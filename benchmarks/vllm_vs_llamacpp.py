@@ -76,9 +76,11 @@ def default_model(study: Path) -> dict:
 
 
 def qwen_shaped_model(workdir: Path, threads: int) -> dict:
-    """Random Qwen2.5-0.5B-shaped weights, cpu_int4 g128 and Q4_K_M; reused when present."""
+    """Random Qwen2.5-0.5B-shaped weights, cpu_int4 g128 and Q4_K_M; reused when present
+    (the quantized folders are named by a hash of their quant)."""
     from fourbit.config import canonical_quant, load_schema
     from fourbit.corpus import prepare_corpus
+    from fourbit.hashing import short_hash
     from fourbit.llamacpp.build import ensure_llamacpp
     from fourbit.llamacpp.convert import convert_to_gguf
     from fourbit.llamacpp.quantize import quantize_gguf
@@ -86,7 +88,7 @@ def qwen_shaped_model(workdir: Path, threads: int) -> dict:
     from fourbit.sources import fetch_model
     from fourbit.untie import untie_head
 
-    paths = {name: workdir / name for name in ("corpus", "tied", "untied", "int4", "gptq")}
+    paths = {name: workdir / name for name in ("corpus", "tied", "untied")}
     if not (paths["corpus"] / "manifest.json").is_file():
         prepare_corpus({"source": "builtin"}, paths["corpus"])
     if not paths["tied"].exists():  # fetch_model writes the folder atomically
@@ -95,11 +97,13 @@ def qwen_shaped_model(workdir: Path, threads: int) -> dict:
     if not paths["untied"].exists():
         untie_head(paths["tied"], paths["untied"])
     for key, name, quant in (("int4", "cpu_int4_g128", QWEN_QUANT), ("gptq", "rtn_sym_g128", QWEN_GPTQ)):
+        canonical = canonical_quant(quant, load_schema())
+        # Named by the quant's hash: a changed QUANT builds anew instead of reusing a stale one.
+        paths[key] = workdir / f"{key}-{short_hash('quant', canonical)}"
         if not paths[key].exists():
-            arm = {"name": name, "id": f"{name}-vs-llamacpp",
-                   "quant": canonical_quant(quant, load_schema())}
-            quantize_checkpoint(paths["untied"], paths[key], workdir / f"{key}.arm.json", arm,
-                                threads=threads)
+            arm = {"name": name, "id": paths[key].name, "quant": canonical}
+            quantize_checkpoint(paths["untied"], paths[key], workdir / f"{paths[key].name}.arm.json",
+                                arm, threads=threads)
     tools = ensure_llamacpp(jobs=threads)
     f16, q4km = workdir / "f16.gguf", workdir / "Q4_K_M.gguf"
     if not f16.is_file():
