@@ -4,9 +4,9 @@
 
 Random weights at the architecture's shapes (quality is irrelevant here): a dense
 float32 checkpoint with its head untied, and its cpu_int4 g128 quantization
-(shrink_steps 1, head and input embedding quantized). Measured side by side in one run, batch 1, as
-llama-bench counts pp512 and tg128 (fourbit.engines.vllm.throughput): dense
-float32, dense bfloat16, and the int4 arm through fourbit's plugin with bfloat16
+(shrink_steps 1, head and input embedding quantized). Measured side by side in one
+run, batch 1, as llama-bench counts pp512 and tg128 (fourbit.engines.vllm.throughput):
+dense float32, dense bfloat16, and the int4 arm through fourbit's plugin with bfloat16
 activations (tinygemm in float32 is tens of times slower for multi-row batches),
 once with its default prefill path (W_hat dequantized from the packed tensors for
 batches of 64+ rows, direct_dequant) and once with tinygemm for every batch. Each

@@ -11,7 +11,7 @@ from pathlib import Path
 from fourbit.atomic import atomic_dir, write_json
 from fourbit.checkpoint import module_name, quantizable_linears, skeleton
 from fourbit.quant.methods import QuantizeJob, get_method
-from fourbit.quantized_checkpoint import storage_stats, write_quantized
+from fourbit.quantized_checkpoint import matrix_shape, storage_stats, write_quantized
 
 log = logging.getLogger("fourbit")
 
@@ -29,18 +29,19 @@ def select_modules(
     linears = quantizable_linears(model)
     head = model.get_output_embeddings()
     chosen = {
-        name: (module.out_features, module.in_features)
+        name: matrix_shape(module)
         for name, module in linears.items()
         if quant["quantize_head"] or module is not head
     }
-    widths = {name: k for name, (_, k) in chosen.items()}
+    shapes = dict(chosen)
     embedding = None
     if quant.get("quantize_embedding"):
         table = model.get_input_embeddings()
         embedding = module_name(model, table)
-        widths[embedding] = table.embedding_dim  # [V, H], grouped along H like a linear's K
+        shapes[embedding] = matrix_shape(table)  # [V, H], grouped along H like a linear's K
     group = quant["group_size"]
-    bad = [f"{name}: K={k} is not a multiple of group_size {group}" for name, k in widths.items() if k % group]
+    bad = [f"{name}: K={k} is not a multiple of group_size {group}"
+           for name, (_, k) in shapes.items() if k % group]
     if bad:
         raise GroupSizeError(
             f"group_size {group} does not divide the input width of {len(bad)} layer(s):\n  "

@@ -3,8 +3,9 @@
 A quantized module ``m`` stores its format's tensors as ``m.<suffix>`` (see
 fourbit.formats) instead of ``m.weight``; everything else (norms, biases, and the
 input embedding unless the arm quantizes it) stays dense. A quantized embedding
-[V, H] is a matrix like any linear's [N, K], with N = V and K = H. config.json carries the format's ``quantization_config``,
-which is how a reader finds the format again.
+[V, H] is a matrix like any linear's [N, K], with N = V and K = H. config.json
+carries the format's ``quantization_config``, which is how a reader finds the
+format again.
 """
 
 from __future__ import annotations

@@ -397,7 +397,7 @@ class FourbitEmbeddingMethod(_StoredTensors, QuantizeMethodBase):
     def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
         """W_hat rows for token ids [...] -> [..., H]."""
         ops.calls["embedding"] += 1
-        fmt = formats.get_format(self.TABLE_FORMAT)
+        fmt = self.config.format  # TABLE_FORMAT, checked at load
         ids = input_.reshape(-1)  # [...] -> [T]
         rows = {spec.suffix: getattr(layer, f"fourbit_table_{spec.suffix}")[ids]
                 for spec in fmt.layout}  # each [T, ...]
