@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from fourbit.bench.passes import TG128_OUTPUT_TOKENS, run_paired, summarize, tg_from_runs
+from fourbit.bench.passes import (
+    TG128_OUTPUT_TOKENS,
+    repeat_for,
+    run_paired,
+    summarize,
+    tg_from_runs,
+)
 
 
 class Recorder:
@@ -111,3 +117,14 @@ def test_tg_refuses_impossible_timings():
         tg_from_runs(0.1, 0.2, 1)
     with pytest.raises(ValueError, match=r"t_n_tokens_s \(0.05 s\) must exceed t_one_token_s \(0.1 s\)"):
         tg_from_runs(0.1, 0.05, 129)
+
+
+def test_repeat_for_runs_until_the_samples_add_up_to_the_minimum():
+    durations = iter([0.1, 0.1, 0.04, 0.5, 0.5])  # 0.24 s after three runs: one more
+    samples = repeat_for(lambda: next(durations), lambda seconds: seconds, min_seconds=0.25)
+    assert samples == [0.1, 0.1, 0.04, 0.5]
+
+
+def test_repeat_for_runs_once_when_one_run_is_long_enough():
+    durations = iter([3.0, 3.0])
+    assert repeat_for(lambda: next(durations), lambda seconds: seconds, min_seconds=0.25) == [3.0]

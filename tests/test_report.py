@@ -93,3 +93,57 @@ def test_corrupt_result_file_is_named(tmp_path, tiny_untied, results):
 
 def test_synthetic_model_marks_quality_meaningless(tmp_path, tiny_untied, results):
     assert "meaningless" in report(tmp_path, tiny_untied, *results, source="synthetic")
+
+
+def bench_record(baseline_tg, arm_tg, bandwidth_gbs):
+    """A measured bench.json of 3 passes: tg128 as given per pass, pp512 fixed."""
+    def stats(values):
+        return {"values": values, "median": sorted(values)[1], "min": min(values), "max": max(values)}
+
+    checks = {"contention": {"busy": {"0": 0.02}, "override_used": False},
+              "residency": {"arm": {"resident_fraction": 1.0}, "baseline": {"resident_fraction": 1.0}}}
+    side = {"weight_bytes_per_token": {"bytes": 1e6}}
+    return {
+        "measured": True, "passes": 3, "bandwidth": {"gbs": bandwidth_gbs},
+        "provenance": {"cpu_model": "c", "isa": {"avx2": True}, "versions": {}, "env": {}, "cores": [0],
+                       "threads": 1, "load_average": [0.1, 0.1, 0.1]},
+        "contention": {"max_busy": 0.02, "override_used": False},
+        "runs": [{"checks": {"arm": checks, "baseline": checks}}] * 3,
+        "arm": {**side, "stats": {"pp512_tok_s": stats([900.0] * 3), "tg128_tok_s": stats(arm_tg)}},
+        "baseline": {**side, "stats": {"pp512_tok_s": stats([1000.0] * 3), "tg128_tok_s": stats(baseline_tg)}},
+        "ratio": {"pp512_tok_s": stats([0.9] * 3),
+                  "tg128_tok_s": stats([a / b for a, b in zip(arm_tg, baseline_tg)])},
+    }
+
+
+def test_the_baseline_row_pools_every_job_and_the_drift_between_jobs_is_shown(tmp_path, tiny_untied, results):
+    """Two jobs time the same baseline, one on a host 20% slower: the baseline row is the
+    median of all six passes, each arm keeps its own job's numbers and paired ratio, and
+    the report states how far the baseline's job medians moved."""
+    paths, manifest = results
+    second = "b-0000000000"
+    paths["bench"].write_text(json.dumps(bench_record([100.0, 102.0, 98.0], [50.0, 51.0, 49.0], 30.0)))
+    for name in ("quantized.ppl.json", "dense.ppl.json", "fidelity.json"):
+        (tmp_path / ENGINE / second).mkdir(exist_ok=True)
+        (tmp_path / ENGINE / second / name).write_text((tmp_path / ENGINE / ARM / name).read_text())
+        paths[f"{second}/{name}"] = tmp_path / ENGINE / second / name
+    paths[f"{second}/bench"] = tmp_path / ENGINE / second / "bench.json"
+    paths[f"{second}/bench"].write_text(json.dumps(bench_record([80.0, 81.0, 79.0], [60.0, 61.0, 59.0], 20.0)))
+    (tmp_path / "b.json").write_text(manifest.read_text().replace(ARM, second))
+    setup = study()
+    setup["engines"][ENGINE]["arms"] = [ARM, second]
+    write_report(setup, results=[str(p) for p in paths.values()],
+                 arm_manifests=[str(manifest), str(tmp_path / "b.json")],
+                 markdown_path=tmp_path / "report.md", table_path=tmp_path / "report.tsv",
+                 baseline_checkpoint=tiny_untied)
+    markdown = (tmp_path / "report.md").read_text()
+    rows = {line.split("|")[2].strip(): line for line in markdown.splitlines()
+            if line.startswith(f"| {ENGINE} |") and "passes" in line}
+    # pooled: the median of 79..102 over six passes is (81 + 98) / 2
+    assert "89.5 [79.0–102.0] ×1.00" in rows["`baseline`"] and "6 passes in 2 jobs" in rows["`baseline`"]
+    assert "50.0 [49.0–51.0] ×0.50" in rows[f"`{ARM}`"]
+    assert "60.0 [59.0–61.0] ×0.75" in rows[f"`{second}`"]
+    assert (f"- {ENGINE}: its baseline was timed in 2 jobs; their medians ranged pp512 1000.0–1000.0 "
+            "tok/s (+0% to +0% of the pooled median); tg128 80.0–100.0 tok/s (-11% to +12% of the "
+            "pooled median), and the triad bandwidth measured in each job 20.0–30.0 GB/s") in markdown
+    assert "median 25.0 GB/s [20.0–30.0] over 2 jobs" in markdown

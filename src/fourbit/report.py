@@ -11,9 +11,12 @@ import io
 import json
 import logging
 import os
+import statistics
 from pathlib import Path
 
 from fourbit.atomic import write_text
+from fourbit.bench.bandwidth import decode_roofline
+from fourbit.bench.passes import summarize
 from fourbit.quantized_checkpoint import storage_stats
 from fourbit.stats import CONFIDENCE, delta_ppl_interval, overlapping
 
@@ -68,19 +71,21 @@ def build_rows(
         baseline = read_result(index[(engine_id, "baseline", "dense.ppl.json")])
         unquantized = {"quant": {}, "storage": baseline_storage[engine["reads"]]}
         engine_rows = []
-        for arm_id in engine["arms"]:
+        benches = _engine_benches(index, engine_id, engine)
+        for arm_id, bench in zip(engine["arms"], benches):
             quantized = read_result(index[(engine_id, arm_id, "quantized.ppl.json")])
             dense_path = index.get((engine_id, arm_id, "dense.ppl.json"))
             dense = read_result(dense_path) if dense_path else None
-            bench = read_result(index[(engine_id, arm_id, "bench.json")])
             fidelity = read_result(index[(engine_id, arm_id, "fidelity.json")])
             row = _row(engine_id, arm_id, arms[arm_id], quantized, baseline, dense, tolerance)
-            engine_rows.append({**row, **_throughput(bench, "arm"), **_fidelity(fidelity)})
-        measured = [read_result(index[(engine_id, r["arm_id"], "bench.json")]) for r in engine_rows]
-        first = next((b for b in measured if b.get("measured")), measured[0] if measured else None)
+            engine_rows.append({**row, **_throughput([bench], "arm"), **_fidelity(fidelity)})
         base_row = _row(engine_id, "baseline", unquantized, baseline, baseline, None, tolerance)
-        rows += [{**base_row, **_throughput(first, "baseline"), **_fidelity(None)}, *engine_rows]
+        rows += [{**base_row, **_throughput(benches, "baseline"), **_fidelity(None)}, *engine_rows]
     return rows
+
+
+def _engine_benches(index: dict, engine_id: str, engine: dict) -> list[dict]:
+    return [read_result(index[(engine_id, arm_id, "bench.json")]) for arm_id in engine["arms"]]
 
 
 def _fidelity(record: dict | None) -> dict:
@@ -113,29 +118,74 @@ def fidelity_table(rows: list[dict]) -> list[str]:
     return lines
 
 
-def _throughput(bench: dict | None, side: str) -> dict:
-    """Median [min, max] over passes and the paired ratio, from a bench record."""
-    if bench is None or not bench.get("measured"):
-        note = bench.get("reason", "not measured") if bench else "no arm to pair it with"
+def _throughput(benches: list[dict], side: str) -> dict:
+    """Median [min, max] over passes, the paired ratio, and the checks before the passes.
+
+    ``benches``: the arm's own record for its row; for the baseline's row, every record of
+    its engine. Each of those jobs timed the same baseline checkpoint with the same
+    settings, so their passes are pooled: together they span the whole bench step, where
+    one job's passes span under a minute of a host whose speed drifts between jobs
+    (job_to_job_drift shows how much).
+    """
+    measured = [b for b in benches if b.get("measured")]
+    if not measured:
+        note = benches[0].get("reason", "not measured") if benches else "no arm to pair it with"
         return {key: "" for key in COLUMNS if key.startswith(("pp512", "tg128"))} | {
             "decode_bandwidth_fraction": "", "max_busy_before_pass": "", "min_resident_fraction": "",
             "throughput_note": note,
         }
     out = {}
     for short, metric in METRICS.items():
-        stats = bench[side]["stats"][metric]
+        stats = summarize([value for b in measured for value in b[side]["stats"][metric]["values"]])
         out |= {f"{short}_median": stats["median"], f"{short}_min": stats["min"], f"{short}_max": stats["max"]}
-        out[f"{short}_ratio"] = bench["ratio"][metric]["median"] if side == "arm" else 1.0
-    residency = [c["residency"][side]["resident_fraction"] for run in bench["runs"]
+        out[f"{short}_ratio"] = measured[0]["ratio"][metric]["median"] if side == "arm" else 1.0
+    residency = [c["residency"][side]["resident_fraction"] for b in measured for run in b["runs"]
                  for c in run["checks"].values()]
-    out |= {
-        "decode_bandwidth_fraction": bench[side]["roofline"]["fraction_of_limit"],
-        "max_busy_before_pass": bench["contention"]["max_busy"],
+    roofline = decode_roofline(measured[0][side]["weight_bytes_per_token"]["bytes"], out["tg128_median"],
+                               statistics.median(b["bandwidth"]["gbs"] for b in measured))
+    passes = sum(b["passes"] for b in measured)
+    note = f"{passes} passes" + (f" in {len(measured)} jobs" if len(measured) > 1 else "")
+    if any(b["contention"]["override_used"] for b in measured):
+        note += "; busy-core override used"
+    return out | {
+        "decode_bandwidth_fraction": roofline["fraction_of_limit"],
+        "max_busy_before_pass": max(b["contention"]["max_busy"] for b in measured),
         "min_resident_fraction": min(residency),
-        "throughput_note": (f"{bench['passes']} passes; busy-core override used"
-                            if bench["contention"]["override_used"] else f"{bench['passes']} passes"),
+        "throughput_note": note,
     }
-    return out
+
+
+def job_to_job_drift(study: dict, results: list[str]) -> list[str]:
+    """How far the same baseline's medians moved between the jobs of one run, per engine.
+
+    Every bench job of an engine times the same baseline, so the spread of its job
+    medians is the host's drift between jobs, measured: an arm's absolute tok/s carries
+    it (each arm is timed in one job), its paired ratio does not.
+    """
+    index = _by_suffix(results)
+    lines = []
+    for engine_id, engine in study["engines"].items():
+        if engine["unavailable"]:
+            continue
+        measured = [b for b in _engine_benches(index, engine_id, engine) if b.get("measured")]
+        if len(measured) < 2:
+            continue
+        parts = []
+        for short, metric in METRICS.items():
+            medians = [b["baseline"]["stats"][metric]["median"] for b in measured]
+            pooled = summarize([v for b in measured for v in b["baseline"]["stats"][metric]["values"]])
+            parts.append(f"{short} {min(medians):.1f}–{max(medians):.1f} tok/s "
+                         f"({min(medians) / pooled['median'] - 1:+.0%} to "
+                         f"{max(medians) / pooled['median'] - 1:+.0%} of the pooled median)")
+        bandwidths = [b["bandwidth"]["gbs"] for b in measured]
+        lines.append(
+            f"- {engine_id}: its baseline was timed in {len(measured)} jobs; their medians ranged "
+            f"{'; '.join(parts)}, and the triad bandwidth measured in each job "
+            f"{min(bandwidths):.1f}–{max(bandwidths):.1f} GB/s. Absolute tok/s of arms timed in "
+            "different jobs differ by that much from the host alone; ×base is paired within each "
+            "job and cancels it."
+        )
+    return lines
 
 
 def _row(engine_id, arm_id, manifest, scored, baseline, dense, tolerance) -> dict:
@@ -271,10 +321,16 @@ def host_block(study: dict, facts: dict, rows: list[dict]) -> list[str]:
     return lines + [
         f"- CPU: {host['cpu_model']}; ISA: {isa}",
         f"- Cores used: {host['cores']} ({host['threads']} threads); load average {' '.join(f'{x:.2f}' for x in host['load_average'])}",
-        f"- Memory bandwidth (triad, this run): {facts['bandwidth_gbs']:.1f} GB/s",
+        f"- Memory bandwidth (triad, measured in each bench job): {_bandwidths(facts['bandwidth_gbs'])}",
         f"- Versions: {versions}",
         f"- Environment: {host['env'] or 'no OMP_/VLLM_/KMP_ variables set'}",
     ]
+
+
+def _bandwidths(gbs: list[float]) -> str:
+    if len(gbs) == 1:
+        return f"{gbs[0]:.1f} GB/s"
+    return f"median {statistics.median(gbs):.1f} GB/s [{min(gbs):.1f}–{max(gbs):.1f}] over {len(gbs)} jobs"
 
 
 PLOTS = ("report-quality-vs-bits.png", "report-quality-vs-decode.png")
@@ -392,6 +448,8 @@ def render_markdown(study: dict, rows: list[dict], facts: dict) -> str:
     lines += ["", "## What the evaluation split can and cannot tell apart", ""] + separability(rows)
     lines += ["", "## Fidelity to the baseline", ""] + fidelity_table(rows)
     lines += ["", "## Throughput", ""] + throughput_table(rows)
+    if facts.get("drift"):
+        lines += ["", "The host's drift between bench jobs:", ""] + facts["drift"]
     if facts.get("quantization"):
         lines += ["", "## How each arm was quantized", ""] + quantization_table(facts["quantization"])
     lines += ["", "## Recommendation for this host", ""] + recommend(rows)
@@ -428,7 +486,8 @@ def render_markdown(study: dict, rows: list[dict], facts: dict) -> str:
         "greedy tokens after a one-token prompt (the one-token run subtracted), batch 1, synthetic "
         "ids, as llama-bench defines them; median [min–max] over counted passes after a warm-up. "
         "**×base** is the median of the pass-by-pass ratio to the same engine's baseline, timed "
-        "alternately (A B, B A, ...) in the same job.",
+        "alternately (A B, B A, ...) in the same job. A baseline row pools the passes of every "
+        "job of its engine (each timed the same baseline).",
         "- **decode BW**: bytes of weights one decoded token reads, times tokens/s, as a fraction "
         "of the memory bandwidth measured by a STREAM-like triad in the same job; above 100% "
         "(in cache) the weights fit in the CPU's caches, so memory bandwidth is not what limits it.",
@@ -479,7 +538,8 @@ def write_report(
     measured = [b for b in benches if b.get("measured")]
     if measured:
         facts["provenance"] = measured[0]["provenance"]
-        facts["bandwidth_gbs"] = measured[0]["bandwidth"]["gbs"]
+        facts["bandwidth_gbs"] = [b["bandwidth"]["gbs"] for b in measured]
+    facts["drift"] = job_to_job_drift(study, results)
     facts["quantization"] = [m for m in manifests if "method_facts" in m]
     facts["plots"] = plot(rows, Path(markdown_path).parent)
     write_text(table_path, render_tsv(rows))

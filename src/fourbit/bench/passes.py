@@ -13,12 +13,18 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Callable
+from typing import Callable, TypeVar
 
 MIN_PASSES = 3
 TG128_OUTPUT_TOKENS = 129  # 1 from the prompt's prefill + 128 decode steps; see tg_from_runs
+# A timed quantity within a pass is repeated until it has run this long. A small
+# model's 512-token prefill takes ~30 ms here, and one such run moves by a third
+# with whatever the host did in those milliseconds; llama-bench repeats each test
+# for the same reason. A big model's runs exceed it once and are not repeated.
+MIN_TIMED_SECONDS = 0.25
 
 Run = Callable[[], dict]
+Sample = TypeVar("Sample")
 
 
 def run_paired(
@@ -99,6 +105,16 @@ def summarize(values: list[float]) -> dict:
         "spread": (high - low) / median,
     }
 
+
+
+def repeat_for(run: Callable[[], Sample], seconds: Callable[[Sample], float],
+               min_seconds: float = MIN_TIMED_SECONDS) -> list[Sample]:
+    """``run()``'s samples, at least one, taken until ``seconds`` of them add up to
+    ``min_seconds``; the caller turns their sum into one rate for the pass."""
+    samples = [run()]
+    while sum(map(seconds, samples)) < min_seconds:
+        samples.append(run())
+    return samples
 
 
 def tg_from_runs(t_one_token_s: float, t_n_tokens_s: float, n: int) -> float:
