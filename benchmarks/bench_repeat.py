@@ -5,7 +5,8 @@
 Keeps a copy of every bench.json of the study under ``<results>/bench-repeat/first/``,
 reruns only the bench jobs (``snakemake --forcerun bench``; nothing else changes),
 keeps the new records under ``.../second/``, and prints, per engine, arm and metric
-(the arm, its baseline and their pass-by-pass ratio), both runs' median [min-max] and
+(the arm, its baseline and their pass-by-pass ratio; and each engine's baseline pooled
+over its jobs, as the report's baseline rows show it), both runs' median [min-max] and
 whether the second median is "within the reported spread" in two readings: inside
 the first run's [min, max], and no further from the first median than the first
 run's spread ((max - min) / median, the figure the report prints). ``--compare-only``
@@ -21,6 +22,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+from fourbit.bench.passes import summarize as summarize_passes
 
 METRICS = ("pp512_tok_s", "tg128_tok_s")
 
@@ -52,31 +55,48 @@ def compare(first: dict[Path, dict], second: dict[Path, dict]) -> dict[str, dict
     range:  the second median lies in the first run's [min, max];
     spread: the medians differ by at most the first run's spread, (max - min) / median,
             the relative figure the report prints.
-    Returns {"arm"|"baseline"|"ratio": {"total", "outside range", "outside spread"}}.
+    "pooled baseline" compares what the report's baseline rows show: an engine's baseline
+    passes pooled over all its jobs.
+    Returns {"arm"|"baseline"|"ratio"|"pooled baseline": {"total", "outside range", "outside spread"}}.
     """
     counts = {side: {"total": 0, "outside range": 0, "outside spread": 0}
-              for side in ("arm", "baseline", "ratio")}
+              for side in ("arm", "baseline", "ratio", "pooled baseline")}
     print(f"{'engine/arm':56s} {'metric':12s} {'first median [min-max] spread':>36s} "
           f"{'second median [min-max]':>28s}  in range / in spread")
     for relative in sorted(first.keys() & second.keys()):
         engine, arm = relative.parts[-3], relative.parts[-2]
         for side in ("arm", "baseline", "ratio"):
             for metric in METRICS:
-                a, b = _stats(first[relative], side, metric), _stats(second[relative], side, metric)
-                in_range = a["min"] <= b["median"] <= a["max"]
-                in_spread = abs(b["median"] - a["median"]) <= a["max"] - a["min"]
-                tally = counts[side]
-                tally["total"] += 1
-                tally["outside range"] += not in_range
-                tally["outside spread"] += not in_spread
                 label = {"arm": "", "baseline": " (its baseline)", "ratio": " (arm/baseline)"}[side]
-                digits = 3 if side == "ratio" else 1
-                print(f"{engine[:16] + '/' + arm + label:56s} {metric:12s} "
-                      f"{a['median']:10.{digits}f} [{a['min']:.{digits}f}-{a['max']:.{digits}f}] "
-                      f"{a['spread']:4.0%} {b['median']:10.{digits}f} [{b['min']:.{digits}f}-"
-                      f"{b['max']:.{digits}f}]  {'yes' if in_range else 'NO '} / "
-                      f"{'yes' if in_spread else 'NO'}")
+                _tally(counts[side], f"{engine[:16]}/{arm}{label}", metric,
+                       _stats(first[relative], side, metric), _stats(second[relative], side, metric),
+                       digits=3 if side == "ratio" else 1)
+    for engine in sorted({relative.parts[-3] for relative in first.keys() & second.keys()}):
+        for metric in METRICS:
+            a, b = (_pooled_baseline(run, engine, metric) for run in (first, second))
+            _tally(counts["pooled baseline"], f"{engine[:16]}/baseline (pooled, as reported)",
+                   metric, a, b, digits=1)
     return counts
+
+
+def _pooled_baseline(records: dict[Path, dict], engine: str, metric: str) -> dict:
+    return summarize_passes([value for relative, record in records.items()
+                             if relative.parts[-3] == engine
+                             for value in record["baseline"]["stats"][metric]["values"]])
+
+
+def _tally(tally: dict, label: str, metric: str, a: dict, b: dict, digits: int) -> None:
+    """Count and print one comparison: the first run's stats ``a`` against the second's ``b``."""
+    in_range = a["min"] <= b["median"] <= a["max"]
+    in_spread = abs(b["median"] - a["median"]) <= a["max"] - a["min"]
+    tally["total"] += 1
+    tally["outside range"] += not in_range
+    tally["outside spread"] += not in_spread
+    print(f"{label:56s} {metric:12s} "
+          f"{a['median']:10.{digits}f} [{a['min']:.{digits}f}-{a['max']:.{digits}f}] "
+          f"{a['spread']:4.0%} {b['median']:10.{digits}f} [{b['min']:.{digits}f}-"
+          f"{b['max']:.{digits}f}]  {'yes' if in_range else 'NO '} / "
+          f"{'yes' if in_spread else 'NO'}")
 
 
 def main() -> None:

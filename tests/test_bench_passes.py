@@ -42,21 +42,19 @@ ARM = WARMUP + rates((200, 20), (220, 22), (180, 18))
 BASELINE = WARMUP + rates((100, 10), (100, 10), (100, 12))
 
 
-def test_warmup_then_passes_alternate_order_with_a_gate_before_every_timed_run():
+def test_warmup_then_passes_alternate_order_with_a_gate_before_every_pass():
     fake = Recorder(ARM, BASELINE)
     result = run_paired(fake.arm, fake.baseline, passes=3, warmup=1, before_pass=fake.gate)
     assert fake.log == [
         "arm", "baseline",  # warm-up: untimed and ungated
-        "gate 1", "arm", "gate 1", "baseline",
-        "gate 2", "baseline", "gate 2", "arm",
-        "gate 3", "arm", "gate 3", "baseline",
+        "gate 1", "arm", "baseline",  # the two sides back to back: paired in time
+        "gate 2", "baseline", "arm",
+        "gate 3", "arm", "baseline",
     ]
     assert [run["order"] for run in result["runs"]] == [
         ["arm", "baseline"], ["baseline", "arm"], ["arm", "baseline"],
     ]
-    assert result["runs"][1]["checks"] == {
-        "baseline": {"busy": {0: 0.01}, "pass": 2}, "arm": {"busy": {0: 0.01}, "pass": 2},
-    }
+    assert result["runs"][1]["checks"] == {"busy": {0: 0.01}, "pass": 2}
 
 
 def test_per_pass_ratios_and_their_statistics():

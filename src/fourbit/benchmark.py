@@ -9,7 +9,7 @@ errors each guard catches):
     ratio            arm / baseline, pass by pass (both timed in the same pass,
                      order rotated), and its min/median/max/spread
     runs             every pass: its order, its checks (contention gate and
-                     page-cache residency before each timed run), its values
+                     page-cache residency before the pass), its values
     contention       threshold, allow_busy, whether the override was used, the
                      busiest core seen
     bandwidth        the triad bandwidth measured in this job, on its pinned cores
@@ -217,8 +217,8 @@ def bench_arm(
                             decode_tokens=settings["decode_tokens"])
 
     def before_pass(number: int) -> dict:
-        # run_paired does not say which side is next, so both are warmed and checked:
-        # neither may have been evicted by the other's run.
+        # Both sides run in the pass, so both are warmed and checked: neither may have
+        # been evicted by the other's run.
         gate = check_quiet(
             cores, settings["busy_threshold"], settings["allow_busy"], when=f"before pass {number}"
         )
@@ -274,7 +274,7 @@ def _pass_runner(engine, checkpoint: Path, settings: dict, threads: int, **sizes
 
 
 def _contention_summary(runs: list[dict], settings: dict) -> dict:
-    gates = [check["contention"] for run in runs for check in run["checks"].values()]
+    gates = [run["checks"]["contention"] for run in runs]
     return {
         "threshold": settings["busy_threshold"],
         "allow_busy": settings["allow_busy"],

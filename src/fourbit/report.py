@@ -139,8 +139,8 @@ def _throughput(benches: list[dict], side: str) -> dict:
         stats = summarize([value for b in measured for value in b[side]["stats"][metric]["values"]])
         out |= {f"{short}_median": stats["median"], f"{short}_min": stats["min"], f"{short}_max": stats["max"]}
         out[f"{short}_ratio"] = measured[0]["ratio"][metric]["median"] if side == "arm" else 1.0
-    residency = [c["residency"][side]["resident_fraction"] for b in measured for run in b["runs"]
-                 for c in run["checks"].values()]
+    residency = [run["checks"]["residency"][side]["resident_fraction"] for b in measured
+                 for run in b["runs"]]
     roofline = decode_roofline(measured[0][side]["weight_bytes_per_token"]["bytes"], out["tg128_median"],
                                statistics.median(b["bandwidth"]["gbs"] for b in measured))
     passes = sum(b["passes"] for b in measured)

@@ -3,8 +3,12 @@
 Whatever the engine, an arm is only compared with its baseline timed in the
 same conditions: each pass runs both, alternating which goes first (A B, B A,
 A B, ...) so that drift (thermal, a neighbour's job ramping up) does not always
-favour the same one. Every timed run is preceded by ``before_pass`` (the
-contention gate and residency check) and its record is kept. At least three
+favour the same one. Every pass is preceded by ``before_pass`` (the contention
+gate and residency check), and its record is kept; then the two sides run back
+to back, because a shared host's speed moves over seconds and only runs close in
+time see the same host (an A/A bench, benchmarks/bench_aa.py, measured the
+pass-by-pass ratio of a checkpoint against itself at 0.86-1.24 this way, and at
+0.71-1.41 with the gate's half-second wait before each side). At least three
 passes: one pass is an anecdote, and with fewer than three the spread says
 nothing about the noise.
 """
@@ -34,7 +38,7 @@ def run_paired(
 
     Each callable returns metrics where higher is better (e.g. {"pp512_tok_s": ..,
     "tg128_tok_s": ..}); the ratio is arm / baseline, so above 1 means the arm is
-    faster. ``before_pass`` gets the 1-based pass number before each timed run.
+    faster. ``before_pass`` gets the 1-based pass number before each pass.
     """
     if passes < MIN_PASSES:
         raise ValueError(
@@ -54,9 +58,8 @@ def run_paired(
     records = []
     for number in range(1, passes + 1):
         order = ["arm", "baseline"] if number % 2 else ["baseline", "arm"]
-        record = {"pass": number, "order": order, "checks": {}}
+        record = {"pass": number, "order": order, "checks": before_pass(number)}
         for name in order:
-            record["checks"][name] = before_pass(number)
             record[name] = _metrics(runs[name](), name, number)
         if record["arm"].keys() != record["baseline"].keys():
             raise ValueError(
