@@ -11,7 +11,7 @@ times in a row. Nothing differs between the two sides, so
   that cannot be told from its baseline;
 - within a job the two sides' medians track each other, while from job to job both
   move with the host. How far they move is the drift that an arm's absolute tok/s
-  (timed in one job) carries and its paired ratio cancels; the report prints the same
+  (timed in one job) carries and its paired ratio cancels; the report prints a like
   figure from the study's own jobs ("The host's drift between bench jobs").
 
 Each job's bench.json is kept under --workdir.

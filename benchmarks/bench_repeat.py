@@ -71,17 +71,20 @@ def compare(first: dict[Path, dict], second: dict[Path, dict]) -> dict[str, dict
                 _tally(counts[side], f"{engine[:16]}/{arm}{label}", metric,
                        _stats(first[relative], side, metric), _stats(second[relative], side, metric),
                        digits=3 if side == "ratio" else 1)
-    for engine in sorted({relative.parts[-3] for relative in first.keys() & second.keys()}):
+    shared = first.keys() & second.keys()
+    for engine_folder in sorted({relative.parent.parent for relative in shared}):
         for metric in METRICS:
-            a, b = (_pooled_baseline(run, engine, metric) for run in (first, second))
-            _tally(counts["pooled baseline"], f"{engine[:16]}/baseline (pooled, as reported)",
+            a, b = (_pooled_baseline({r: run[r] for r in shared}, engine_folder, metric)
+                    for run in (first, second))
+            _tally(counts["pooled baseline"], f"{engine_folder.name[:16]}/baseline (pooled, as reported)",
                    metric, a, b, digits=1)
     return counts
 
 
-def _pooled_baseline(records: dict[Path, dict], engine: str, metric: str) -> dict:
+def _pooled_baseline(records: dict[Path, dict], engine_folder: Path, metric: str) -> dict:
+    """One engine's baseline passes from all its jobs (<model>/eval/<corpus>/<engine>/)."""
     return summarize_passes([value for relative, record in records.items()
-                             if relative.parts[-3] == engine
+                             if relative.parent.parent == engine_folder
                              for value in record["baseline"]["stats"][metric]["values"]])
 
 

@@ -6,6 +6,7 @@ import pytest
 
 from fourbit.bench.passes import (
     TG128_OUTPUT_TOKENS,
+    pass_rates,
     repeat_for,
     run_paired,
     summarize,
@@ -126,3 +127,11 @@ def test_repeat_for_runs_until_the_samples_add_up_to_the_minimum():
 def test_repeat_for_runs_once_when_one_run_is_long_enough():
     durations = iter([3.0, 3.0])
     assert repeat_for(lambda: next(durations), lambda seconds: seconds, min_seconds=0.25) == [3.0]
+
+
+def test_pass_rates_are_tokens_over_the_mean_times_of_repeated_runs():
+    # Prefills of 512 tokens: 40 and 60 ms -> mean 50 ms. Decode pairs: 10 ms for the
+    # 1-token run and 1.29 s / 1.31 s for 129 tokens -> 128 steps in 1.29 s on average.
+    rates = pass_rates(512, 128, [0.04, 0.06], [(0.01, 1.29), (0.01, 1.31)])
+    assert rates == {"pp512_tok_s": pytest.approx(512 / 0.05),
+                     "tg128_tok_s": pytest.approx(128 / 1.29)}

@@ -70,6 +70,7 @@ def test_report_rows_come_from_the_result_files(tmp_path, tiny_untied, results):
     table = (tmp_path / "report.tsv").read_text().splitlines()
     assert table[0].startswith("engine\tarm_id") and len(table) == 3
     assert f"- Engine {ENGINE}: r (its 4-bit runtimes: under Runtimes)" in markdown  # host block
+    assert "drift between bench jobs" not in markdown  # no job was timed
     # how the arm was made, from its manifest: algorithm, head, calibration, time, peak RSS
     assert f"| `{ARM}` | rtn, shrink search | rtn | dense | — | none | 1.2 s | 700 MiB |" in markdown
     # An engine that could not run here has no rows, and the report says why.
@@ -147,3 +148,12 @@ def test_the_baseline_row_pools_every_job_and_the_drift_between_jobs_is_shown(tm
             "tok/s (+0% to +0% of the pooled median); tg128 80.0–100.0 tok/s (-11% to +12% of the "
             "pooled median), and the triad bandwidth measured in each job 20.0–30.0 GB/s") in markdown
     assert "median 25.0 GB/s [20.0–30.0] over 2 jobs" in markdown
+
+
+def test_a_bench_record_of_the_old_layout_is_named_with_the_rerun(tmp_path, tiny_untied, results):
+    paths, manifest = results
+    record = bench_record([100.0, 102.0, 98.0], [50.0, 51.0, 49.0], 30.0)
+    record["runs"] = [{"checks": {"arm": run["checks"], "baseline": run["checks"]}} for run in record["runs"]]
+    paths["bench"].write_text(json.dumps(record))
+    with pytest.raises(ReportInputError, match=f"{ARM}/bench.json: written by an older fourbit.*--forcerun bench"):
+        report(tmp_path, tiny_untied, paths, manifest)

@@ -23,8 +23,9 @@ shipped build; the record then says so and ``measured`` is false. An engine that
 can also keep one engine open across passes offers ``throughput_session`` (same
 arguments, a context manager yielding the one-pass function): the job then holds
 the arm's and the baseline's engines open side by side (vLLM: one worker process
-each; both sides' weights are resident at once) and a pass costs only its timed
-runs, so many passes fit where one engine start per pass left room for few.
+each; both sides' weights are resident at once) and a pass costs only its runs (an
+untimed one and the timed ones), so many passes fit where one engine start per pass
+left room for few.
 llama.cpp's llama-bench loads its model itself, as llama.cpp users run it. The
 page-cache check before every pass matters for engines that read their files
 while timing (llama-bench maps the GGUF); an engine kept open read its files

@@ -85,7 +85,19 @@ def build_rows(
 
 
 def _engine_benches(index: dict, engine_id: str, engine: dict) -> list[dict]:
-    return [read_result(index[(engine_id, arm_id, "bench.json")]) for arm_id in engine["arms"]]
+    benches = []
+    for arm_id in engine["arms"]:
+        path = index[(engine_id, arm_id, "bench.json")]
+        bench = read_result(path)
+        if bench.get("measured") and any("contention" not in run["checks"] for run in bench["runs"]):
+            # Before the gate ran once per pass, each side of a pass had its own checks,
+            # and its runs were single samples: not comparable, so not pooled.
+            raise ReportInputError(
+                f"{path}: written by an older fourbit (a gate before each side, no repeated "
+                "runs); rerun the bench jobs: snakemake --forcerun bench"
+            )
+        benches.append(bench)
+    return benches
 
 
 def _fidelity(record: dict | None) -> dict:
@@ -489,7 +501,8 @@ def render_markdown(study: dict, rows: list[dict], facts: dict) -> str:
         "alternately (A B, B A, ...) in the same job. A baseline row pools the passes of every "
         "job of its engine (each timed the same baseline).",
         "- **decode BW**: bytes of weights one decoded token reads, times tokens/s, as a fraction "
-        "of the memory bandwidth measured by a STREAM-like triad in the same job; above 100% "
+        "of the memory bandwidth measured by a STREAM-like triad in the same job (a baseline "
+        "row: its pooled median against the median of its jobs' bandwidths); above 100% "
         "(in cache) the weights fit in the CPU's caches, so memory bandwidth is not what limits it.",
         "- **busy**: the busiest pinned core's busy fraction just before a pass (the gate refuses "
         "to time above its threshold); **resident**: the smallest fraction of the checkpoint's "

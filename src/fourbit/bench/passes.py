@@ -24,7 +24,8 @@ TG128_OUTPUT_TOKENS = 129  # 1 from the prompt's prefill + 128 decode steps; see
 # A timed quantity within a pass is repeated until it has run this long. A small
 # model's 512-token prefill takes ~30 ms here, and one such run moves by a third
 # with whatever the host did in those milliseconds; llama-bench repeats each test
-# for the same reason. A big model's runs exceed it once and are not repeated.
+# a set number of times (-r) for the same reason. A tg128 run, or a big model's
+# prefill, exceeds it once and is not repeated.
 MIN_TIMED_SECONDS = 0.25
 
 Run = Callable[[], dict]
@@ -109,7 +110,6 @@ def summarize(values: list[float]) -> dict:
     }
 
 
-
 def repeat_for(run: Callable[[], Sample], seconds: Callable[[Sample], float],
                min_seconds: float = MIN_TIMED_SECONDS) -> list[Sample]:
     """``run()``'s samples, at least one, taken until ``seconds`` of them add up to
@@ -118,6 +118,22 @@ def repeat_for(run: Callable[[], Sample], seconds: Callable[[Sample], float],
     while sum(map(seconds, samples)) < min_seconds:
         samples.append(run())
     return samples
+
+
+def pass_rates(prompt_tokens: int, decode_tokens: int, prefill_s: list[float],
+               decode_pairs_s: list[tuple[float, float]]) -> dict[str, float]:
+    """One pass's pp and tg rates from its repeated timed runs.
+
+    ``prefill_s``: seconds of each ``prompt_tokens`` prefill; ``decode_pairs_s``: seconds
+    of each (1-token, decode_tokens + 1-token) generation pair (see tg_from_runs). The
+    rates are over the mean times: tokens of all runs over their total time.
+    """
+    one_token = statistics.mean(one for one, _ in decode_pairs_s)
+    n_tokens = statistics.mean(n for _, n in decode_pairs_s)
+    return {
+        f"pp{prompt_tokens}_tok_s": prompt_tokens / statistics.mean(prefill_s),
+        f"tg{decode_tokens}_tok_s": tg_from_runs(one_token, n_tokens, decode_tokens + 1),
+    }
 
 
 def tg_from_runs(t_one_token_s: float, t_n_tokens_s: float, n: int) -> float:

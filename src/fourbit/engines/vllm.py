@@ -551,7 +551,7 @@ def bench_engine(
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from fourbit.bench.passes import repeat_for, tg_from_runs
+    from fourbit.bench.passes import pass_rates, repeat_for
 
     vocab_size = json.loads((Path(checkpoint) / "config.json").read_text())["vocab_size"]
     prompt = synthetic_prompt(prompt_tokens, vocab_size)
@@ -574,16 +574,10 @@ def bench_engine(
         return seconds, cpu_seconds
 
     def rates(prefills: list, decodes: list, clock: int) -> dict[str, float]:
-        """One pass's rates on one clock (0 wall, 1 CPU) from its repeated timed runs:
-        ``prefills`` [(wall, cpu)], ``decodes`` [((wall, cpu) of 1 token, of n tokens)]."""
-        def mean(times):
-            return sum(times) / len(times)
-        return {
-            f"pp{prompt_tokens}_tok_s": prompt_tokens / mean([run[clock] for run in prefills]),
-            f"tg{decode_tokens}_tok_s": tg_from_runs(mean([one[clock] for one, _ in decodes]),
-                                                     mean([n[clock] for _, n in decodes]),
-                                                     decode_tokens + 1),
-        }
+        """One pass's rates on one clock (0 wall, 1 CPU): ``prefills`` [(wall, cpu)],
+        ``decodes`` [((wall, cpu) of the 1-token run, of the n-token run)]."""
+        return pass_rates(prompt_tokens, decode_tokens, [run[clock] for run in prefills],
+                          [(one[clock], n[clock]) for one, n in decodes])
 
     _check_prompt_fits(checkpoint, prompt_tokens)
     before = torch.get_num_threads()
