@@ -58,9 +58,11 @@ def _by_suffix(paths: list[str]) -> dict[tuple[str, str, str], str]:
 
 
 def build_rows(
-    study: dict, results: list[str], arm_manifests: list[str], baseline_storage: dict[str, dict]
+    study: dict, results: list[str], arm_manifests: list[str], baseline_storage: dict[str, dict],
+    benches: dict[str, list[dict]],
 ) -> list[dict]:
-    """``baseline_storage``: by checkpoint kind ("hf", "gguf"), the unquantized baseline's storage."""
+    """``baseline_storage``: by checkpoint kind ("hf", "gguf"), the unquantized baseline's
+    storage; ``benches``: each engine's bench records (bench_records)."""
     index = _by_suffix(results)
     arms = {m["id"]: m for m in (read_result(p) for p in arm_manifests)}
     tolerance = study["evaluation"]["control_tolerance"]
@@ -71,8 +73,7 @@ def build_rows(
         baseline = read_result(index[(engine_id, "baseline", "dense.ppl.json")])
         unquantized = {"quant": {}, "storage": baseline_storage[engine["reads"]]}
         engine_rows = []
-        benches = _engine_benches(index, engine_id, engine)
-        for arm_id, bench in zip(engine["arms"], benches):
+        for arm_id, bench in zip(engine["arms"], benches[engine_id]):
             quantized = read_result(index[(engine_id, arm_id, "quantized.ppl.json")])
             dense_path = index.get((engine_id, arm_id, "dense.ppl.json"))
             dense = read_result(dense_path) if dense_path else None
@@ -80,23 +81,30 @@ def build_rows(
             row = _row(engine_id, arm_id, arms[arm_id], quantized, baseline, dense, tolerance)
             engine_rows.append({**row, **_throughput([bench], "arm"), **_fidelity(fidelity)})
         base_row = _row(engine_id, "baseline", unquantized, baseline, baseline, None, tolerance)
-        rows += [{**base_row, **_throughput(benches, "baseline"), **_fidelity(None)}, *engine_rows]
+        rows += [{**base_row, **_throughput(benches[engine_id], "baseline"), **_fidelity(None)},
+                 *engine_rows]
     return rows
 
 
-def _engine_benches(index: dict, engine_id: str, engine: dict) -> list[dict]:
-    benches = []
-    for arm_id in engine["arms"]:
-        path = index[(engine_id, arm_id, "bench.json")]
-        bench = read_result(path)
-        if bench.get("measured") and any("contention" not in run["checks"] for run in bench["runs"]):
-            # Before the gate ran once per pass, each side of a pass had its own checks,
-            # and its runs were single samples: not comparable, so not pooled.
-            raise ReportInputError(
-                f"{path}: written by an older fourbit (a gate before each side, no repeated "
-                "runs); rerun the bench jobs: snakemake --forcerun bench"
-            )
-        benches.append(bench)
+def bench_records(study: dict, results: list[str]) -> dict[str, list[dict]]:
+    """Each engine that ran here: its arms' bench records, in its arms' order, read once."""
+    index = _by_suffix(results)
+    benches = {}
+    for engine_id, engine in study["engines"].items():
+        if engine["unavailable"]:
+            continue
+        benches[engine_id] = []
+        for arm_id in engine["arms"]:
+            path = index[(engine_id, arm_id, "bench.json")]
+            bench = read_result(path)
+            if bench.get("measured") and any("contention" not in run["checks"] for run in bench["runs"]):
+                # Before the gate ran once per pass, each side of a pass had its own checks,
+                # and its runs were single samples: not comparable, so not pooled.
+                raise ReportInputError(
+                    f"{path}: written by an older fourbit (a gate before each side, no repeated "
+                    "runs); rerun the bench jobs: snakemake --forcerun bench"
+                )
+            benches[engine_id].append(bench)
     return benches
 
 
@@ -167,19 +175,16 @@ def _throughput(benches: list[dict], side: str) -> dict:
     }
 
 
-def job_to_job_drift(study: dict, results: list[str]) -> list[str]:
+def job_to_job_drift(benches: dict[str, list[dict]]) -> list[str]:
     """How far the same baseline's medians moved between the jobs of one run, per engine.
 
     Every bench job of an engine times the same baseline, so the spread of its job
     medians is the host's drift between jobs, measured: an arm's absolute tok/s carries
     it (each arm is timed in one job), its paired ratio does not.
     """
-    index = _by_suffix(results)
     lines = []
-    for engine_id, engine in study["engines"].items():
-        if engine["unavailable"]:
-            continue
-        measured = [b for b in _engine_benches(index, engine_id, engine) if b.get("measured")]
+    for engine_id, records in benches.items():
+        measured = [b for b in records if b.get("measured")]
         if len(measured) < 2:
             continue
         parts = []
@@ -531,7 +536,8 @@ def write_report(
     storage = {"hf": storage_stats(baseline_checkpoint)}
     if gguf_base_storage:
         storage["gguf"] = read_result(gguf_base_storage)
-    rows = build_rows(study, results, arm_manifests, storage)
+    benches = bench_records(study, results)
+    rows = build_rows(study, results, arm_manifests, storage, benches)
     manifests = [read_result(p) for p in arm_manifests]
     first = read_result(next(p for p in results if p.endswith("dense.ppl.json")))
     facts = {
@@ -547,12 +553,11 @@ def write_report(
     if corpus_manifest:
         splits = read_result(corpus_manifest).get("splits", {})
         facts["corpus_sha256"] = {name: split["sha256"] for name, split in splits.items()}
-    benches = [read_result(p) for p in results if p.endswith("bench.json")]
-    measured = [b for b in benches if b.get("measured")]
+    measured = [b for records in benches.values() for b in records if b.get("measured")]
     if measured:
         facts["provenance"] = measured[0]["provenance"]
         facts["bandwidth_gbs"] = [b["bandwidth"]["gbs"] for b in measured]
-    facts["drift"] = job_to_job_drift(study, results)
+    facts["drift"] = job_to_job_drift(benches)
     facts["quantization"] = [m for m in manifests if "method_facts" in m]
     facts["plots"] = plot(rows, Path(markdown_path).parent)
     write_text(table_path, render_tsv(rows))
