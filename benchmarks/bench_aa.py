@@ -1,31 +1,33 @@
-"""An A/A bench: the study's baseline timed against itself, job after job (issue 5); not a test.
+"""An A/A bench: copies of the study's baseline timed against it, in rounds (issue 5); not a test.
 
-    .venv/bin/python benchmarks/bench_aa.py --study-dir . --jobs 3
+    .venv/bin/python benchmarks/bench_aa.py --study-dir . --copies 3 --jobs 2
 
-Runs the bench step's own code (fourbit.benchmark.bench_arm, with the study's vllm
-engine and bench settings) with the study's untied model on both sides, ``--jobs``
-times in a row. Nothing differs between the two sides, so
+Runs the bench step's own code (fourbit.benchmark.bench_study, with the study's vllm
+engine and bench settings) on ``--copies`` byte-identical copies of the study's untied
+model as arms, each paired with the untied model as the baseline, all interleaved in
+one job, ``--jobs`` times in a row. Nothing differs between the checkpoints, so
 
-- the pass-by-pass ratio is the noise floor of a paired comparison on this host: its
-  median should be 1 within its [min-max], and an arm whose ×base is closer to 1 than
-  that cannot be told from its baseline;
-- within a job the two sides' medians track each other, while from job to job both
-  move with the host. How far they move is the drift that an arm's absolute tok/s
-  (timed in one job) carries and its paired ratio cancels; the report prints a like
-  figure from the study's own jobs ("The host's drift between bench jobs").
+- each copy's pass-by-pass ratio is the noise floor of a paired comparison on this
+  host: its median should be 1 within its [min-max], and an arm whose ×base is
+  closer to 1 than that cannot be told from its baseline;
+- within a job, the copies' absolute medians should agree with each other: the
+  rounds give every arm the same host, which is what lets the report compare rows;
+- from job to job, each copy's median should stay inside its previous job's
+  [min-max]: that is issue 5's "repeating the bench step gives medians within the
+  reported spread", for checkpoints known to be equally fast.
 
-Each job's bench.json is kept under --workdir.
+Each job's records are kept under --workdir.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import shutil
 from pathlib import Path
 
 import yaml
 
-from fourbit.benchmark import bench_arm
+from fourbit.benchmark import BenchPair, bench_study
 from fourbit.config import Study
 
 METRICS = ("pp512_tok_s", "tg128_tok_s")
@@ -36,63 +38,66 @@ def main() -> None:
     parser.add_argument("--study-dir", type=Path, default=Path("."),
                         help="the folder the study ran in (holds config.yaml and its results)")
     parser.add_argument("--config", default="config.yaml", help="the study's config, in --study-dir")
-    parser.add_argument("--jobs", type=int, default=3, help="bench jobs to run one after another")
+    parser.add_argument("--copies", type=int, default=3, help="identical arms in each job")
+    parser.add_argument("--jobs", type=int, default=2, help="bench jobs to run one after another")
     parser.add_argument("--cores", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/fourbit-bench-aa"))
     args = parser.parse_args()
-    if args.jobs < 2:
-        raise SystemExit(f"--jobs {args.jobs}: drift between jobs needs at least 2")
+    if args.copies < 2 or args.jobs < 2:
+        raise SystemExit(f"--copies {args.copies} --jobs {args.jobs}: comparing copies within a "
+                         "job and jobs with each other needs at least 2 of each")
     study = Study.from_config(yaml.safe_load((args.study_dir / args.config).read_text()))
     untied = args.study_dir / study.results / study.model_id / "untied"
     if not (untied / "config.json").is_file():
         raise SystemExit(f"{untied} does not exist: run the study first (make report)")
     engine = study.engines["vllm"]
-    records = []
+    copies = []
+    for number in range(1, args.copies + 1):
+        # A folder of its own per copy: the bench step opens one engine per checkpoint.
+        copy = args.workdir / "checkpoints" / f"copy{number}"
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(untied, copy)
+        copies.append(copy)
+    jobs = []
     for job in range(1, args.jobs + 1):
-        out = args.workdir / f"job{job}" / "bench.json"
-        records.append(bench_arm(untied, untied, {"name": engine.name, **engine.settings},
-                                 study.config["bench"], out, threads=args.cores))
-        print(f"job {job}: {out}", flush=True)
-    report(records)
+        pairs = [BenchPair(copy, untied, {"name": engine.name, **engine.settings},
+                           args.workdir / f"job{job}" / copy.name / "bench.json") for copy in copies]
+        jobs.append(bench_study(pairs, study.config["bench"], threads=args.cores))
+        print(f"job {job}: {args.workdir / f'job{job}'}", flush=True)
+    report(jobs)
 
 
-def report(records: list[dict]) -> None:
-    print(f"\n{'job':4s} {'metric':12s} {'side A median [min-max]':>28s} "
-          f"{'side B median [min-max]':>28s} {'A/B ratio median [min-max]':>28s}")
+def report(jobs: list[list[dict]]) -> None:
+    print(f"\n{'job':4s} {'copy':5s} {'metric':12s} {'copy median [min-max]':>28s} "
+          f"{'baseline median [min-max]':>28s} {'ratio median [min-max]':>24s}")
     for metric in METRICS:
-        for job, record in enumerate(records, 1):
-            cells = [_span(record[side]["stats"][metric], 1) for side in ("arm", "baseline")]
-            print(f"{job:<4d} {metric:12s} {cells[0]:>28s} {cells[1]:>28s} "
-                  f"{_span(record['ratio'][metric], 3):>28s}")
+        for job, records in enumerate(jobs, 1):
+            for copy, record in enumerate(records, 1):
+                print(f"{job:<4d} {copy:<5d} {metric:12s} {_span(record['arm']['stats'][metric], 1):>28s} "
+                      f"{_span(record['baseline']['stats'][metric], 1):>28s} "
+                      f"{_span(record['ratio'][metric], 3):>24s}")
     print()
     for metric in METRICS:
-        ratios = [r["ratio"][metric] for r in records]
-        medians = [r[side]["stats"][metric]["median"] for r in records for side in ("arm", "baseline")]
-        pooled = statistics.median(medians)
-        print(f"{metric}: A/B ratio medians {min(r['median'] for r in ratios):.3f}-"
-              f"{max(r['median'] for r in ratios):.3f}; 1 inside the job's [min-max] in "
-              f"{sum(r['min'] <= 1 <= r['max'] for r in ratios)} of {len(ratios)} jobs. "
-              f"Absolute job medians {min(medians):.1f}-{max(medians):.1f} tok/s "
-              f"({min(medians) / pooled - 1:+.0%} to {max(medians) / pooled - 1:+.0%} of their median); "
-              f"{_outside(records, metric)} of {len(records) * (len(records) - 1) * 2} "
-              "(job, other job, side) medians fall outside the other job's [min-max]")
+        ratios = [record["ratio"][metric] for records in jobs for record in records]
+        within = [(a, b) for records in jobs for a in records for b in records if a is not b]
+        across = [(earlier, later) for previous, following in zip(jobs, jobs[1:])
+                  for earlier, later in zip(previous, following)]
+        print(f"{metric}: ratio medians {min(r['median'] for r in ratios):.3f}-"
+              f"{max(r['median'] for r in ratios):.3f}, 1 inside [min-max] for "
+              f"{sum(r['min'] <= 1 <= r['max'] for r in ratios)} of {len(ratios)}; "
+              f"within a job, {_inside(within, metric)} of {len(within)} copy medians inside another "
+              f"copy's [min-max]; job to job, {_inside(across, metric)} of {len(across)} copy medians "
+              "inside the same copy's [min-max] in the job before")
 
 
 def _span(stats: dict, digits: int) -> str:
     return f"{stats['median']:.{digits}f} [{stats['min']:.{digits}f}-{stats['max']:.{digits}f}]"
 
 
-def _outside(records: list[dict], metric: str) -> int:
-    """How often a job's median falls outside another job's [min, max], the same side."""
-    count = 0
-    for i, first in enumerate(records):
-        for j, second in enumerate(records):
-            if i == j:
-                continue
-            for side in ("arm", "baseline"):
-                a, b = first[side]["stats"][metric], second[side]["stats"][metric]
-                count += not a["min"] <= b["median"] <= a["max"]
-    return count
+def _inside(pairs: list[tuple[dict, dict]], metric: str) -> int:
+    """How many (reference, other) pairs have the other's arm median in the reference's range."""
+    return sum(reference["arm"]["stats"][metric]["min"] <= other["arm"]["stats"][metric]["median"]
+               <= reference["arm"]["stats"][metric]["max"] for reference, other in pairs)
 
 
 if __name__ == "__main__":

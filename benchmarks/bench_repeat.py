@@ -6,7 +6,7 @@ Keeps a copy of every bench.json of the study under ``<results>/bench-repeat/fir
 reruns only the bench jobs (``snakemake --forcerun bench``; nothing else changes),
 keeps the new records under ``.../second/``, and prints, per engine, arm and metric
 (the arm, its baseline and their pass-by-pass ratio; and each engine's baseline pooled
-over its jobs, as the report's baseline rows show it), both runs' median [min-max] and
+over its arms' passes, as the report's baseline rows show it), both runs' median [min-max] and
 whether the second median is "within the reported spread" in two readings: inside
 the first run's [min, max], and no further from the first median than the first
 run's spread ((max - min) / median, the figure the report prints). ``--compare-only``
@@ -56,7 +56,7 @@ def compare(first: dict[Path, dict], second: dict[Path, dict]) -> dict[str, dict
     spread: the medians differ by at most the first run's spread, (max - min) / median,
             the relative figure the report prints.
     "pooled baseline" compares what the report's baseline rows show: an engine's baseline
-    passes pooled over all its jobs.
+    passes pooled over all its arms.
     Returns {"arm"|"baseline"|"ratio"|"pooled baseline": {"total", "outside range", "outside spread"}}.
     """
     counts = {side: {"total": 0, "outside range": 0, "outside spread": 0}
@@ -82,7 +82,7 @@ def compare(first: dict[Path, dict], second: dict[Path, dict]) -> dict[str, dict
 
 
 def _pooled_baseline(records: dict[Path, dict], engine_folder: Path, metric: str) -> dict:
-    """One engine's baseline passes from all its jobs (<model>/eval/<corpus>/<engine>/)."""
+    """One engine's baseline passes with all its arms (<model>/eval/<corpus>/<engine>/)."""
     return summarize_passes([value for relative, record in records.items()
                              if relative.parent.parent == engine_folder
                              for value in record["baseline"]["stats"][metric]["values"]])

@@ -1,12 +1,9 @@
-from fourbit.benchmark import bench_arm
+from fourbit.benchmark import BenchPair, bench_study
 from fourbit.progress import setup_logging
 
 setup_logging(snakemake.log[0])
-bench_arm(
-    snakemake.input.checkpoint,
-    snakemake.input.baseline,
-    dict(snakemake.params.engine),
+bench_study(
+    [BenchPair(**pair) for pair in snakemake.params.pairs],
     dict(snakemake.params.bench),
-    snakemake.output.bench,
     threads=snakemake.threads,
 )

@@ -1,4 +1,4 @@
-"""The pass discipline with fake engines: rotation, gating, ratios, stats, refusals."""
+"""The pass discipline with fake engines: rounds, rotation, gating, ratios, stats, refusals."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from fourbit.bench.passes import (
     TG128_OUTPUT_TOKENS,
     pass_rates,
     repeat_for,
-    run_paired,
+    run_rounds,
     summarize,
     tg_from_runs,
 )
@@ -29,9 +29,14 @@ class Recorder:
         self.log.append("baseline")
         return next(self.baseline_values)
 
-    def gate(self, number):
+    def gate(self, name, number):
         self.log.append(f"gate {number}")
         return {"busy": {0: 0.01}, "pass": number}
+
+    def run(self, passes=3, warmup=1):
+        """One pair, ``p``: its result."""
+        return run_rounds({"p": (self.arm, self.baseline)}, passes=passes, warmup=warmup,
+                          before_pass=self.gate)["p"]
 
 
 def rates(*pairs):
@@ -45,7 +50,7 @@ BASELINE = WARMUP + rates((100, 10), (100, 10), (100, 12))
 
 def test_warmup_then_passes_alternate_order_with_a_gate_before_every_pass():
     fake = Recorder(ARM, BASELINE)
-    result = run_paired(fake.arm, fake.baseline, passes=3, warmup=1, before_pass=fake.gate)
+    result = fake.run()
     assert fake.log == [
         "arm", "baseline",  # warm-up: untimed and ungated
         "gate 1", "arm", "baseline",  # the two sides back to back: paired in time
@@ -60,7 +65,7 @@ def test_warmup_then_passes_alternate_order_with_a_gate_before_every_pass():
 
 def test_per_pass_ratios_and_their_statistics():
     fake = Recorder(ARM, BASELINE)
-    result = run_paired(fake.arm, fake.baseline, passes=3, warmup=1, before_pass=fake.gate)
+    result = fake.run()
     assert [run["ratio"] for run in result["runs"]] == rates((2.0, 2.0), (2.2, 2.2), (1.8, 1.5))
     assert result["passes"] == 3 and result["warmup"] == 1
     assert result["arm"]["pp512_tok_s"] == {
@@ -73,6 +78,36 @@ def test_per_pass_ratios_and_their_statistics():
     assert tg_ratio["spread"] == pytest.approx((2.2 - 1.5) / 2.0)
 
 
+def test_pairs_run_in_rounds_rotated_so_each_spans_the_whole_step():
+    log = []
+
+    def side(name):
+        def run():
+            log.append(name)
+            return {"tg128_tok_s": 1.0}
+        return run
+
+    shared = side("B")  # one baseline, as an engine's arms share theirs
+    pairs = {name: (side(name), shared) for name in ("x", "y", "z")}
+    ticks = iter(range(100))
+    results = run_rounds(pairs, passes=3, warmup=1, before_pass=lambda name, n: {"gate": n},
+                         clock=lambda: next(ticks))
+    timed = log[6:]  # after each pair's warm-up of both sides
+    assert timed == ["x", "B", "y", "B", "z", "B",  # round 1: pass 1 of each, arm first
+                     "B", "y", "B", "z", "B", "x",  # round 2: rotated by one, baseline first
+                     "z", "B", "x", "B", "y", "B"]  # round 3: rotated by two
+    assert [r["slot"] for r in results["x"]["runs"]] == [1, 3, 2]
+    started = [r["started_s"] for r in results["x"]["runs"]]
+    assert started == sorted(started) and started[-1] - started[0] >= 6  # spans the rounds
+    assert {name: len(result["runs"]) for name, result in results.items()} == {
+        "x": 3, "y": 3, "z": 3}
+
+
+def test_no_pairs_is_refused():
+    with pytest.raises(ValueError, match="no pairs to time"):
+        run_rounds({}, passes=3, warmup=1, before_pass=lambda name, n: {})
+
+
 def test_summarize_even_count_uses_the_middle_pair():
     assert summarize([1.0, 3.0, 2.0, 4.0])["median"] == 2.5
 
@@ -81,28 +116,28 @@ def test_summarize_even_count_uses_the_middle_pair():
 def test_fewer_than_three_passes_are_refused(passes):
     fake = Recorder(ARM, BASELINE)
     with pytest.raises(ValueError, match=f"passes={passes}: a single pass is never a result"):
-        run_paired(fake.arm, fake.baseline, passes=passes, warmup=1, before_pass=fake.gate)
+        fake.run(passes=passes)
     assert fake.log == []  # refused before anything ran
 
 
 def test_no_warmup_is_refused():
     fake = Recorder(ARM, BASELINE)
     with pytest.raises(ValueError, match="warmup=0: the first run pays for compilation"):
-        run_paired(fake.arm, fake.baseline, passes=3, warmup=0, before_pass=fake.gate)
+        fake.run(warmup=0)
 
 
 def test_arm_and_baseline_must_report_the_same_metrics():
     baseline = WARMUP + [{"pp512_tok_s": 100}] * 3
     fake = Recorder(ARM, baseline)
-    with pytest.raises(ValueError, match=r"pass 1: arm returned \['pp512_tok_s', 'tg128_tok_s'\] but baseline"):
-        run_paired(fake.arm, fake.baseline, passes=3, warmup=1, before_pass=fake.gate)
+    with pytest.raises(ValueError, match=r"pass 1 of p: arm returned \['pp512_tok_s', 'tg128_tok_s'\] but baseline"):
+        fake.run()
 
 
 def test_a_zero_rate_is_refused_naming_pass_and_metric():
     arm = WARMUP + rates((200, 20), (0, 22), (180, 18))
     fake = Recorder(arm, BASELINE)
-    with pytest.raises(ValueError, match="pass 2: arm reported pp512_tok_s=0"):
-        run_paired(fake.arm, fake.baseline, passes=3, warmup=1, before_pass=fake.gate)
+    with pytest.raises(ValueError, match="pass 2: p arm reported pp512_tok_s=0"):
+        fake.run()
 
 
 def test_tg128_counts_the_128_decode_steps_between_a_1_and_a_129_token_generation():

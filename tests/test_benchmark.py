@@ -1,4 +1,5 @@
-"""The bench step: paired passes, gates, roofline and record, with fake engines; one real vLLM run.
+"""The bench step: paired passes in rounds, gates, roofline and records, with fake engines;
+one real vLLM run.
 
 The fake engine returns fixed rates (the arm exactly twice the baseline's), and the
 contention gate reads a fake /proc/stat whose cores are a known fraction busy, so
@@ -12,6 +13,7 @@ import contextlib
 import functools
 import json
 import os
+import shutil
 import types
 
 import pytest
@@ -41,11 +43,17 @@ def checkpoints(tmp_path_factory):
     return root / "arm", root / "baseline"
 
 
+def bench_one(arm, baseline, engine, bench, out, threads):
+    """A study of one pair: its record."""
+    pair = benchmark.BenchPair(arm, baseline, engine, out)
+    return benchmark.bench_study([pair], bench, threads)[0]
+
+
 def fake_engine(calls: list):
     def throughput(checkpoint, settings, threads, *, prompt_tokens, decode_tokens):
-        side = checkpoint.name
-        calls.append({"side": side, "threads": threads, "cache_root": settings["cache_root"],
-                      "tokens": (prompt_tokens, decode_tokens)})
+        side = "baseline" if checkpoint.name == "baseline" else "arm"
+        calls.append({"side": side, "checkpoint": checkpoint.name, "threads": threads,
+                      "cache_root": settings["cache_root"], "tokens": (prompt_tokens, decode_tokens)})
         return dict(RATES[side])
 
     return types.SimpleNamespace(
@@ -87,7 +95,7 @@ def test_paired_record_with_fake_engine(checkpoints, fake_host, tmp_path):
     calls, _ = fake_host
     arm, baseline = checkpoints
     out = tmp_path / "bench.json"
-    record = benchmark.bench_arm(arm, baseline, ENGINE, {}, out, threads=1)
+    record = bench_one(arm, baseline, ENGINE, {}, out, threads=1)
 
     assert json.loads(out.read_text()) == json.loads(json.dumps(record))
     assert record["measured"] is True
@@ -100,8 +108,8 @@ def test_paired_record_with_fake_engine(checkpoints, fake_host, tmp_path):
         side for number in range(9) for side in rotation[number % 2]]
     assert {c["threads"] for c in calls} == {1} and {c["tokens"] for c in calls} == {(512, 128)}
     assert {c["side"]: c["cache_root"] for c in calls} == {
-        "arm": str(tmp_path / "bench.cache" / "arm"),
-        "baseline": str(tmp_path / "bench.cache" / "baseline")}
+        "arm": str(tmp_path / "bench.cache"),
+        "baseline": str(tmp_path.parent / "baseline" / "bench.cache")}
     assert [r["order"] for r in record["runs"]] == [rotation[n % 2] for n in range(9)]
     for metric in ("pp512_tok_s", "tg128_tok_s"):
         assert record["ratio"][metric]["values"] == [2.0] * 9
@@ -119,9 +127,9 @@ def test_paired_record_with_fake_engine(checkpoints, fake_host, tmp_path):
     assert record["arm"]["runtime"] == "fake on arm"
 
 
-def test_an_engine_with_sessions_opens_each_side_once(checkpoints, fake_host, monkeypatch,
-                                                      tmp_path):
-    """throughput_session: one engine per side for the whole job, every pass timed in it."""
+@pytest.fixture
+def with_sessions(fake_host, monkeypatch):
+    """The fake engine, also offering throughput_session; returns (opened, closed) names."""
     calls, _ = fake_host
     opened, closed = [], []
 
@@ -133,19 +141,61 @@ def test_an_engine_with_sessions_opens_each_side_once(checkpoints, fake_host, mo
                                         prompt_tokens=prompt_tokens, decode_tokens=decode_tokens)
         closed.append(checkpoint.name)
 
-    with_sessions = types.SimpleNamespace(**vars(fake_engine(calls)),
-                                          throughput_session=throughput_session)
-    monkeypatch.setattr(benchmark, "get_engine", lambda name: with_sessions)
-    record = benchmark.bench_arm(*checkpoints, ENGINE, {"passes": 5}, tmp_path / "bench.json",
-                                 threads=1)
+    engine = types.SimpleNamespace(**vars(fake_engine(calls)), throughput_session=throughput_session)
+    monkeypatch.setattr(benchmark, "get_engine", lambda name: engine)
+    return opened, closed
+
+
+def test_an_engine_with_sessions_opens_each_side_once(checkpoints, fake_host, with_sessions,
+                                                      tmp_path):
+    """throughput_session: one engine per side for the whole job, every pass timed in it."""
+    calls, _ = fake_host
+    opened, closed = with_sessions
+    record = bench_one(*checkpoints, ENGINE, {"passes": 5}, tmp_path / "bench.json", threads=1)
     assert opened == ["arm", "baseline"] and sorted(closed) == ["arm", "baseline"]
     assert [c["side"] for c in calls].count("arm") == 1 + 5  # the warm-up round, then 5 passes
     assert record["ratio"]["tg128_tok_s"]["values"] == [2.0] * 5
 
 
+def test_a_study_interleaves_its_arms_and_opens_a_shared_baseline_once(
+        checkpoints, fake_host, with_sessions, tmp_path):
+    calls, _ = fake_host
+    opened, closed = with_sessions
+    arm, baseline = checkpoints
+    second = tmp_path / "second"
+    shutil.copytree(arm, second)
+    pairs = [benchmark.BenchPair(arm, baseline, ENGINE, tmp_path / "a" / "bench.json"),
+             benchmark.BenchPair(second, baseline, ENGINE, tmp_path / "b" / "bench.json")]
+    records = benchmark.bench_study(pairs, {"passes": 3}, threads=1)
+
+    assert opened == ["arm", "baseline", "second"] and sorted(closed) == sorted(opened)
+    timed = [c["checkpoint"] for c in calls][4:]  # after each pair's warm-up of both sides
+    assert timed == ["arm", "baseline", "second", "baseline",  # round 1
+                     "baseline", "second", "baseline", "arm",  # round 2: rotated, B first
+                     "arm", "baseline", "second", "baseline"]  # round 3
+    for pair, record in zip(pairs, records):
+        assert json.loads(pair.out.read_text()) == json.loads(json.dumps(record))
+        assert record["arm"]["checkpoint"] == str(pair.arm)
+        assert record["job"]["pairs"] == 2 and record["job"]["engines_open"] == 3
+        assert [run["pass"] for run in record["runs"]] == [1, 2, 3]
+    assert [run["slot"] for run in records[1]["runs"]] == [2, 1, 2]
+    assert records[0]["job"] == records[1]["job"]
+
+
+def test_engines_that_would_not_fit_in_memory_are_refused_before_any_starts(
+        checkpoints, fake_host, with_sessions, monkeypatch, tmp_path):
+    opened, _ = with_sessions
+    monkeypatch.setattr(benchmark, "_available_memory_bytes", lambda: 1 << 30)
+    out = tmp_path / "bench.json"
+    with pytest.raises(MemoryError, match=r"open at once.*\(2 engines held open\).*about 2\.0 GiB"
+                                          r".*1\.0 GiB is available; bench fewer arms"):
+        bench_one(*checkpoints, ENGINE, {}, out, threads=1)
+    assert opened == [] and not out.exists()
+
+
 def test_roofline_from_the_bytes_a_decode_step_reads(checkpoints, fake_host, tmp_path):
     arm, baseline = checkpoints
-    record = benchmark.bench_arm(arm, baseline, ENGINE, {}, tmp_path / "bench.json", threads=1)
+    record = bench_one(arm, baseline, ENGINE, {}, tmp_path / "bench.json", threads=1)
     dense = record["baseline"]["weight_bytes_per_token"]
     packed = record["arm"]["weight_bytes_per_token"]
     # tiny Llama: 2 layers of q, k, v, o (256 -> 256, 128, 128, 256) and gate, up, down
@@ -169,25 +219,25 @@ def test_busy_cores_are_refused_and_nothing_is_written(checkpoints, fake_host, t
     set_busy(0.6)
     out = tmp_path / "bench.json"
     with pytest.raises(ContentionError, match="60% busy.*before pass 1.*allow_busy"):
-        benchmark.bench_arm(*checkpoints, ENGINE, {}, out, threads=1)
+        bench_one(*checkpoints, ENGINE, {}, out, threads=1)
     assert not out.exists()
 
 
 def test_allow_busy_times_anyway_and_says_so(checkpoints, fake_host, tmp_path):
     _, set_busy = fake_host
     set_busy(0.6)
-    record = benchmark.bench_arm(*checkpoints, ENGINE, {"allow_busy": True}, tmp_path / "b.json", 1)
+    record = bench_one(*checkpoints, ENGINE, {"allow_busy": True}, tmp_path / "b.json", 1)
     assert record["contention"] == {"threshold": 0.25, "allow_busy": True, "override_used": True,
                                     "max_busy": pytest.approx(0.6)}
     assert all(r["checks"]["contention"]["override_used"] for r in record["runs"])
-    calm = benchmark.bench_arm(*checkpoints, ENGINE, {"busy_threshold": 1.0}, tmp_path / "c.json",
+    calm = bench_one(*checkpoints, ENGINE, {"busy_threshold": 1.0}, tmp_path / "c.json",
                                1)
     assert calm["contention"]["override_used"] is False
 
 
 def test_a_single_pass_is_never_a_result(checkpoints, fake_host, tmp_path):
     with pytest.raises(ValueError, match="a single pass is never a result"):
-        benchmark.bench_arm(*checkpoints, ENGINE, {"passes": 1}, tmp_path / "bench.json", 1)
+        bench_one(*checkpoints, ENGINE, {"passes": 1}, tmp_path / "bench.json", 1)
 
 
 @pytest.mark.parametrize(
@@ -202,7 +252,7 @@ def test_a_single_pass_is_never_a_result(checkpoints, fake_host, tmp_path):
 )
 def test_bad_settings_name_the_key(checkpoints, fake_host, tmp_path, bench, threads, message):
     with pytest.raises(ValueError, match=message):
-        benchmark.bench_arm(*checkpoints, ENGINE, bench, tmp_path / "bench.json", threads)
+        bench_one(*checkpoints, ENGINE, bench, tmp_path / "bench.json", threads)
 
 
 def test_more_cores_than_the_job_has_is_refused():
@@ -240,7 +290,7 @@ def test_pinned_moves_every_thread_and_restores():
 def test_reference_engine_is_not_benchmarked(checkpoints, tmp_path):
     out = tmp_path / "bench.json"
     settings = {"name": "reference", "dtype": "float32", "threads": 2}
-    record = benchmark.bench_arm(*checkpoints, settings, {}, out, threads=1)
+    record = bench_one(*checkpoints, settings, {}, out, threads=1)
     assert set(record) == {"measured", "engine", "reason"}
     assert record["measured"] is False and record["engine"] == settings
     assert record["reason"].startswith("not a deployment engine; not benchmarked")
@@ -250,7 +300,7 @@ def test_reference_engine_is_not_benchmarked(checkpoints, tmp_path):
 def test_an_engine_must_say_whether_it_is_benchmarked(checkpoints, monkeypatch, tmp_path):
     monkeypatch.setattr(benchmark, "get_engine", lambda name: types.SimpleNamespace())
     with pytest.raises(TypeError, match="neither throughput\\(\\) nor NOT_BENCHMARKED"):
-        benchmark.bench_arm(*checkpoints, ENGINE, {}, tmp_path / "bench.json", threads=1)
+        bench_one(*checkpoints, ENGINE, {}, tmp_path / "bench.json", threads=1)
 
 
 @pytest.mark.slow
@@ -261,7 +311,7 @@ def test_real_vllm_passes_on_a_tiny_llama(checkpoints, tmp_path):
     engine = {"name": "vllm", "dtype": "float32", "enforce_eager": True, "kv_cache_gib": 0.0625,
               "max_num_seqs": 1, "quant": {}}
     bench = {"passes": 3, "allow_busy": True}
-    record = benchmark.bench_arm(arm, baseline, engine, bench, tmp_path / "bench.json", threads=2)
+    record = bench_one(arm, baseline, engine, bench, tmp_path / "bench.json", threads=2)
     assert record["measured"] is True and record["passes"] == 3
     for side in ("arm", "baseline"):
         for metric in ("pp512_tok_s", "tg128_tok_s"):

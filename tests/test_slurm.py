@@ -235,7 +235,7 @@ def _profile(name: str) -> dict:
 
 def _workflow_rules() -> set[str]:
     sources = [ROOT / "Snakefile", *sorted((ROOT / "workflow" / "rules").glob("*.smk"))]
-    return {m[1] for path in sources for m in re.finditer(r"^rule (\w+):", path.read_text(), re.M)}
+    return {m[1] for path in sources for m in re.finditer(r"^\s*rule (\w+):", path.read_text(), re.M)}
 
 
 def test_profiles_name_only_rules_that_exist():

@@ -1,15 +1,19 @@
-"""The `bench` step: one arm's prefill and decode speed against its engine's baseline.
+"""The `bench` step: every arm's prefill and decode speed against its engine's baseline.
 
-What a bench.json holds, and why each part is there (fourbit.bench explains the
-errors each guard catches):
+One job times the whole study: every arm of every engine, each paired with its
+engine's unquantized baseline, interleaved in rounds (fourbit.bench.passes says
+why). Each arm still gets a record of its own, its ``bench.json``:
 
     arm / baseline   per side: the checkpoint, what runs it, min/median/max and
                      spread of every metric over the passes, the weight bytes a
                      decode step reads and the decode roofline they imply
     ratio            arm / baseline, pass by pass (both timed in the same pass,
                      order rotated), and its min/median/max/spread
-    runs             every pass: its order, its checks (contention gate and
-                     page-cache residency before the pass), its values
+    runs             every pass: its order, its slot in its round, when it started,
+                     its checks (contention gate and page-cache residency before
+                     the pass), its values
+    job              when the job started, how many pairs it timed, how many
+                     engines it held open
     contention       threshold, allow_busy, whether the override was used, the
                      busiest core seen
     bandwidth        the triad bandwidth measured in this job, on its pinned cores
@@ -22,10 +26,10 @@ module-level ``NOT_BENCHMARKED = "<reason>"`` that their speed means nothing for
 shipped build; the record then says so and ``measured`` is false. An engine that
 can also keep one engine open across passes offers ``throughput_session`` (same
 arguments, a context manager yielding the one-pass function): the job then holds
-the arm's and the baseline's engines open side by side (vLLM: one worker process
-each; both sides' weights are resident at once) and a pass costs only its runs (an
-untimed one and the timed ones), so many passes fit where one engine start per pass
-left room for few.
+every checkpoint's engine open at once (vLLM: one worker process each, all their
+weights resident; the job refuses to start if they would not fit in memory) and a
+pass costs only its runs (an untimed one and the timed ones), so many passes fit
+where one engine start per pass left room for few.
 llama.cpp's llama-bench loads its model itself, as llama.cpp users run it. The
 page-cache check before every pass matters for engines that read their files
 while timing (llama-bench maps the GGUF); an engine kept open read its files
@@ -33,17 +37,20 @@ once, untimed, at its start, and for it the check only records the cache state.
 
 The bandwidth is measured once per bench job, right before its passes, on the
 same pinned cores and threads: on a shared host it moves with the neighbours'
-load, so only a figure taken next to the decode timings makes their fraction of
-it meaningful (a per-run rule output would also be cached across runs by
-Snakemake and go stale). It costs about as long as one engine start.
+load, so only a figure taken in the same job as the decode timings makes their
+fraction of it meaningful (a per-run rule output would also be cached across runs
+by Snakemake and go stale). It costs about as long as one engine start.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
 from pathlib import Path
 
 from jsonschema import Draft202012Validator
@@ -52,7 +59,7 @@ from safetensors import safe_open
 from fourbit.atomic import write_json
 from fourbit.bench.bandwidth import decode_roofline, measure_bandwidth
 from fourbit.bench.contention import check_quiet
-from fourbit.bench.passes import run_paired
+from fourbit.bench.passes import run_rounds
 from fourbit.bench.provenance import provenance
 from fourbit.bench.residency import warm_and_check
 from fourbit.checkpoint import quantizable_linears, skeleton, weight_files
@@ -183,82 +190,178 @@ def gguf_weight_bytes(checkpoint: str | os.PathLike) -> dict:
     return {"bytes": matmul["bytes"], "tensors": matmul["tensors"], "weights": matmul["weights"]}
 
 
-def bench_arm(
-    arm_checkpoint: str | os.PathLike,
-    baseline_checkpoint: str | os.PathLike,
-    engine_settings: dict,
-    bench_settings: dict,
-    out_path: str | os.PathLike,
-    threads: int,
-) -> dict:
-    """Time the arm against the baseline on one engine; write and return the record."""
+@dataclass(frozen=True)
+class BenchPair:
+    """One arm of one engine, to be timed against that engine's baseline; ``out`` its record."""
+
+    arm: Path
+    baseline: Path
+    engine: dict  # {"name": .., **the engine's settings}
+    out: Path
+
+    @property
+    def name(self) -> str:
+        return f"{self.engine['name']}:{self.arm}"
+
+
+def bench_study(pairs: list[BenchPair], bench_settings: dict, threads: int) -> list[dict]:
+    """Time every pair in one job, interleaved in rounds (bench.passes.run_rounds); write
+    and return each pair's record, in ``pairs``' order.
+
+    Every checkpoint is opened once for the job: an arm by its pair, a baseline once for
+    all its engine's arms. Nothing is written until every pass has run, so a refusal or a
+    failure leaves no record that looks finished.
+    """
+    pairs = [replace(p, arm=Path(p.arm), baseline=Path(p.baseline), out=Path(p.out)) for p in pairs]
+    engines = {pair.name: _benchmarked_engine(pair.engine) for pair in pairs}
+    skipped = [pair for pair in pairs if engines[pair.name] is None]
+    timed = [pair for pair in pairs if engines[pair.name] is not None]
+    records = {pair.name: _not_benchmarked(pair) for pair in skipped}
+    if timed:
+        records |= _time_pairs(timed, engines, resolve_settings(bench_settings, threads))
+    for pair in pairs:
+        write_json(pair.out, records[pair.name])
+    for pair in timed:
+        _log_summary(pair, records[pair.name])
+    return [records[pair.name] for pair in pairs]
+
+
+def _benchmarked_engine(engine_settings: dict):
+    """The engine's module, or None for an engine that says it is not benchmarked."""
     engine = get_engine(engine_settings["name"])
-    if not hasattr(engine, "throughput"):
-        reason = getattr(engine, "NOT_BENCHMARKED", None)
-        if reason is None:
-            raise TypeError(
-                f"engine {engine_settings['name']!r} has neither throughput() nor NOT_BENCHMARKED; "
-                "give it one of them (see fourbit.benchmark)"
-            )
-        record = {"measured": False, "reason": reason, "engine": engine_settings}
-        write_json(out_path, record)
-        log.info("%s: not benchmarked (%s)", engine_settings["name"], reason)
-        return record
-
-    settings = resolve_settings(bench_settings, threads)
-    cores = settings["cores"]
-    sides = {"arm": Path(arm_checkpoint), "baseline": Path(baseline_checkpoint)}
-    cache = Path(out_path).parent / f"{Path(out_path).stem}.cache"
-
-    def open_side(side: str):
-        # Compile caches per checkpoint: a cache shared between two can load the other's graph.
-        side_settings = {**engine_settings, "cache_root": str(cache / side)}
-        return _pass_runner(engine, sides[side], side_settings, len(cores),
-                            prompt_tokens=settings["prompt_tokens"],
-                            decode_tokens=settings["decode_tokens"])
-
-    def before_pass(number: int) -> dict:
-        # Both sides run in the pass, so both are warmed and checked: neither may have
-        # been evicted by the other's run.
-        gate = check_quiet(
-            cores, settings["busy_threshold"], settings["allow_busy"], when=f"before pass {number}"
+    if hasattr(engine, "throughput"):
+        return engine
+    if getattr(engine, "NOT_BENCHMARKED", None) is None:
+        raise TypeError(
+            f"engine {engine_settings['name']!r} has neither throughput() nor NOT_BENCHMARKED; "
+            "give it one of them (see fourbit.benchmark)"
         )
-        return {"contention": gate, "residency": {s: warm_and_check([p]) for s, p in sides.items()}}
+    return None
+
+
+def _not_benchmarked(pair: BenchPair) -> dict:
+    reason = get_engine(pair.engine["name"]).NOT_BENCHMARKED
+    log.info("%s: not benchmarked (%s)", pair.engine["name"], reason)
+    return {"measured": False, "reason": reason, "engine": pair.engine}
+
+
+def _time_pairs(pairs: list[BenchPair], engines: dict, settings: dict) -> dict[str, dict]:
+    cores = settings["cores"]
+    sides = _sides(pairs)
+    _check_memory([side for side in sides.values()
+                   if hasattr(engines[side.pair_name], "throughput_session")])
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+    def before_pass(name: str, number: int) -> dict:
+        # Both sides run in the pass, so both are warmed and checked: neither may have
+        # been evicted by the other pairs' runs.
+        pair = next(p for p in pairs if p.name == name)
+        gate = check_quiet(cores, settings["busy_threshold"], settings["allow_busy"],
+                           when=f"before pass {number} of {pair.arm.name} ({pair.engine['name']})")
+        return {"contention": gate, "residency": {"arm": warm_and_check([pair.arm]),
+                                                  "baseline": warm_and_check([pair.baseline])}}
 
     with pinned(cores):
         bandwidth = measure_bandwidth(threads=len(cores))  # before any engine starts
         with contextlib.ExitStack() as open_engines:
-            runs = {side: open_engines.enter_context(open_side(side)) for side in sides}
-            result = run_paired(
-                runs["arm"], runs["baseline"],
+            runs = {
+                key: open_engines.enter_context(_pass_runner(
+                    engines[side.pair_name], side.checkpoint, side.settings, len(cores),
+                    prompt_tokens=settings["prompt_tokens"], decode_tokens=settings["decode_tokens"]))
+                for key, side in sides.items()
+            }
+            results = run_rounds(
+                {p.name: (runs[_side_key(p, "arm")], runs[_side_key(p, "baseline")]) for p in pairs},
                 passes=settings["passes"], warmup=settings["warmup"], before_pass=before_pass,
             )
+    job = {"started": started, "pairs": len(pairs), "engines_open": len(sides)}
+    return {pair.name: _record(pair, engines[pair.name], results[pair.name], settings, bandwidth,
+                               job) for pair in pairs}
+
+
+@dataclass(frozen=True)
+class _Side:
+    """A checkpoint opened for the job: one per arm, one per engine's baseline."""
+
+    checkpoint: Path
+    settings: dict  # the engine's, with this checkpoint's own compile cache
+    pair_name: str  # a pair it belongs to (the engine is the same for all)
+
+
+def _side_key(pair: BenchPair, side: str) -> str:
+    checkpoint = pair.arm if side == "arm" else pair.baseline
+    return json.dumps([pair.engine, str(checkpoint)], sort_keys=True)
+
+
+def _sides(pairs: list[BenchPair]) -> dict[str, _Side]:
+    sides = {}
+    for pair in pairs:
+        # Compile caches per checkpoint: a cache shared between two can load the other's
+        # graph. An arm's sits by its record; a baseline's by the engine's baseline results.
+        caches = {"arm": pair.out.parent / "bench.cache",
+                  "baseline": pair.out.parent.parent / "baseline" / "bench.cache"}
+        for side, checkpoint in (("arm", pair.arm), ("baseline", pair.baseline)):
+            sides.setdefault(_side_key(pair, side), _Side(
+                checkpoint, {**pair.engine, "cache_root": str(caches[side])}, pair.name))
+    return sides
+
+
+# What one engine held open for the job costs beyond its weights: the process, its
+# libraries and a KV cache sized for one bench sequence (a vLLM worker: ~0.7 GB here
+# for a 20 MB model).
+ENGINE_OVERHEAD_BYTES = 1 << 30
+
+
+def _check_memory(held_open: list[_Side]) -> None:
+    """Refuse, before anything starts, a job whose engines cannot all be open at once."""
+    need = sum(decode_weight_bytes(side.checkpoint, side.settings)["bytes"] + ENGINE_OVERHEAD_BYTES
+               for side in held_open)
+    available = _available_memory_bytes()
+    if need > available:
+        raise MemoryError(
+            "the bench step holds every arm and baseline open at once "
+            f"to interleave their passes ({len(held_open)} engines held open); that needs about "
+            f"{need / 2**30:.1f} GiB (weights plus "
+            f"{ENGINE_OVERHEAD_BYTES / 2**30:.0f} GiB per engine) and {available / 2**30:.1f} GiB "
+            "is available; bench fewer arms in one run (a config with fewer arms or engines) "
+            "or run it on a machine with more memory"
+        )
+
+
+def _available_memory_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemAvailable line")
+
+
+def _record(pair: BenchPair, engine, result: dict, settings: dict, bandwidth: dict,
+            job: dict) -> dict:
     record = {
         "measured": True,
-        "engine": engine_settings,
+        "engine": pair.engine,
         "settings": settings,
+        "job": job,
         "passes": result["passes"],
         "warmup": result["warmup"],
         "runs": result["runs"],
         "ratio": result["ratio"],
         "bandwidth": bandwidth,
         "contention": _contention_summary(result["runs"], settings),
-        "provenance": provenance(len(cores), cores),
+        "provenance": provenance(len(settings["cores"]), settings["cores"]),
     }
     decode_metric = f"tg{settings['decode_tokens']}_tok_s"
-    for side, checkpoint in sides.items():
-        weights = decode_weight_bytes(checkpoint, engine_settings)
+    for side, checkpoint in (("arm", pair.arm), ("baseline", pair.baseline)):
+        weights = decode_weight_bytes(checkpoint, pair.engine)
         record[side] = {
             "checkpoint": str(checkpoint),
-            "runtime": engine.runtime(checkpoint, engine_settings),
+            "runtime": engine.runtime(checkpoint, pair.engine),
             "stats": result[side],
             "weight_bytes_per_token": weights,
             "roofline": decode_roofline(
                 weights["bytes"], result[side][decode_metric]["median"], bandwidth["gbs"]
             ),
         }
-    write_json(out_path, record)
-    _log_summary(record)
     return record
 
 
@@ -284,12 +387,12 @@ def _contention_summary(runs: list[dict], settings: dict) -> dict:
     }
 
 
-def _log_summary(record: dict) -> None:
+def _log_summary(pair: BenchPair, record: dict) -> None:
     for metric, ratio in record["ratio"].items():
         arm, baseline = record["arm"]["stats"][metric], record["baseline"]["stats"][metric]
         log.info(
-            "%s: arm %.2f, baseline %.2f (medians of %d passes); ratio %.3f [%.3f, %.3f]",
-            metric, arm["median"], baseline["median"], record["passes"],
+            "%s %s: arm %.2f, baseline %.2f (medians of %d passes); ratio %.3f [%.3f, %.3f]",
+            pair.name, metric, arm["median"], baseline["median"], record["passes"],
             ratio["median"], ratio["min"], ratio["max"],
         )
     if record["contention"]["override_used"]:

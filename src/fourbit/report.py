@@ -87,9 +87,15 @@ def build_rows(
 
 
 def bench_records(study: dict, results: list[str]) -> dict[str, list[dict]]:
-    """Each engine that ran here: its arms' bench records, in its arms' order, read once."""
+    """Each engine that ran here: its arms' bench records, in its arms' order, read once.
+
+    Every measured record must come from the same bench job: rows timed in separate
+    jobs saw different hosts (a shared host's speed drifts over minutes), so their
+    absolute tok/s are not comparable and their baselines not poolable.
+    """
     index = _by_suffix(results)
     benches = {}
+    first_job = None
     for engine_id, engine in study["engines"].items():
         if engine["unavailable"]:
             continue
@@ -97,13 +103,19 @@ def bench_records(study: dict, results: list[str]) -> dict[str, list[dict]]:
         for arm_id in engine["arms"]:
             path = index[(engine_id, arm_id, "bench.json")]
             bench = read_result(path)
-            if bench.get("measured") and any("contention" not in run["checks"] for run in bench["runs"]):
-                # Before the gate ran once per pass, each side of a pass had its own checks,
-                # and its runs were single samples: not comparable, so not pooled.
-                raise ReportInputError(
-                    f"{path}: written by an older fourbit (a gate before each side, no repeated "
-                    "runs); rerun the bench jobs: snakemake --forcerun bench"
-                )
+            if bench.get("measured"):
+                if "job" not in bench:
+                    raise ReportInputError(
+                        f"{path}: written by an older fourbit (one bench job per arm); rerun the "
+                        "bench step, which times every arm in one job: snakemake --forcerun bench"
+                    )
+                first_job = first_job or (path, bench["job"])
+                if bench["job"] != first_job[1]:
+                    raise ReportInputError(
+                        f"{path}: timed in another bench job ({bench['job']['started']}) than "
+                        f"{first_job[0]} ({first_job[1]['started']}); rows from separate jobs are "
+                        "not comparable; rerun the bench step: snakemake --forcerun bench"
+                    )
             benches[engine_id].append(bench)
     return benches
 
@@ -142,10 +154,8 @@ def _throughput(benches: list[dict], side: str) -> dict:
     """Median [min, max] over passes, the paired ratio, and the checks before the passes.
 
     ``benches``: the arm's own record for its row; for the baseline's row, every record of
-    its engine. Each of those jobs timed the same baseline checkpoint with the same
-    settings, so their passes are pooled: together they span the whole bench step, where
-    one job's passes span under a minute of a host whose speed drifts between jobs
-    (job_to_job_drift shows how much).
+    its engine. The baseline ran one pass paired with each pass of each of its arms, all in
+    the one bench job, so its row pools them.
     """
     measured = [b for b in benches if b.get("measured")]
     if not measured:
@@ -162,9 +172,9 @@ def _throughput(benches: list[dict], side: str) -> dict:
     residency = [run["checks"]["residency"][side]["resident_fraction"] for b in measured
                  for run in b["runs"]]
     roofline = decode_roofline(measured[0][side]["weight_bytes_per_token"]["bytes"], out["tg128_median"],
-                               statistics.median(b["bandwidth"]["gbs"] for b in measured))
+                               measured[0]["bandwidth"]["gbs"])
     passes = sum(b["passes"] for b in measured)
-    note = f"{passes} passes" + (f" in {len(measured)} jobs" if len(measured) > 1 else "")
+    note = f"{passes} passes" + (f", paired with {len(measured)} arms" if len(measured) > 1 else "")
     if any(b["contention"]["override_used"] for b in measured):
         note += "; busy-core override used"
     return out | {
@@ -175,34 +185,22 @@ def _throughput(benches: list[dict], side: str) -> dict:
     }
 
 
-def job_to_job_drift(benches: dict[str, list[dict]]) -> list[str]:
-    """How far the same baseline's medians moved between the jobs of one run, per engine.
-
-    Every bench job of an engine times the same baseline, so the spread of its job
-    medians is the host's drift between jobs, measured: an arm's absolute tok/s carries
-    it (each arm is timed in one job), its paired ratio does not.
-    """
-    lines = []
-    for engine_id, records in benches.items():
-        measured = [b for b in records if b.get("measured")]
-        if len(measured) < 2:
-            continue
-        parts = []
-        for short, metric in METRICS.items():
-            medians = [b["baseline"]["stats"][metric]["median"] for b in measured]
-            pooled = summarize([v for b in measured for v in b["baseline"]["stats"][metric]["values"]])
-            parts.append(f"{short} {min(medians):.1f}–{max(medians):.1f} tok/s "
-                         f"({min(medians) / pooled['median'] - 1:+.0%} to "
-                         f"{max(medians) / pooled['median'] - 1:+.0%} of the pooled median)")
-        bandwidths = [b["bandwidth"]["gbs"] for b in measured]
-        lines.append(
-            f"- {engine_id}: its baseline was timed in {len(measured)} jobs; their medians ranged "
-            f"{'; '.join(parts)}, and the triad bandwidth measured in each job "
-            f"{min(bandwidths):.1f}–{max(bandwidths):.1f} GB/s. Absolute tok/s of arms timed in "
-            "different jobs differ by that much from the host alone; ×base is paired within each "
-            "job and cancels it."
-        )
-    return lines
+def bench_job(benches: dict[str, list[dict]]) -> list[str]:
+    """How the throughput rows were timed: one job, its arms interleaved in rounds."""
+    measured = [b for records in benches.values() for b in records if b.get("measured")]
+    if not measured:
+        return []
+    engines = sum(1 for records in benches.values() if any(b.get("measured") for b in records))
+    job = measured[0]["job"]
+    minutes = max(run["started_s"] for b in measured for run in b["runs"]) / 60
+    return [
+        f"All {len(measured)} arms of {engines} engine(s) were timed in one bench job (started "
+        f"{job['started']}), in {measured[0]['passes']} rounds over {minutes:.1f} min: each round "
+        "gave every arm one pass, paired back to back with its engine's baseline, the arms' "
+        "order rotated between rounds. Every row's passes span the whole job and saw the same "
+        "host, so absolute tok/s compare across rows and engines; ×base, a ratio within each "
+        "pass, cancels the drift that remains."
+    ]
 
 
 def _row(engine_id, arm_id, manifest, scored, baseline, dense, tolerance) -> dict:
@@ -338,16 +336,18 @@ def host_block(study: dict, facts: dict, rows: list[dict]) -> list[str]:
     return lines + [
         f"- CPU: {host['cpu_model']}; ISA: {isa}",
         f"- Cores used: {host['cores']} ({host['threads']} threads); load average {' '.join(f'{x:.2f}' for x in host['load_average'])}",
-        f"- Memory bandwidth (triad, measured in each bench job): {_bandwidths(facts['bandwidth_gbs'])}",
+        f"- Memory bandwidth (STREAM-like triad at the start of the bench job, on its cores): "
+        f"{_bandwidth_measured(facts['bandwidth'])}",
         f"- Versions: {versions}",
         f"- Environment: {host['env'] or 'no OMP_/VLLM_/KMP_ variables set'}",
     ]
 
 
-def _bandwidths(gbs: list[float]) -> str:
-    if len(gbs) == 1:
-        return f"{gbs[0]:.1f} GB/s"
-    return f"median {statistics.median(gbs):.1f} GB/s [{min(gbs):.1f}–{max(gbs):.1f}] over {len(gbs)} jobs"
+def _bandwidth_measured(bandwidth: dict) -> str:
+    repeats = bandwidth.get("gbs_per_repeat", [])
+    if len(repeats) < 2:
+        return f"{bandwidth['gbs']:.1f} GB/s"
+    return f"{bandwidth['gbs']:.1f} GB/s (best of {len(repeats)} repeats; slowest {min(repeats):.1f})"
 
 
 PLOTS = ("report-quality-vs-bits.png", "report-quality-vs-decode.png")
@@ -465,8 +465,8 @@ def render_markdown(study: dict, rows: list[dict], facts: dict) -> str:
     lines += ["", "## What the evaluation split can and cannot tell apart", ""] + separability(rows)
     lines += ["", "## Fidelity to the baseline", ""] + fidelity_table(rows)
     lines += ["", "## Throughput", ""] + throughput_table(rows)
-    if facts.get("drift"):
-        lines += ["", "The host's drift between bench jobs:", ""] + facts["drift"]
+    if facts.get("bench_job"):
+        lines += [""] + facts["bench_job"]
     if facts.get("quantization"):
         lines += ["", "## How each arm was quantized", ""] + quantization_table(facts["quantization"])
     lines += ["", "## Recommendation for this host", ""] + recommend(rows)
@@ -503,11 +503,11 @@ def render_markdown(study: dict, rows: list[dict], facts: dict) -> str:
         "greedy tokens after a one-token prompt (the one-token run subtracted), batch 1, synthetic "
         "ids, as llama-bench defines them; median [min–max] over counted passes after a warm-up. "
         "**×base** is the median of the pass-by-pass ratio to the same engine's baseline, timed "
-        "alternately (A B, B A, ...) in the same job. A baseline row pools the passes of every "
-        "job of its engine (each timed the same baseline).",
+        "back to back in each pass, alternately first (A B, B A, ...). One bench job times every "
+        "row, the arms' passes interleaved in rounds; a baseline row pools the passes it ran "
+        "with each of its engine's arms.",
         "- **decode BW**: bytes of weights one decoded token reads, times tokens/s, as a fraction "
-        "of the memory bandwidth measured by a STREAM-like triad in the same job (a baseline "
-        "row: its pooled median against the median of its jobs' bandwidths); above 100% "
+        "of the memory bandwidth measured by a STREAM-like triad in the bench job; above 100% "
         "(in cache) the weights fit in the CPU's caches, so memory bandwidth is not what limits it.",
         "- **busy**: the busiest pinned core's busy fraction just before a pass (the gate refuses "
         "to time above its threshold); **resident**: the smallest fraction of the checkpoint's "
@@ -556,8 +556,8 @@ def write_report(
     measured = [b for records in benches.values() for b in records if b.get("measured")]
     if measured:
         facts["provenance"] = measured[0]["provenance"]
-        facts["bandwidth_gbs"] = [b["bandwidth"]["gbs"] for b in measured]
-    facts["drift"] = job_to_job_drift(benches)
+        facts["bandwidth"] = measured[0]["bandwidth"]
+    facts["bench_job"] = bench_job(benches)
     facts["quantization"] = [m for m in manifests if "method_facts" in m]
     facts["plots"] = plot(rows, Path(markdown_path).parent)
     write_text(table_path, render_tsv(rows))

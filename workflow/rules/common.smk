@@ -65,19 +65,35 @@ def get_scored_checkpoint(wildcards):
     return scored_checkpoint(wildcards.engine, wildcards.arm, wildcards.form)
 
 
-def get_bench_input(wildcards):
-    """The arm and the same engine's unquantized baseline, timed side by side."""
+def arm_and_baseline(engine_id, arm):
+    """The arm's checkpoint and the same engine's unquantized baseline."""
     return {
-        "checkpoint": scored_checkpoint(wildcards.engine, wildcards.arm, "quantized"),
-        "baseline": scored_checkpoint(wildcards.engine, "baseline", "dense"),
+        "checkpoint": scored_checkpoint(engine_id, arm, "quantized"),
+        "baseline": scored_checkpoint(engine_id, "baseline", "dense"),
     }
+
+
+def bench_pairs():
+    """Every arm each engine that can run here runs, with that engine's baseline and the
+    arm's bench record: the one bench job times them all (rule bench)."""
+    pairs = []
+    for engine in STUDY.runnable_engines:
+        for arm_id in STUDY.arms_for(engine):
+            checkpoints = arm_and_baseline(engine.id, arm_id)
+            pairs.append({
+                "arm": checkpoints["checkpoint"],
+                "baseline": checkpoints["baseline"],
+                "engine": {"name": engine.name, **engine.settings},
+                "out": f"{EVAL_DIR}/{engine.id}/{arm_id}/bench.json",
+            })
+    return pairs
 
 
 def get_fidelity_input(wildcards):
     """The arm and its engine's baseline, compared on the study's token windows (an
     engine with its own KL mode, llama.cpp's, reads the evaluation text instead)."""
     return {
-        **get_bench_input(wildcards),
+        **arm_and_baseline(wildcards.engine, wildcards.arm),
         "windows": f"{EVAL_DIR}/windows.json",
         "text": f"{RESULTS}/corpus/{CORPUS}/evaluation.txt",
     }

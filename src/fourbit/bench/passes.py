@@ -1,4 +1,4 @@
-"""The pass discipline: paired, order-rotated, gated passes, reported with their spread.
+"""The pass discipline: paired, order-rotated, gated passes in rounds, reported with their spread.
 
 Whatever the engine, an arm is only compared with its baseline timed in the
 same conditions: each pass runs both, alternating which goes first (A B, B A,
@@ -8,7 +8,15 @@ gate and residency check), and its record is kept; then the two sides run back
 to back, because a shared host's speed moves over seconds and only runs close in
 time see the same host (an A/A bench, benchmarks/bench_aa.py, measured the
 pass-by-pass ratio of a checkpoint against itself at 0.86-1.24 this way, and at
-0.71-1.41 with the gate's half-second wait before each side). At least three
+0.71-1.41 with the gate's half-second wait before each side).
+
+The pairs of a study run in rounds: round r gives every pair its pass r, in an
+order rotated by one each round. The host's speed also drifts over minutes (its
+tg128 medians moved by -13% to +6% between identical bench jobs a minute apart,
+A/A); an arm whose passes all ran in one minute carries that minute's speed in
+its tok/s, and a repeat of the bench step lands elsewhere. Interleaved, every
+arm's passes span the whole step and every arm sees the same host, so absolute
+tok/s are comparable across arms and engines, and repeatable. At least three
 passes: one pass is an anecdote, and with fewer than three the spread says
 nothing about the noise.
 """
@@ -17,6 +25,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from typing import Callable, TypeVar
 
 MIN_PASSES = 3
@@ -32,14 +41,19 @@ Run = Callable[[], dict]
 Sample = TypeVar("Sample")
 
 
-def run_paired(
-    arm: Run, baseline: Run, *, passes: int, warmup: int, before_pass: Callable[[int], dict]
-) -> dict:
-    """Time ``arm`` and ``baseline`` over ``passes`` passes after ``warmup`` untimed rounds.
+def run_rounds(
+    pairs: dict[str, tuple[Run, Run]], *, passes: int, warmup: int,
+    before_pass: Callable[[str, int], dict], clock: Callable[[], float] = time.monotonic,
+) -> dict[str, dict]:
+    """Time each pair's arm against its baseline, ``passes`` rounds of every pair.
 
+    ``pairs``: name -> (arm, baseline); a baseline may be shared by several pairs.
     Each callable returns metrics where higher is better (e.g. {"pp512_tok_s": ..,
     "tg128_tok_s": ..}); the ratio is arm / baseline, so above 1 means the arm is
-    faster. ``before_pass`` gets the 1-based pass number before each pass.
+    faster. ``warmup`` untimed runs of both sides of every pair come first.
+    ``before_pass(name, number)`` runs before pair ``name``'s pass ``number`` (1-based).
+    Returns per pair: its passes (each with its round slot and its start in seconds
+    after the first timed pass), and min/median/max of each side and of the ratio.
     """
     if passes < MIN_PASSES:
         raise ValueError(
@@ -51,36 +65,48 @@ def run_paired(
             f"warmup={warmup}: the first run pays for compilation and cold caches; "
             "ask for at least 1 untimed round"
         )
-    for _ in range(warmup):
-        arm()
-        baseline()
+    if not pairs:
+        raise ValueError("no pairs to time; give at least one (arm, baseline)")
+    for arm, baseline in pairs.values():
+        for _ in range(warmup):
+            arm()
+            baseline()
 
-    runs = {"arm": arm, "baseline": baseline}
-    records = []
+    names = list(pairs)
+    records: dict[str, list[dict]] = {name: [] for name in names}
+    start = clock()
     for number in range(1, passes + 1):
-        order = ["arm", "baseline"] if number % 2 else ["baseline", "arm"]
-        record = {"pass": number, "order": order, "checks": before_pass(number)}
-        for name in order:
-            record[name] = _metrics(runs[name](), name, number)
-        if record["arm"].keys() != record["baseline"].keys():
-            raise ValueError(
-                f"pass {number}: arm returned {sorted(record['arm'])} but baseline returned "
-                f"{sorted(record['baseline'])}; both must report the same metrics"
-            )
-        if records and record["arm"].keys() != records[0]["arm"].keys():
-            raise ValueError(
-                f"pass {number} reported {sorted(record['arm'])}, pass 1 reported "
-                f"{sorted(records[0]['arm'])}; every pass must report the same metrics"
-            )
-        record["ratio"] = {key: record["arm"][key] / record["baseline"][key] for key in record["arm"]}
-        records.append(record)
-
+        shift = (number - 1) % len(names)
+        for slot, name in enumerate(names[shift:] + names[:shift], start=1):
+            records[name].append(
+                _one_pass(name, pairs[name], number, before_pass, slot, clock() - start))
     return {
-        "passes": passes,
-        "warmup": warmup,
-        "runs": records,
-        **{side: _summaries(records, side) for side in ("arm", "baseline", "ratio")},
+        name: {
+            "passes": passes,
+            "warmup": warmup,
+            "runs": runs,
+            **{side: _summaries(runs, side) for side in ("arm", "baseline", "ratio")},
+        }
+        for name, runs in records.items()
     }
+
+
+def _one_pass(name: str, pair: tuple[Run, Run], number: int,
+              before_pass: Callable[[str, int], dict], slot: int, started_s: float) -> dict:
+    """Pass ``number`` of one pair: the gate, then both sides back to back."""
+    sides = dict(zip(("arm", "baseline"), pair))
+    order = ["arm", "baseline"] if number % 2 else ["baseline", "arm"]
+    record = {"pass": number, "slot": slot, "started_s": started_s, "order": order,
+              "checks": before_pass(name, number)}
+    for side in order:
+        record[side] = _metrics(sides[side](), f"{name} {side}", number)
+    if record["arm"].keys() != record["baseline"].keys():
+        raise ValueError(
+            f"pass {number} of {name}: arm returned {sorted(record['arm'])} but baseline "
+            f"returned {sorted(record['baseline'])}; both must report the same metrics"
+        )
+    record["ratio"] = {key: record["arm"][key] / record["baseline"][key] for key in record["arm"]}
+    return record
 
 
 def _metrics(values: dict, name: str, number: int) -> dict:
@@ -97,6 +123,12 @@ def _metrics(values: dict, name: str, number: int) -> dict:
 
 
 def _summaries(records: list[dict], side: str) -> dict:
+    for record in records[1:]:
+        if record[side].keys() != records[0][side].keys():
+            raise ValueError(
+                f"pass {record['pass']} reported {sorted(record[side])}, pass 1 reported "
+                f"{sorted(records[0][side])}; every pass must report the same metrics"
+            )
     return {key: summarize([r[side][key] for r in records]) for key in records[0][side]}
 
 

@@ -515,6 +515,27 @@ def _check_prompt_fits(checkpoint: str | os.PathLike, prompt_tokens: int) -> Non
         )
 
 
+# The KV cache a bench engine gets: room for its one sequence four times over (vLLM
+# rounds up to whole blocks), and at least this much.
+BENCH_KV_CACHE_MIN_BYTES = 16 << 20
+
+
+def bench_kv_cache_bytes(config: Mapping[str, Any], tokens: int, dtype: str) -> int:
+    """A KV cache for one ``tokens``-long sequence of the model ``config`` describes.
+
+    A bench runs batch 1, and the bench job holds every arm's engine open at once: the
+    engines' scoring cache (kv_cache_gib, allocated and touched at start) would cost each
+    one a gigabyte it never uses.
+    """
+    import torch
+
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    per_token = (2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads)
+                 * head_dim * getattr(torch, _dtype_name(dtype)).itemsize)  # K and V
+    return max(4 * tokens * per_token, BENCH_KV_CACHE_MIN_BYTES)
+
+
 @contextlib.contextmanager
 def bench_engine(
     checkpoint: str | os.PathLike,
@@ -533,8 +554,8 @@ def bench_engine(
         tg   a 1-token prompt -> 1 token, and -> decode_tokens + 1 tokens; the first run
              subtracted leaves exactly decode_tokens decode steps (bench.passes.tg_from_runs)
 
-    The untimed run (one pp) is there because the engine idled while the other side of
-    the pair was timed: the first run after that pays for cold caches and waking cores
+    The untimed run (one pp) is there because the engine idled while the other engines of
+    the job were timed: the first run after that pays for cold caches and waking cores
     (measured here: a 512-token prefill 10-50% slower than the next). Each test then
     repeats until it has run bench.passes.MIN_TIMED_SECONDS, and the pass reports its
     tokens over its total time. The engine's start (weight loading, KV cache
@@ -553,9 +574,10 @@ def bench_engine(
 
     from fourbit.bench.passes import pass_rates, repeat_for
 
-    vocab_size = json.loads((Path(checkpoint) / "config.json").read_text())["vocab_size"]
-    prompt = synthetic_prompt(prompt_tokens, vocab_size)
-    kv = settings.get("kv_cache_bytes") or int(float(settings.get("kv_cache_gib", 1)) * (1 << 30))
+    config = json.loads((Path(checkpoint) / "config.json").read_text())
+    prompt = synthetic_prompt(prompt_tokens, config["vocab_size"])
+    max_model_len = max(prompt_tokens, 1 + decode_tokens) + 1
+    kv = bench_kv_cache_bytes(config, max_model_len, settings.get("dtype", "bfloat16"))
 
     def timed(llm: Any, ids: list[int], outputs: int) -> tuple[float, float]:
         """(wall seconds, process CPU seconds) of one generation."""
@@ -587,7 +609,7 @@ def bench_engine(
             checkpoint,
             dtype=settings.get("dtype", "bfloat16"),
             kv_cache_bytes=kv,
-            max_model_len=max(prompt_tokens, 1 + decode_tokens) + 1,
+            max_model_len=max_model_len,
             cache_root=settings.get("cache_root"),
             quantization=_quantization(settings),
             quant_overrides=settings.get("quant") or None,
@@ -647,7 +669,7 @@ def throughput_session(
     The engine lives in a worker process (fourbit.engines.vllm_bench_worker, which says
     why), started here with this process's CPU affinity and stopped on exit. Entering
     returns as soon as the worker is launched; the first call waits until its engine is
-    open, so both sides of a job start side by side.
+    open, so all the engines of a job start side by side.
     """
     request = {"checkpoint": str(checkpoint), "settings": dict(settings), "threads": int(threads),
                "prompt_tokens": prompt_tokens, "decode_tokens": decode_tokens}

@@ -1,11 +1,11 @@
 """One vLLM engine held open for a whole bench job, in a process of its own.
 
 Started by fourbit.engines.vllm.throughput_session; not meant to be run by hand.
-A bench job alternates the arm and the baseline pass after pass. Restarting an
-engine for every pass would spend most of the job on engine starts; two engines
+A bench job interleaves every arm and its baseline, pass after pass. Restarting
+an engine for every pass would spend most of the job on engine starts; two engines
 cannot be open side by side in one process, because vLLM's in-process engines
-share global state (the distributed groups, the frozen environment). So each side
-runs in its own worker, which idles between passes while the other side is timed.
+share global state (the distributed groups, the frozen environment). So each
+checkpoint runs in its own worker, which idles while the others are timed.
 
 Protocol (one JSON object per line):
 
