@@ -176,10 +176,17 @@ def test_a_study_interleaves_its_arms_and_opens_a_shared_baseline_once(
     for pair, record in zip(pairs, records):
         assert json.loads(pair.out.read_text()) == json.loads(json.dumps(record))
         assert record["arm"]["checkpoint"] == str(pair.arm)
-        assert record["job"]["pairs"] == 2 and record["job"]["engines_open"] == 3
+        assert record["job"]["pairs"] == 2 and record["job"]["checkpoints"] == 3
         assert [run["pass"] for run in record["runs"]] == [1, 2, 3]
     assert [run["slot"] for run in records[1]["runs"]] == [2, 1, 2]
     assert records[0]["job"] == records[1]["job"]
+
+
+def test_two_records_in_one_folder_are_refused(checkpoints, fake_host, tmp_path):
+    pairs = [benchmark.BenchPair(*checkpoints, ENGINE, tmp_path / "a" / name)
+             for name in ("bench.json", "other.json")]
+    with pytest.raises(ValueError, match="repeat a name; each record needs a folder"):
+        benchmark.bench_study(pairs, {}, threads=1)
 
 
 def test_engines_that_would_not_fit_in_memory_are_refused_before_any_starts(
@@ -218,7 +225,8 @@ def test_busy_cores_are_refused_and_nothing_is_written(checkpoints, fake_host, t
     _, set_busy = fake_host
     set_busy(0.6)
     out = tmp_path / "bench.json"
-    with pytest.raises(ContentionError, match="60% busy.*before pass 1.*allow_busy"):
+    named = f"before pass 1 of {tmp_path.parent.name}/{tmp_path.name}"  # <engine id>/<arm id>
+    with pytest.raises(ContentionError, match=f"60% busy.*{named}.*allow_busy"):
         bench_one(*checkpoints, ENGINE, {}, out, threads=1)
     assert not out.exists()
 

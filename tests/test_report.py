@@ -97,7 +97,7 @@ def test_synthetic_model_marks_quality_meaningless(tmp_path, tiny_untied, result
     assert "meaningless" in report(tmp_path, tiny_untied, *results, source="synthetic")
 
 
-JOB = {"started": "2026-11-29T19:00:00+00:00", "pairs": 2, "engines_open": 3}
+JOB = {"started": "2026-11-29T19:00:00+00:00", "pairs": 2, "checkpoints": 3}
 
 
 def bench_record(baseline_tg, arm_tg, job=JOB, slot=1):

@@ -12,8 +12,8 @@ why). Each arm still gets a record of its own, its ``bench.json``:
     runs             every pass: its order, its slot in its round, when it started,
                      its checks (contention gate and page-cache residency before
                      the pass), its values
-    job              when the job started, how many pairs it timed, how many
-                     engines it held open
+    job              when the job started, how many pairs and distinct
+                     checkpoints it timed
     contention       threshold, allow_busy, whether the override was used, the
                      busiest core seen
     bandwidth        the triad bandwidth measured in this job, on its pinned cores
@@ -201,7 +201,8 @@ class BenchPair:
 
     @property
     def name(self) -> str:
-        return f"{self.engine['name']}:{self.arm}"
+        """``<engine id>/<arm id>``, from the record's place in the results tree."""
+        return f"{self.out.parent.parent.name}/{self.out.parent.name}"
 
 
 def bench_study(pairs: list[BenchPair], bench_settings: dict, threads: int) -> list[dict]:
@@ -213,6 +214,10 @@ def bench_study(pairs: list[BenchPair], bench_settings: dict, threads: int) -> l
     failure leaves no record that looks finished.
     """
     pairs = [replace(p, arm=Path(p.arm), baseline=Path(p.baseline), out=Path(p.out)) for p in pairs]
+    names = [pair.name for pair in pairs]
+    if len(set(names)) < len(names):
+        raise ValueError(f"bench pairs {names} repeat a name; each record needs a folder "
+                         "<engine id>/<arm id>/ of its own")
     engines = {pair.name: _benchmarked_engine(pair.engine) for pair in pairs}
     skipped = [pair for pair in pairs if engines[pair.name] is None]
     timed = [pair for pair in pairs if engines[pair.name] is not None]
@@ -251,13 +256,14 @@ def _time_pairs(pairs: list[BenchPair], engines: dict, settings: dict) -> dict[s
     _check_memory([side for side in sides.values()
                    if hasattr(engines[side.pair_name], "throughput_session")])
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    by_name = {pair.name: pair for pair in pairs}
 
     def before_pass(name: str, number: int) -> dict:
         # Both sides run in the pass, so both are warmed and checked: neither may have
         # been evicted by the other pairs' runs.
-        pair = next(p for p in pairs if p.name == name)
+        pair = by_name[name]
         gate = check_quiet(cores, settings["busy_threshold"], settings["allow_busy"],
-                           when=f"before pass {number} of {pair.arm.name} ({pair.engine['name']})")
+                           when=f"before pass {number} of {name}")
         return {"contention": gate, "residency": {"arm": warm_and_check([pair.arm]),
                                                   "baseline": warm_and_check([pair.baseline])}}
 
@@ -274,7 +280,7 @@ def _time_pairs(pairs: list[BenchPair], engines: dict, settings: dict) -> dict[s
                 {p.name: (runs[_side_key(p, "arm")], runs[_side_key(p, "baseline")]) for p in pairs},
                 passes=settings["passes"], warmup=settings["warmup"], before_pass=before_pass,
             )
-    job = {"started": started, "pairs": len(pairs), "engines_open": len(sides)}
+    job = {"started": started, "pairs": len(pairs), "checkpoints": len(sides)}
     return {pair.name: _record(pair, engines[pair.name], results[pair.name], settings, bandwidth,
                                job) for pair in pairs}
 
