@@ -16,18 +16,26 @@ Protocol (one JSON object per line):
     out       {"error": "<traceback>"} on any failure, then exit 1
 
 The protocol stream is the process's original stdout, moved to a descriptor of its
-own before vLLM or torch is imported; their output goes to stderr.
+own before vLLM or torch is imported; their output goes to stderr. The job stops the
+worker between passes (SIGSTOP, see throughput_session); so that a job killed
+meanwhile leaves no stopped worker holding its memory, the worker asks the kernel to
+kill it when the job's process ends (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 import sys
 import traceback
 
+PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
 
 def main() -> int:
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     protocol = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # whatever writes to stdout from here on lands in stderr
 
