@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import types
+from pathlib import Path
 
 import pytest
 
@@ -345,3 +346,25 @@ def test_a_bench_worker_that_fails_names_the_checkpoint_and_the_error(tmp_path):
     with (pytest.raises(RuntimeError, match=r"(?s)bench worker for .*no-such-model failed.*config"),
           throughput_session(missing, settings, 1) as one_pass):
         one_pass()
+
+
+@pytest.mark.slow
+def test_a_bench_worker_is_stopped_between_its_passes_and_ends_with_the_session(checkpoints):
+    """An idle engine's threads would preempt the engine being timed: between passes its
+    worker is stopped (state T), and it still exits when the session closes."""
+    from fourbit.engines.vllm import throughput_session
+
+    def workers() -> dict[int, str]:
+        """This process's bench workers: pid -> scheduler state (R, S, T, ...)."""
+        found = {}
+        for child in Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split():
+            if b"vllm_bench_worker" in Path(f"/proc/{child}/cmdline").read_bytes():
+                found[int(child)] = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return found
+
+    settings = {"dtype": "float32", "kv_cache_gib": 0.0625}
+    with throughput_session(checkpoints[1], settings, 1) as one_pass:
+        for _ in range(2):
+            assert one_pass()["tg128_tok_s"] > 0
+            assert list(workers().values()) == ["T"]
+    assert workers() == {}  # exited and reaped

@@ -80,12 +80,14 @@ def bench_pairs():
     for engine in STUDY.runnable_engines:
         for arm_id in STUDY.arms_for(engine):
             checkpoints = arm_and_baseline(engine.id, arm_id)
-            pairs.append({
-                "arm": checkpoints["checkpoint"],
-                "baseline": checkpoints["baseline"],
-                "engine": {"name": engine.name, **engine.settings},
-                "out": f"{EVAL_DIR}/{engine.id}/{arm_id}/bench.json",
-            })
+            pairs.append(
+                {
+                    "arm": checkpoints["checkpoint"],
+                    "baseline": checkpoints["baseline"],
+                    "engine": {"name": engine.name, **engine.settings},
+                    "out": f"{EVAL_DIR}/{engine.id}/{arm_id}/bench.json",
+                }
+            )
     return pairs
 
 

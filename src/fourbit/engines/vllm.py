@@ -673,11 +673,13 @@ def throughput_session(
     open, so all the engines of a job start side by side.
 
     Between its passes the worker is stopped (SIGSTOP; SIGCONT before the next pass). An
-    idle vLLM engine is not idle: its gloo threads wake up, about 1% of a core per
-    engine here, and each wake-up preempts a thread of the engine being timed, whose
-    decode step then waits for it at the next barrier. With a study's engines all open,
-    that made the baseline's tg128 pass-to-pass ratio to its arm swing by ±25% (±8%
-    with two engines); stopped, the idle engines take no turn at all.
+    idle vLLM engine is not idle: its gloo threads wake up, 0.8-1.2% of a core per
+    engine here, and each wake-up can preempt a thread of the engine being timed, whose
+    step then waits for it at the next barrier. With the default study's nine engines
+    open and running, the busiest core before a pass reached 8-14% (2-4% stopped), and
+    the side timed second came out faster (tg128 ratio medians 0.418 and 0.455 with the
+    arm first, 0.466 and 0.488 with the baseline first, in two runs; 0.431 and 0.430
+    stopped). Stopped, the idle engines take no turn at all.
     """
     request = {"checkpoint": str(checkpoint), "settings": dict(settings), "threads": int(threads),
                "prompt_tokens": prompt_tokens, "decode_tokens": decode_tokens}
