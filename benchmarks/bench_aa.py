@@ -22,6 +22,7 @@ Each job's records are kept under --workdir.
 from __future__ import annotations
 
 import argparse
+import itertools
 import shutil
 from pathlib import Path
 
@@ -80,7 +81,7 @@ def report(jobs: list[list[dict]]) -> None:
     for metric in METRICS:
         ratios = [record["ratio"][metric] for records in jobs for record in records]
         within = [(a, b) for records in jobs for a in records for b in records if a is not b]
-        across = [(earlier, later) for previous, following in zip(jobs, jobs[1:])
+        across = [(earlier, later) for previous, following in itertools.pairwise(jobs)
                   for earlier, later in zip(previous, following)]
         print(f"{metric}: ratio medians {min(r['median'] for r in ratios):.3f}-"
               f"{max(r['median'] for r in ratios):.3f}, 1 inside [min-max] for "

@@ -50,7 +50,7 @@ import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from jsonschema import Draft202012Validator
@@ -255,7 +255,7 @@ def _time_pairs(pairs: list[BenchPair], engines: dict, settings: dict) -> dict[s
     sides = _sides(pairs)
     _check_memory([side for side in sides.values()
                    if hasattr(engines[side.pair_name], "throughput_session")])
-    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    started = datetime.now(UTC).isoformat(timespec="seconds")
     by_name = {pair.name: pair for pair in pairs}
 
     def before_pass(name: str, number: int) -> dict:

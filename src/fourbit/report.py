@@ -11,7 +11,6 @@ import io
 import json
 import logging
 import os
-import statistics
 from pathlib import Path
 
 from fourbit.atomic import write_text
