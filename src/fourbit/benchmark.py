@@ -218,10 +218,10 @@ def bench_study(pairs: list[BenchPair], bench_settings: dict, threads: int) -> l
     if len(set(names)) < len(names):
         raise ValueError(f"bench pairs {names} repeat a name; each record needs a folder "
                          "<engine id>/<arm id>/ of its own")
-    engines = {pair.name: _benchmarked_engine(pair.engine) for pair in pairs}
-    skipped = [pair for pair in pairs if engines[pair.name] is None]
-    timed = [pair for pair in pairs if engines[pair.name] is not None]
-    records = {pair.name: _not_benchmarked(pair) for pair in skipped}
+    engines = {pair.name: _engine(pair.engine) for pair in pairs}
+    timed = [pair for pair in pairs if hasattr(engines[pair.name], "throughput")]
+    records = {pair.name: _not_benchmarked(pair, engines[pair.name])
+               for pair in pairs if pair not in timed}
     if timed:
         records |= _time_pairs(timed, engines, resolve_settings(bench_settings, threads))
     for pair in pairs:
@@ -231,30 +231,26 @@ def bench_study(pairs: list[BenchPair], bench_settings: dict, threads: int) -> l
     return [records[pair.name] for pair in pairs]
 
 
-def _benchmarked_engine(engine_settings: dict):
-    """The engine's module, or None for an engine that says it is not benchmarked."""
+def _engine(engine_settings: dict):
+    """The engine's module, which must either time passes or say why it is not benchmarked."""
     engine = get_engine(engine_settings["name"])
-    if hasattr(engine, "throughput"):
-        return engine
-    if getattr(engine, "NOT_BENCHMARKED", None) is None:
+    if not hasattr(engine, "throughput") and getattr(engine, "NOT_BENCHMARKED", None) is None:
         raise TypeError(
             f"engine {engine_settings['name']!r} has neither throughput() nor NOT_BENCHMARKED; "
             "give it one of them (see fourbit.benchmark)"
         )
-    return None
+    return engine
 
 
-def _not_benchmarked(pair: BenchPair) -> dict:
-    reason = get_engine(pair.engine["name"]).NOT_BENCHMARKED
-    log.info("%s: not benchmarked (%s)", pair.engine["name"], reason)
-    return {"measured": False, "reason": reason, "engine": pair.engine}
+def _not_benchmarked(pair: BenchPair, engine) -> dict:
+    log.info("%s: not benchmarked (%s)", pair.engine["name"], engine.NOT_BENCHMARKED)
+    return {"measured": False, "reason": engine.NOT_BENCHMARKED, "engine": pair.engine}
 
 
 def _time_pairs(pairs: list[BenchPair], engines: dict, settings: dict) -> dict[str, dict]:
     cores = settings["cores"]
-    sides = _sides(pairs)
-    _check_memory([side for side in sides.values()
-                   if hasattr(engines[side.pair_name], "throughput_session")])
+    sides = _sides(pairs, engines)
+    _check_memory([side for side in sides.values() if hasattr(side.engine, "throughput_session")])
     started = datetime.now(UTC).isoformat(timespec="seconds")
     by_name = {pair.name: pair for pair in pairs}
 
@@ -272,7 +268,7 @@ def _time_pairs(pairs: list[BenchPair], engines: dict, settings: dict) -> dict[s
         with contextlib.ExitStack() as open_engines:
             runs = {
                 key: open_engines.enter_context(_pass_runner(
-                    engines[side.pair_name], side.checkpoint, side.settings, len(cores),
+                    side.engine, side.checkpoint, side.settings, len(cores),
                     prompt_tokens=settings["prompt_tokens"], decode_tokens=settings["decode_tokens"]))
                 for key, side in sides.items()
             }
@@ -281,8 +277,8 @@ def _time_pairs(pairs: list[BenchPair], engines: dict, settings: dict) -> dict[s
                 passes=settings["passes"], warmup=settings["warmup"], before_pass=before_pass,
             )
     job = {"started": started, "pairs": len(pairs), "checkpoints": len(sides)}
-    return {pair.name: _record(pair, engines[pair.name], results[pair.name], settings, bandwidth,
-                               job) for pair in pairs}
+    return {pair.name: _record(pair, sides, results[pair.name], settings, bandwidth, job)
+            for pair in pairs}
 
 
 @dataclass(frozen=True)
@@ -291,7 +287,8 @@ class _Side:
 
     checkpoint: Path
     settings: dict  # the engine's, with this checkpoint's own compile cache
-    pair_name: str  # a pair it belongs to (the engine is the same for all)
+    engine: object  # the engine's module
+    weights: dict  # what a decode step reads (decode_weight_bytes)
 
 
 def _side_key(pair: BenchPair, side: str) -> str:
@@ -299,7 +296,7 @@ def _side_key(pair: BenchPair, side: str) -> str:
     return json.dumps([pair.engine, str(checkpoint)], sort_keys=True)
 
 
-def _sides(pairs: list[BenchPair]) -> dict[str, _Side]:
+def _sides(pairs: list[BenchPair], engines: dict) -> dict[str, _Side]:
     sides = {}
     for pair in pairs:
         # Compile caches per checkpoint: a cache shared between two can load the other's
@@ -307,8 +304,10 @@ def _sides(pairs: list[BenchPair]) -> dict[str, _Side]:
         caches = {"arm": pair.out.parent / "bench.cache",
                   "baseline": pair.out.parent.parent / "baseline" / "bench.cache"}
         for side, checkpoint in (("arm", pair.arm), ("baseline", pair.baseline)):
-            sides.setdefault(_side_key(pair, side), _Side(
-                checkpoint, {**pair.engine, "cache_root": str(caches[side])}, pair.name))
+            key = _side_key(pair, side)
+            if key not in sides:
+                sides[key] = _Side(checkpoint, {**pair.engine, "cache_root": str(caches[side])},
+                                   engines[pair.name], decode_weight_bytes(checkpoint, pair.engine))
     return sides
 
 
@@ -320,8 +319,7 @@ ENGINE_OVERHEAD_BYTES = 1 << 30
 
 def _check_memory(held_open: list[_Side]) -> None:
     """Refuse, before anything starts, a job whose engines cannot all be open at once."""
-    need = sum(decode_weight_bytes(side.checkpoint, side.settings)["bytes"] + ENGINE_OVERHEAD_BYTES
-               for side in held_open)
+    need = sum(side.weights["bytes"] + ENGINE_OVERHEAD_BYTES for side in held_open)
     available = _available_memory_bytes()
     if need > available:
         raise MemoryError(
@@ -341,8 +339,8 @@ def _available_memory_bytes() -> int:
     raise RuntimeError("/proc/meminfo has no MemAvailable line")
 
 
-def _record(pair: BenchPair, engine, result: dict, settings: dict, bandwidth: dict,
-            job: dict) -> dict:
+def _record(pair: BenchPair, sides: dict[str, _Side], result: dict, settings: dict,
+            bandwidth: dict, job: dict) -> dict:
     record = {
         "measured": True,
         "engine": pair.engine,
@@ -357,15 +355,15 @@ def _record(pair: BenchPair, engine, result: dict, settings: dict, bandwidth: di
         "provenance": provenance(len(settings["cores"]), settings["cores"]),
     }
     decode_metric = f"tg{settings['decode_tokens']}_tok_s"
-    for side, checkpoint in (("arm", pair.arm), ("baseline", pair.baseline)):
-        weights = decode_weight_bytes(checkpoint, pair.engine)
+    for side in ("arm", "baseline"):
+        opened = sides[_side_key(pair, side)]
         record[side] = {
-            "checkpoint": str(checkpoint),
-            "runtime": engine.runtime(checkpoint, pair.engine),
+            "checkpoint": str(opened.checkpoint),
+            "runtime": opened.engine.runtime(opened.checkpoint, pair.engine),
             "stats": result[side],
-            "weight_bytes_per_token": weights,
+            "weight_bytes_per_token": opened.weights,
             "roofline": decode_roofline(
-                weights["bytes"], result[side][decode_metric]["median"], bandwidth["gbs"]
+                opened.weights["bytes"], result[side][decode_metric]["median"], bandwidth["gbs"]
             ),
         }
     return record

@@ -26,9 +26,13 @@ def get_arm_manifest(wildcards):
     return STUDY.arms[wildcards.arm].manifest()
 
 
-def get_engine_settings(wildcards):
-    engine = next(e for e in STUDY.engines.values() if e.id == wildcards.engine)
+def engine_settings(engine):
+    """What fourbit.engines gets of an engine: its name and its settings."""
     return {"name": engine.name, **engine.settings}
+
+
+def get_engine_settings(wildcards):
+    return engine_settings(next(e for e in STUDY.engines.values() if e.id == wildcards.engine))
 
 
 def get_download_input(wildcards):
@@ -84,7 +88,7 @@ def bench_pairs():
                 {
                     "arm": checkpoints["checkpoint"],
                     "baseline": checkpoints["baseline"],
-                    "engine": {"name": engine.name, **engine.settings},
+                    "engine": engine_settings(engine),
                     "out": f"{EVAL_DIR}/{engine.id}/{arm_id}/bench.json",
                 }
             )
