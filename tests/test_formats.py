@@ -385,13 +385,40 @@ def vllm_quant_config(name: str, cfg: dict):
     ].from_config(cfg)
 
 
+def native_kernel_or_skip() -> None:
+    """Skip, naming the host's reason, where vLLM's own W4A16 kernel is not built."""
+    from fourbit.bench.hostprobe import choose_runtimes, isa_flags
+
+    verdict = choose_runtimes(isa_flags())["vllm_native_w4a16"]
+    if not verdict["available"]:
+        pytest.skip(f"vLLM's own 4-bit CPU kernel is not on this host: {verdict['reason']}")
+
+
+def plugin_quant_config(name: str, cfg: dict):
+    from fourbit.vllm_plugin.config import FourbitInt4Config
+
+    config = FourbitInt4Config.from_config(cfg)
+    assert config.format_name == name
+    return config
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("runtime", ["vllm_native", "fourbit_plugin"])
 @pytest.mark.parametrize("name", ["gptq", "compressed_tensors"])
 @pytest.mark.parametrize("g", [32, 128])
-def test_vllm_serves_what_we_pack(vllm_tp1, name, g):
-    """Our tensors through vLLM's own loader, repacking and CPU kernel give x @ W_hat.T."""
+def test_vllm_serves_what_we_pack(vllm_tp1, runtime, name, g):
+    """Our tensors through vLLM's own loader and a CPU 4-bit kernel give x @ W_hat.T.
+
+    vllm_native: vLLM's own GPTQ / compressed-tensors method, repacking and
+    cpu_gemm_wna16 (AVX-512 builds of vLLM only; skipped elsewhere with the reason).
+    fourbit_plugin: the same checkpoint tensors read by fourbit's plugin, the path
+    that serves them on every host (AVX2 included), so this case never skips.
+    """
     from vllm.model_executor.layers.linear import ReplicatedLinear
 
+    if runtime == "vllm_native":
+        native_kernel_or_skip()
+    make_config = vllm_quant_config if runtime == "vllm_native" else plugin_quant_config
     fmt = get_format(name)
     sym = not fmt.supports(False)
     n, k = 96, 512  # the vLLM CPU kernel wants multiples of 32
@@ -401,7 +428,7 @@ def test_vllm_serves_what_we_pack(vllm_tp1, name, g):
         n,
         bias=False,
         params_dtype=torch.float16,
-        quant_config=vllm_quant_config(name, fmt.quantization_config(g, sym)),
+        quant_config=make_config(name, fmt.quantization_config(g, sym)),
         prefix="model.layers.0.mlp.down_proj",
     )
     packed = fmt.pack(qw)

@@ -2,8 +2,8 @@
 x @ W_hat.T to float rounding, the packed layout is what probe_layout measured, and
 dequantize_packed reads W_hat back bit for bit -- or returns None, never a wrong W.
 
-Measured on this project's host (AMD EPYC, torch 2.13.0+cpu). The host reports
-AVX512 (avx512f/bw/vl/vnni/bf16 in /proc/cpuinfo), so the default dispatch packs in
+Measured on this project's hosts (AMD EPYC, torch 2.13.0+cpu). On an AVX-512 host
+(avx512f/bw/vl/vnni/bf16 in /proc/cpuinfo) the default dispatch packs in
 blocks of 64 output channels: in each k-row of a block, byte d holds channel d in its
 low nibble and channel d + 32 in its high one; tail blocks of 16/32/48 hold channel
 pairs (2d low, 2d + 1 high). Forced to ATEN_CPU_CAPABILITY=avx2 (what an AVX2-only
