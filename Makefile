@@ -4,7 +4,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 CORES ?= $(shell nproc)
-ENV_FILES := envs/requirements.txt envs/vllm-deps.txt envs/fourbit.post-deploy.sh pyproject.toml
+# setup.py and the kernel source too: a change to either must rebuild the C++ extension.
+ENV_FILES := envs/requirements.txt envs/vllm-deps.txt envs/fourbit.post-deploy.sh pyproject.toml \
+	setup.py src/fourbit/kernels/csrc/int4_cpu.cpp
 STAMP := $(VENV)/.installed-$(shell cat $(ENV_FILES) | sha256sum | cut -c1-16)
 
 .PHONY: venv llamacpp report test dry-run

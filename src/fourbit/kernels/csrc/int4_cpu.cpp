@@ -1,0 +1,415 @@
+// fourbit's CPU 4-bit linear: y[M, N] = x[M, K] @ W_hat[N, K]^T for small M (decode).
+//
+// The layout and the numerics are described once, in src/fourbit/kernels/int4_cpu.py;
+// this file follows it:
+//
+//   packed  uint8   [N, K/2]   per row, K in chunks of 64: byte i of chunk c holds
+//                              k = 64c + i in its low nibble, k = 64c + 32 + i in its
+//                              high one; a last half chunk (K % 64 == 32) holds
+//                              k = 64C + i low, 64C + 16 + i high (i < 16)
+//   scales  float32 [N, K/G]
+//   zeros   uint8   [N, K/G]   W_hat[n, k] = scales[n, g] * (code[n, k] - zeros[n, g])
+//
+// A group's dot product is s * (sum q*x - z * sum x): the codes stay unsigned 0..15,
+// which is what _mm256_maddubs_epi16 (unsigned x signed bytes) wants, and sum x is one
+// number per group shared by every row.
+//
+//   W4A16  x in float32; q*x by FMA in float32, one accumulator per 8 columns.
+//   W4A8   x rounded per 32-block to int8 (d = amax / 127, q = nearest-even(x * 127 / amax),
+//          llama.cpp's Q8_0 with d kept in float32 rather than float16); sum q*qy per
+//          block in integers (maddubs + madd: |q*qy| pair sums <= 2*15*127, no saturation),
+//          then * d in float32; sum x is taken over the rounded activations, so the result
+//          is W_hat @ x_rounded up to float summation order.
+//
+// ISA: only an AVX2+FMA path exists (runtime check, __builtin_cpu_supports); it also runs
+// on AVX-512 hosts. No AVX-512 code is shipped: the host this was written on has no
+// AVX-512 and untested code does not ship. Without AVX2+FMA, isa() says "none" and the
+// Python side falls back to tinygemm.
+//
+// Threads: at::parallel_for over blocks of output rows (torch's intra-op threads).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+constexpr int QK = 32;       // activation block (W4A8) and the K granularity of the layout
+constexpr int CHUNK = 64;    // k per 32 packed bytes
+constexpr int ROWS = 4;      // output rows computed together (shares activation loads)
+
+enum Numerics : int64_t { W4A16 = 0, W4A8 = 1 };
+
+bool cpu_has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+// "avx2" or "none". FOURBIT_INT4_ISA=none hides the kernel (tests of the fallback use it).
+std::string isa() {
+  const char* cap = std::getenv("FOURBIT_INT4_ISA");
+  if (cap && std::string(cap) == "none") return "none";
+  return cpu_has_avx2() ? "avx2" : "none";
+}
+
+// ---- activations --------------------------------------------------------------------
+
+// x [K] float32 -> qy [K] int8, d [K/32], and per group the sum of the rounded values
+// d * sum(qy) ([K/G]). Scalar: O(K) per row, negligible next to the O(N*K) dot products.
+void quantize_q8(const float* x, int64_t k, int64_t g, int8_t* qy, float* d, float* xsum) {
+  const int64_t blocks = k / QK;
+  const int64_t per_group = g / QK;
+  for (int64_t gi = 0; gi < k / g; ++gi) xsum[gi] = 0.f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* xb = x + b * QK;
+    float amax = 0.f;
+    for (int i = 0; i < QK; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+    const float inv = amax != 0.f ? 127.f / amax : 0.f;
+    d[b] = amax / 127.f;
+    int32_t sum = 0;
+    for (int i = 0; i < QK; ++i) {
+      const int32_t q = static_cast<int32_t>(std::nearbyint(xb[i] * inv));  // ties to even
+      qy[b * QK + i] = static_cast<int8_t>(q);
+      sum += q;
+    }
+    xsum[b / per_group] += d[b] * static_cast<float>(sum);
+  }
+}
+
+void group_sums(const float* x, int64_t k, int64_t g, float* xsum) {
+  for (int64_t gi = 0; gi < k / g; ++gi) {
+    float s = 0.f;
+    for (int64_t i = 0; i < g; ++i) s += x[gi * g + i];
+    xsum[gi] = s;
+  }
+}
+
+// ---- AVX2 ---------------------------------------------------------------------------
+
+#define FOURBIT_AVX2 __attribute__((target("avx2,fma")))
+
+FOURBIT_AVX2 inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Sum over the 32 unsigned codes in `w` (32 bytes, one code each) times the 32 int8
+// activations at `y`, as 8 int32 partial sums converted to float.
+FOURBIT_AVX2 inline __m256 block_dot_i8(__m256i w, const int8_t* y) {
+  const __m256i qy = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y));
+  const __m256i pairs = _mm256_maddubs_epi16(w, qy);  // 16 x int16, |.| <= 3810
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+// R rows of W4A8. w[r] points at row r's packed bytes, s/z at its group scales/zeros.
+template <int R>
+FOURBIT_AVX2 void rows_w4a8(const uint8_t* const* w, const float* const* s,
+                            const uint8_t* const* z, const int8_t* qy, const float* d,
+                            const float* xsum, int64_t k, int64_t g, float* out) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const int64_t full = k / CHUNK;
+  const int64_t groups = k / g;
+  __m256 acc[R];
+  float corr[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    corr[r] = 0.f;
+  }
+  if (g == QK) {
+    // One block per group: the combined scale s * d multiplies each block's sum.
+    for (int64_t c = 0; c < full; ++c) {
+      const float d0 = d[2 * c], d1 = d[2 * c + 1];
+      const int8_t* y = qy + c * CHUNK;
+      for (int r = 0; r < R; ++r) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + c * 32));
+        const __m256 p0 = block_dot_i8(_mm256_and_si256(raw, low), y);
+        const __m256 p1 = block_dot_i8(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), y + QK);
+        acc[r] = _mm256_fmadd_ps(p0, _mm256_set1_ps(s[r][2 * c] * d0), acc[r]);
+        acc[r] = _mm256_fmadd_ps(p1, _mm256_set1_ps(s[r][2 * c + 1] * d1), acc[r]);
+      }
+    }
+    if (k % CHUNK) {  // the half chunk: 16 bytes, k = 64C + i low, 64C + 16 + i high
+      const int64_t b = 2 * full;
+      for (int r = 0; r < R; ++r) {
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[r] + full * 32));
+        const __m256i codes = _mm256_and_si256(
+            _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);  // [lo 16 | hi 16] = k order
+        const __m256 p = block_dot_i8(codes, qy + b * QK);
+        acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(s[r][b] * d[b]), acc[r]);
+      }
+    }
+  } else {
+    // G = 64, 128, 256: a group is G/64 whole chunks; its sum is scaled once.
+    const int64_t chunks = g / CHUNK;
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      __m256 lo_acc[R], hi_acc[R];
+      for (int r = 0; r < R; ++r) lo_acc[r] = hi_acc[r] = _mm256_setzero_ps();
+      for (int64_t c = gi * chunks; c < (gi + 1) * chunks; ++c) {
+        const __m256 d0 = _mm256_broadcast_ss(d + 2 * c);
+        const __m256 d1 = _mm256_broadcast_ss(d + 2 * c + 1);
+        const __m256i y0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qy + c * CHUNK));
+        const __m256i y1 =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qy + c * CHUNK + QK));
+        for (int r = 0; r < R; ++r) {
+          const __m256i raw =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + c * 32));
+          const __m256i p0 = _mm256_maddubs_epi16(_mm256_and_si256(raw, low), y0);
+          const __m256i p1 =
+              _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), y1);
+          const __m256i ones = _mm256_set1_epi16(1);
+          lo_acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p0, ones)), d0,
+                                      lo_acc[r]);
+          hi_acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p1, ones)), d1,
+                                      hi_acc[r]);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        acc[r] = _mm256_fmadd_ps(_mm256_add_ps(lo_acc[r], hi_acc[r]),
+                                 _mm256_set1_ps(s[r][gi]), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      corr[r] += s[r][gi] * static_cast<float>(z[r][gi]) * xsum[gi];
+    }
+    out[r] = hsum8(acc[r]) - corr[r];
+  }
+}
+
+// `bytes` packed bytes of R rows from byte0: low nibbles times x[k_lo + i], high ones
+// times x[k_hi + i], added to lo_acc / hi_acc.
+template <int R>
+FOURBIT_AVX2 inline void span_w4a16(const uint8_t* const* w, const float* x, int64_t byte0,
+                                    int64_t k_lo, int64_t k_hi, int64_t bytes, __m256* lo_acc,
+                                    __m256* hi_acc) {
+  const __m256i low = _mm256_set1_epi32(0x0F);
+  for (int64_t i = 0; i < bytes; i += 8) {
+    const __m256 x_lo = _mm256_loadu_ps(x + k_lo + i);
+    const __m256 x_hi = _mm256_loadu_ps(x + k_hi + i);
+    for (int r = 0; r < R; ++r) {
+      const __m256i b = _mm256_cvtepu8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w[r] + byte0 + i)));  // 8 x int32
+      lo_acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, low)), x_lo, lo_acc[r]);
+      hi_acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), x_hi, hi_acc[r]);
+    }
+  }
+}
+
+// R rows of W4A16 (float32 activations x [K]).
+template <int R>
+FOURBIT_AVX2 void rows_w4a16(const uint8_t* const* w, const float* const* s,
+                             const uint8_t* const* z, const float* x, const float* xsum,
+                             int64_t k, int64_t g, float* out) {
+  const __m256i low = _mm256_set1_epi32(0x0F);
+  __m256 acc[R];
+  float corr[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    corr[r] = 0.f;
+  }
+  // One group at a time; inside it two independent accumulators per row (low and
+  // high nibbles), so consecutive FMAs of a row do not wait on each other.
+  const int64_t groups = k / g;
+  const int64_t full = k / CHUNK;
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    __m256 lo_acc[R], hi_acc[R];
+    for (int r = 0; r < R; ++r) lo_acc[r] = hi_acc[r] = _mm256_setzero_ps();
+    const int64_t k0 = gi * g;
+    if (g == QK) {
+      // G = 32: half of a chunk. Block 2c is the low nibbles of chunk c, 2c+1 the high;
+      // the last half chunk (if K % 64) holds one block, k 0..15 low and 16..31 high.
+      const int64_t c = k0 / CHUNK;
+      if (c < full) {
+        const bool high = (k0 % CHUNK) != 0;
+        const int64_t byte0 = c * 32;
+        for (int64_t i = 0; i < 32; i += 8) {
+          const __m256 xv = _mm256_loadu_ps(x + k0 + i);
+          for (int r = 0; r < R; ++r) {
+            const __m256i b = _mm256_cvtepu8_epi32(
+                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w[r] + byte0 + i)));
+            const __m256i q = high ? _mm256_srli_epi32(b, 4) : _mm256_and_si256(b, low);
+            __m256* dst = (i & 8) ? hi_acc : lo_acc;
+            dst[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), xv, dst[r]);
+          }
+        }
+      } else {
+        span_w4a16<R>(w, x, full * 32, k0, k0 + 16, 16, lo_acc, hi_acc);
+      }
+    } else {
+      for (int64_t c = k0 / CHUNK; c < (k0 + g) / CHUNK; ++c) {
+        span_w4a16<R>(w, x, c * 32, c * CHUNK, c * CHUNK + QK, 32, lo_acc, hi_acc);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm256_fmadd_ps(_mm256_add_ps(lo_acc[r], hi_acc[r]),
+                               _mm256_set1_ps(s[r][gi]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      corr[r] += s[r][gi] * static_cast<float>(z[r][gi]) * xsum[gi];
+    }
+    out[r] = hsum8(acc[r]) - corr[r];
+  }
+}
+
+// ---- the op -------------------------------------------------------------------------
+
+void check(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& zeros,
+           int64_t g) {
+  TORCH_CHECK(g % QK == 0 && g > 0, "fourbit int4: group ", g, " is not a multiple of 32");
+  TORCH_CHECK(packed.dtype() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
+              "fourbit int4: packed must be contiguous uint8 [N, K/2]");
+  const int64_t n = packed.size(0), k = packed.size(1) * 2;
+  TORCH_CHECK(k % g == 0, "fourbit int4: K=", k, " is not a multiple of group ", g);
+  TORCH_CHECK(g == QK || g % CHUNK == 0, "fourbit int4: group ", g, " must be 32 or a multiple of 64");
+  TORCH_CHECK(scales.dtype() == at::kFloat && scales.is_contiguous() &&
+                  scales.sizes() == at::IntArrayRef({n, k / g}),
+              "fourbit int4: scales must be contiguous float32 [N, K/G] = [", n, ", ", k / g, "]");
+  TORCH_CHECK(zeros.dtype() == at::kByte && zeros.is_contiguous() &&
+                  zeros.sizes() == at::IntArrayRef({n, k / g}),
+              "fourbit int4: zeros must be contiguous uint8 [N, K/G]");
+}
+
+// x [M, K] float32 -> [M, N] float32.
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scales,
+                  const at::Tensor& zeros, int64_t g, int64_t numerics) {
+  TORCH_CHECK(isa() == "avx2", "fourbit int4: this CPU has no AVX2+FMA; use the fallback");
+  check(packed, scales, zeros, g);
+  TORCH_CHECK(numerics == W4A16 || numerics == W4A8, "fourbit int4: numerics ", numerics);
+  const int64_t n = packed.size(0), k = packed.size(1) * 2;
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "fourbit int4: x must be [M, ", k, "]");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t m = x.size(0);
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  const int64_t groups = k / g;
+
+  // Per activation row: W4A8's int8 values and block scales, and both numerics' group sums.
+  std::vector<int8_t> qy(numerics == W4A8 ? m * k : 0);
+  std::vector<float> d(numerics == W4A8 ? m * (k / QK) : 0);
+  std::vector<float> xsum(m * groups);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t i = 0; i < m; ++i) {
+    if (numerics == W4A8) {
+      quantize_q8(xp + i * k, k, g, qy.data() + i * k, d.data() + i * (k / QK),
+                  xsum.data() + i * groups);
+    } else {
+      group_sums(xp + i * k, k, g, xsum.data() + i * groups);
+    }
+  }
+
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const uint8_t* zp = zeros.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t blocks = (n + ROWS - 1) / ROWS;
+  // Enough blocks per task that a task is not dominated by its start-up; small layers
+  // (k_proj's 128 rows) still split in two.
+  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(64, blocks / 8));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t r0 = b * ROWS;
+      const int rows = static_cast<int>(std::min<int64_t>(ROWS, n - r0));
+      const uint8_t* w[ROWS];
+      const float* s[ROWS];
+      const uint8_t* z[ROWS];
+      for (int r = 0; r < ROWS; ++r) {
+        const int64_t row = r0 + std::min(r, rows - 1);  // a short last block repeats its last row
+        w[r] = wp + row * (k / 2);
+        s[r] = sp + row * groups;
+        z[r] = zp + row * groups;
+      }
+      for (int64_t i = 0; i < m; ++i) {
+        float out[ROWS];
+        if (numerics == W4A8) {
+          rows_w4a8<ROWS>(w, s, z, qy.data() + i * k, d.data() + i * (k / QK),
+                          xsum.data() + i * groups, k, g, out);
+        } else {
+          rows_w4a16<ROWS>(w, s, z, xp + i * k, xsum.data() + i * groups, k, g, out);
+        }
+        std::memcpy(yp + i * n + r0, out, rows * sizeof(float));
+      }
+    }
+  });
+  return y;
+}
+
+// W_hat float32 [N, K] from the packed layout (the dense path for large batches); exact:
+// (q - z) is an integer of at most 4 bits and s * (q - z) is formed in one rounding-free
+// float32 product when s comes from a float16 or bfloat16 scale (see quant/qweight.py).
+at::Tensor dequantize(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& zeros,
+                      int64_t g) {
+  check(packed, scales, zeros, g);
+  const int64_t n = packed.size(0), k = packed.size(1) * 2;
+  at::Tensor w = at::empty({n, k}, scales.options());
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const uint8_t* zp = zeros.data_ptr<uint8_t>();
+  float* out = w.data_ptr<float>();
+  const int64_t groups = k / g, full = k / CHUNK;
+  at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
+    std::vector<uint8_t> codes(k);
+    for (int64_t row = n0; row < n1; ++row) {
+      const uint8_t* src = wp + row * (k / 2);
+      for (int64_t c = 0; c < full; ++c) {
+        for (int i = 0; i < 32; ++i) {
+          codes[c * CHUNK + i] = src[c * 32 + i] & 0x0F;
+          codes[c * CHUNK + 32 + i] = src[c * 32 + i] >> 4;
+        }
+      }
+      if (k % CHUNK) {
+        for (int i = 0; i < 16; ++i) {
+          codes[full * CHUNK + i] = src[full * 32 + i] & 0x0F;
+          codes[full * CHUNK + 16 + i] = src[full * 32 + i] >> 4;
+        }
+      }
+      float* dst = out + row * k;
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        const float s = sp[row * groups + gi];
+        const int z = zp[row * groups + gi];
+        for (int64_t i = gi * g; i < (gi + 1) * g; ++i) {
+          dst[i] = s * static_cast<float>(static_cast<int>(codes[i]) - z);
+        }
+      }
+    }
+  });
+  return w;
+}
+
+// W4A8's activation rounding on its own, [M, K] -> (int8 [M, K], d float32 [M, K/32]),
+// so tests can hold the kernel to exactly the rounding it applies.
+std::vector<at::Tensor> quantize_activations(const at::Tensor& x_in) {
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % QK == 0, "fourbit int4: x must be [M, K], K % 32 == 0");
+  const int64_t m = x.size(0), k = x.size(1);
+  at::Tensor q = at::empty({m, k}, x.options().dtype(at::kChar));
+  at::Tensor d = at::empty({m, k / QK}, x.options());
+  std::vector<float> xsum(k / QK);
+  for (int64_t i = 0; i < m; ++i) {
+    quantize_q8(x.data_ptr<float>() + i * k, k, QK, q.data_ptr<int8_t>() + i * k,
+                d.data_ptr<float>() + i * (k / QK), xsum.data());
+  }
+  return {q, d};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "fourbit's CPU 4-bit linear (AVX2 W4A16 / W4A8); see fourbit/kernels/int4_cpu.py";
+  m.def("isa", &isa, "the ISA path this CPU runs: 'avx2' or 'none'");
+  m.def("linear", &linear, "x [M, K] @ W_hat^T -> [M, N] float32");
+  m.def("dequantize", &dequantize, "W_hat float32 [N, K] from the packed layout");
+  m.def("quantize_activations", &quantize_activations, "W4A8's Q8 rounding of x [M, K]");
+}

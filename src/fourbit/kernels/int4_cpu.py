@@ -1,0 +1,161 @@
+"""fourbit's own CPU 4-bit linear for decode: W4A16 and W4A8 on AVX2 (csrc/int4_cpu.cpp).
+
+Why its own kernel. PyTorch's tinygemm (kernels/tinygemm.py) is vectorized on x86 only
+for bfloat16 activations, and vLLM has no 4-bit CPU path on AVX2 hosts at all. At batch 1
+a 4-bit linear reads half a byte per weight and does a few instructions per weight; the
+design below keeps both small.
+
+The layout, one per weight, repacked at load from any QuantizedWeight (all three
+checkpoint formats decode to one through fourbit.formats), no dense copy kept:
+
+    packed  uint8   [N, K/2]   row n, K in chunks of 64 columns = 32 bytes: byte i of
+                               chunk c holds k = 64c + i in its low nibble and
+                               k = 64c + 32 + i in its high one. If K % 64 == 32 (only
+                               possible at G = 32) the last 16 bytes hold k = 64C + i low
+                               and 64C + 16 + i high.
+    scales  float32 [N, K/G]   the QuantizedWeight's scales, exactly (float16 and
+                               bfloat16 are subsets of float32)
+    zeros   uint8   [N, K/G]   integer zero points 0..15 (8 everywhere when symmetric)
+
+so one 32-byte load gives two 32-column blocks: ``bytes & 15`` and ``(bytes >> 4) & 15``,
+each already in column order. That is llama.cpp's Q4_0 nibble order widened from 16 to
+32 bytes, so the AVX2 unpack needs no lane-crossing insert.
+
+Bytes per weight: 1/2 + 5/G, i.e. 4.31 bits at G=128 (0.27 x bfloat16), 4.63 at G=64
+(0.29 x), 5.25 at G=32 (0.33 x).
+
+Numerics. With W_hat = s * (q - z) a group's dot product is s * (sum q*x - z * sum x):
+the codes stay unsigned, and sum x is one number per group shared by every row.
+
+    w4a16  x in float32 (bfloat16/float16 inputs are cast up): exact against the dense
+           control up to float32 summation order.
+    w4a8   x rounded per 32-column block to int8, d = amax/127, q = round-half-even(x *
+           127/amax) (llama.cpp's Q8_0, with d kept in float32 instead of float16); the
+           block products sum q*qy in int32 by _mm256_maddubs_epi16 (codes unsigned,
+           activations signed) and _mm256_madd_epi16, as ggml's Q4_1 x Q8_1 dot does. The
+           result is W_hat @ x_rounded: the only error is the activation rounding.
+
+ISA. One path, AVX2+FMA, chosen at run time (``isa()``); it also runs on AVX-512 hosts.
+There is no AVX-512 code: the host this was written and measured on has no AVX-512, and
+code that was never run does not ship. Where the ISA is missing (or FOURBIT_INT4_ISA=none)
+or a shape is not covered (``unsupported``), callers fall back to tinygemm by name.
+
+Threads: the op splits output rows over torch's intra-op threads (at::parallel_for).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from fourbit.quant.qweight import QuantizedWeight
+
+log = logging.getLogger(__name__)
+
+NUMERICS = ("w4a16", "w4a8")
+_NUMERICS_CODE = {"w4a16": 0, "w4a8": 1}
+BLOCK = 32  # activation block (W4A8) and the K granularity of the layout
+CHUNK = 64  # columns per 32 packed bytes
+
+
+@functools.cache
+def _ext():
+    """The compiled extension, or None (with the import error logged once)."""
+    try:
+        from fourbit.kernels import _int4_cpu
+    except ImportError as e:  # not built (e.g. a non-editable copy without a compiler)
+        log.warning("fourbit int4 CPU kernel not built (%s); tinygemm is used instead", e)
+        return None
+    return _int4_cpu
+
+
+def isa() -> str:
+    """The ISA path this CPU runs the kernel on: "avx2", or "none" (no kernel here)."""
+    ext = _ext()
+    return "none" if ext is None else ext.isa()
+
+
+def unsupported(out_features: int, in_features: int, group_size: int) -> str | None:
+    """Why the kernel cannot run this shape on this host, or None if it can."""
+    if isa() == "none":
+        return "no fourbit int4 kernel for this CPU (needs AVX2+FMA, or the extension is not built)"
+    if group_size % BLOCK or (group_size != BLOCK and group_size % CHUNK):
+        return f"group {group_size} is not 32 or a multiple of 64"
+    if in_features % group_size:
+        return f"K={in_features} is not a multiple of group {group_size}"
+    if out_features < 1:
+        return "N=0"
+    return None
+
+
+@dataclass(frozen=True)
+class PackedInt4:
+    """A QuantizedWeight in the kernel's layout (module doc)."""
+
+    packed: torch.Tensor  # uint8 [N, K/2]
+    scales: torch.Tensor  # float32 [N, K/G]
+    zeros: torch.Tensor  # uint8 [N, K/G]
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape[0], self.packed.shape[1] * 2
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.zeros))
+
+
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """codes uint8 [N, K] (K % 32 == 0) -> uint8 [N, K/2] in the kernel's nibble order."""
+    n, k = codes.shape
+    if k % BLOCK:
+        raise ValueError(f"K={k} is not a multiple of {BLOCK}")
+    full = k - k % CHUNK
+    c = codes[:, :full].reshape(n, full // CHUNK, 2, BLOCK)  # [N, K] -> [N, C, 2, 32]
+    parts = [(c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, full // 2)]  # -> [N, C, 32] -> [N, 32C]
+    if k % CHUNK:
+        t = codes[:, full:].reshape(n, 2, 16)  # [N, 32] -> [N, 2, 16]
+        parts.append(t[:, 0] | (t[:, 1] << 4))  # -> [N, 16]
+    return torch.cat(parts, dim=1).contiguous()
+
+
+def repack(qw: QuantizedWeight) -> PackedInt4:
+    n, k = qw.shape
+    reason = unsupported(n, k, qw.group_size)
+    if reason and not reason.startswith("no fourbit"):  # packing needs no CPU support
+        raise ValueError(reason)
+    return PackedInt4(
+        pack_codes(qw.codes),
+        qw.scales.float().contiguous(),
+        qw.zeros.contiguous(),
+        qw.group_size,
+    )
+
+
+def linear(x: torch.Tensor, w: PackedInt4, numerics: str) -> torch.Tensor:
+    """x [M, K] -> [M, N] float32."""
+    return _ext().linear(x, w.packed, w.scales, w.zeros, w.group_size, _NUMERICS_CODE[numerics])
+
+
+def linear_tensors(x, packed, scales, zeros, group_size: int, numerics_code: int) -> torch.Tensor:
+    """``linear`` on the bare tensors (what the plugin's custom op holds)."""
+    return _ext().linear(x, packed, scales, zeros, group_size, numerics_code)
+
+
+def numerics_code(numerics: str) -> int:
+    return _NUMERICS_CODE[numerics]
+
+
+def dequantize(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+               group_size: int) -> torch.Tensor:
+    """W_hat float32 [N, K] read from the layout; bit for bit QuantizedWeight.dequantize()."""
+    return _ext().dequantize(packed, scales, zeros, group_size)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W4A8's rounding of x [M, K]: (int8 [M, K], d float32 [M, K/32]), as the kernel does it."""
+    q, d = _ext().quantize_activations(x)
+    return q, d
