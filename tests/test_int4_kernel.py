@@ -1,0 +1,172 @@
+"""fourbit's CPU 4-bit linear (kernels/int4_cpu.py) against plain PyTorch references.
+
+Shapes sweep odd N (a last row block shorter than the kernel's 4 rows), K at every group
+size including K % 64 == 32 (the half chunk at G = 32), symmetric and asymmetric zeros,
+and batches of 1 to 9 rows. W4A16 is held to float32 summation error of x @ W_hat.T;
+W4A8 to the same bound against x_rounded @ W_hat.T, where x_rounded is recomputed here
+from Q8_0's definition, so both the kernel's integer arithmetic and its rounding are
+checked. The ISA tests skip where the host has no AVX2 (the fallback test runs anywhere).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fourbit.kernels import int4_cpu
+from fourbit.quant.qweight import QuantizedWeight
+
+needs_kernel = pytest.mark.skipif(int4_cpu.isa() == "none", reason="no AVX2+FMA kernel here")
+
+# (N, K, G): odd and small N, K with the half chunk (96, 160 at G=32), every group size
+SHAPES = [(1, 32, 32), (7, 96, 32), (33, 160, 32), (5, 64, 64), (13, 192, 64), (9, 256, 128),
+          (130, 384, 128), (3, 512, 256)]
+
+
+def random_qweight(n: int, k: int, g: int, sym: bool, seed: int) -> QuantizedWeight:
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    if sym:
+        zeros = torch.full((n, k // g), 8, dtype=torch.uint8)
+    else:
+        zeros = torch.randint(0, 16, (n, k // g), generator=gen, dtype=torch.uint8)
+    scales = (0.002 + 0.03 * torch.rand(n, k // g, generator=gen)).half()
+    return QuantizedWeight(codes, scales, zeros, g)
+
+
+def q8_reference(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] rounded as Q8_0 defines it: per 32 columns d = amax/127, q = round(x*127/amax)
+    (ties to even), x_rounded = d * q; computed in float32 like the kernel."""
+    m, k = x.shape
+    blocks = x.float().reshape(m, k // 32, 32)  # [M, K] -> [M, K/32, 32]
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inv)
+    d = amax / 127.0
+    return q.reshape(m, k), d.reshape(m, k // 32), (q * d).reshape(m, k)
+
+
+def error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A float32 summation bound for x @ w.T: 1e-6 of sum |x| |w| per output (K <= 512 terms;
+    the kernel's extra term s*z*sum(x) is covered since |q - z| <= 15 and |q|, |z| <= 15)."""
+    return 1e-6 * 16 * (x.abs().double() @ w.abs().double().T) + 1e-30
+
+
+def test_pack_layout_golden():
+    """Byte i of a 64-column chunk is k=i low, k=32+i high; the half chunk k=i low, 16+i high."""
+    k = 96
+    codes = (torch.arange(k) % 16).to(torch.uint8)[None]  # [1, 96]: code of column k is k % 16
+    packed = int4_cpu.pack_codes(codes)
+    assert packed.shape == (1, 48) and packed.dtype == torch.uint8
+    want = [(i % 16) | (((32 + i) % 16) << 4) for i in range(32)]  # chunk 0
+    want += [((64 + i) % 16) | (((80 + i) % 16) << 4) for i in range(16)]  # half chunk
+    assert packed[0].tolist() == want
+    with pytest.raises(ValueError, match="multiple of 32"):
+        int4_cpu.pack_codes(torch.zeros(2, 48, dtype=torch.uint8))
+
+
+@needs_kernel
+@pytest.mark.parametrize(("n", "k", "g"), SHAPES)
+@pytest.mark.parametrize("sym", [True, False])
+def test_dequantize_is_exact(n, k, g, sym):
+    qw = random_qweight(n, k, g, sym, seed=n * k + g)
+    w = int4_cpu.repack(qw)
+    assert w.shape == (n, k)
+    assert torch.equal(int4_cpu.dequantize(w.packed, w.scales, w.zeros, g), qw.dequantize())
+
+
+@needs_kernel
+def test_all_zero_group_and_extreme_codes():
+    """Codes 0 and 15 against zero 0 and 15 (the largest |q - z|), and an all-zero group."""
+    n, k, g = 4, 128, 64
+    codes = torch.tensor([0, 15], dtype=torch.uint8).repeat(n, k // 2)
+    zeros = torch.tensor([[0, 15], [15, 0], [8, 8], [0, 0]], dtype=torch.uint8)
+    scales = torch.tensor([[0.5, 0.25], [1.0, 2.0], [0.0, 0.0], [0.125, 4.0]]).half()
+    qw = QuantizedWeight(codes, scales, zeros, g)
+    w = int4_cpu.repack(qw)
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(0))
+    ref = x.double() @ qw.dequantize().double().T
+    for numerics in int4_cpu.NUMERICS:
+        y = int4_cpu.linear(x, w, numerics)
+        assert torch.all(y[:, 2] == 0)  # zero scales: exactly zero, not a rounding residue
+    y = int4_cpu.linear(x, w, "w4a16")
+    assert torch.all((y.double() - ref).abs() <= error_bound(x, qw.dequantize()))
+
+
+@needs_kernel
+@pytest.mark.parametrize(("n", "k", "g"), SHAPES)
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("rows", [1, 2, 9])
+def test_w4a16_matches_float_reference(n, k, g, sym, rows):
+    qw = random_qweight(n, k, g, sym, seed=7 * n + k)
+    w_hat = qw.dequantize()
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    y = int4_cpu.linear(x, int4_cpu.repack(qw), "w4a16")
+    assert y.shape == (rows, n) and y.dtype == torch.float32
+    err = (y.double() - x.double() @ w_hat.double().T).abs()
+    assert torch.all(err <= error_bound(x, w_hat)), err.max()
+
+
+@needs_kernel
+def test_w4a8_rounding_is_q8_0():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 256, generator=gen) * torch.logspace(-3, 2, 256)  # blocks of every scale
+    x[1, :32] = 0  # an all-zero block: d = 0, q = 0
+    x[2, 40] = 1000.0  # one outlier owns its block's scale
+    q, d = int4_cpu.quantize_activations(x)
+    q_ref, d_ref, _ = q8_reference(x)
+    assert q.dtype == torch.int8 and torch.equal(q.float(), q_ref)
+    assert torch.equal(d, d_ref)
+    assert q.abs().max() == 127
+
+
+@needs_kernel
+@pytest.mark.parametrize(("n", "k", "g"), SHAPES)
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_w4a8_matches_rounded_reference(n, k, g, sym, rows):
+    qw = random_qweight(n, k, g, sym, seed=11 * n + k)
+    w_hat = qw.dequantize()
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + 5))
+    y = int4_cpu.linear(x, int4_cpu.repack(qw), "w4a8")
+    _, _, x_rounded = q8_reference(x)
+    err = (y.double() - x_rounded.double() @ w_hat.double().T).abs()
+    assert torch.all(err <= error_bound(x_rounded, w_hat)), err.max()
+    # and the rounding itself is the only other difference: at most d/2 per activation
+    exact = x.double() @ w_hat.double().T
+    half_step = (x_rounded - x).abs().double() @ w_hat.abs().double().T
+    assert torch.all((y.double() - exact).abs() <= half_step + error_bound(x, w_hat))
+    assert torch.any((y.double() - exact).abs() > error_bound(x, w_hat))  # it does round
+
+
+@needs_kernel
+def test_low_precision_inputs_are_cast_up():
+    qw = random_qweight(20, 128, 64, False, seed=1)
+    w = int4_cpu.repack(qw)
+    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
+    y = int4_cpu.linear(x, w, "w4a16")
+    assert y.dtype == torch.float32
+    assert torch.equal(y, int4_cpu.linear(x.float(), w, "w4a16"))
+
+
+def test_unsupported_shapes_are_named():
+    if int4_cpu.isa() != "none":
+        assert int4_cpu.unsupported(16, 128, 128) is None
+        assert "group 16" in int4_cpu.unsupported(16, 128, 16)
+        assert "group 96" in int4_cpu.unsupported(16, 192, 96)
+        assert "K=160 is not a multiple of group 64" in int4_cpu.unsupported(16, 160, 64)
+    with pytest.raises(ValueError, match="group 16"):
+        int4_cpu.repack(random_qweight(4, 64, 16, True, seed=0))
+
+
+def test_fallback_when_the_isa_is_missing(monkeypatch):
+    """FOURBIT_INT4_ISA=none hides the kernel as a CPU without AVX2 would: callers are told
+    why, and the op itself refuses rather than running code the CPU lacks."""
+    monkeypatch.setenv("FOURBIT_INT4_ISA", "none")
+    assert int4_cpu.isa() == "none"
+    assert "AVX2" in int4_cpu.unsupported(16, 128, 128)
+    qw = random_qweight(8, 128, 128, True, seed=0)
+    w = int4_cpu.repack(qw)  # packing needs no ISA
+    if int4_cpu._ext() is not None:
+        with pytest.raises(RuntimeError, match="AVX2"):
+            int4_cpu.linear(torch.randn(1, 128), w, "w4a8")
