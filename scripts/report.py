@@ -4,6 +4,7 @@ from fourbit.report import write_report
 setup_logging(snakemake.log[0])
 write_report(
     dict(snakemake.params.study),
+    report_settings=dict(snakemake.params.report_settings),
     results=list(snakemake.input.results),
     arm_manifests=list(snakemake.input.arms),
     markdown_path=snakemake.output.markdown,

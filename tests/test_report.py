@@ -1,14 +1,20 @@
 """The report: every number from a result file, and a clear stop when one is missing or corrupt."""
 
 import json
+import math
 
 import pytest
 
-from fourbit.report import ReportInputError, write_report
+from fourbit.config import load_schema
+from fourbit.report import Measure, ReportInputError, compare_measure, write_report
 
 ENGINE = "reference-0000000000"
 ARM = "a-0000000000"
 SECOND = "b-0000000000"  # a second arm of the same engine
+WEIGHTS = "ab" * 32  # the model_weights_sha256 every record of a consistent study carries
+# The report's settings as the workflow passes them: the schema's defaults, its only source.
+SETTINGS = {key: spec["default"]
+            for key, spec in load_schema()["properties"]["report"]["properties"].items()}
 
 
 def study(source="builtin"):
@@ -27,7 +33,7 @@ def ppl_result(nll):
     windows = [nll, nll + 1.0, nll - 1.0, nll + 0.5]
     return {"definition": "d", "token_ids_sha256": "t", "runtime": "r", "window_nll_sum": windows,
             "window_tokens": [10] * 4, "tokens": 40, "mean_nll": sum(windows) / 40,
-            "ppl": 2.718 ** (sum(windows) / 40)}
+            "ppl": 2.718 ** (sum(windows) / 40), "model_weights_sha256": WEIGHTS}
 
 
 @pytest.fixture
@@ -44,10 +50,11 @@ def results(tmp_path):
     paths["baseline"].write_text(json.dumps(ppl_result(30.0)))
     paths["quantized"].write_text(json.dumps(ppl_result(31.0)))
     paths["dense"].write_text(json.dumps(ppl_result(31.0)))
-    paths["bench"].write_text(json.dumps({"measured": False}))
+    paths["bench"].write_text(json.dumps({"measured": False, "model_weights_sha256": WEIGHTS}))
     paths["fidelity"].write_text(json.dumps({
         "computed": True, "method": "full logits", "bound": "exact", "kl_mean": 0.01, "kl_p99": 0.1,
         "top1_agreement": 0.95, "greedy": {"identical": 3, "prompts": 4},
+        "model_weights_sha256": WEIGHTS,
     }))
     manifest = tmp_path / "arm.json"
     manifest.write_text(json.dumps({"id": ARM, "quant": {"method": "cpu_int4", "group_size": 128, "sym": False},
@@ -59,7 +66,8 @@ def results(tmp_path):
 
 
 def report(tmp_path, tiny_untied, paths, manifest, source="builtin"):
-    write_report(study(source), results=[str(p) for p in paths.values()], arm_manifests=[str(manifest)],
+    write_report(study(source), report_settings=SETTINGS, results=[str(p) for p in paths.values()],
+                 arm_manifests=[str(manifest)],
                  markdown_path=tmp_path / "report.md", table_path=tmp_path / "report.tsv",
                  baseline_checkpoint=tiny_untied)
     return (tmp_path / "report.md").read_text()
@@ -110,7 +118,7 @@ def bench_record(baseline_tg, arm_tg, job=JOB, slot=1):
               "residency": {"arm": {"resident_fraction": 1.0}, "baseline": {"resident_fraction": 1.0}}}
     side = {"weight_bytes_per_token": {"bytes": 1e6}}
     return {
-        "measured": True, "passes": 3, "job": job,
+        "measured": True, "passes": 3, "job": job, "model_weights_sha256": WEIGHTS,
         "bandwidth": {"gbs": 30.0, "gbs_per_repeat": [29.0, 30.0, 27.5]},
         "provenance": {"cpu_model": "c", "isa": {"avx2": True}, "versions": {}, "env": {}, "cores": [0],
                        "threads": 1, "load_average": [0.1, 0.1, 0.1]},
@@ -137,7 +145,7 @@ def two_arms(tmp_path, tiny_untied, results, first, second_record):
     (tmp_path / "b.json").write_text(manifest.read_text().replace(ARM, second))
     setup = study()
     setup["engines"][ENGINE]["arms"] = [ARM, second]
-    write_report(setup, results=[str(p) for p in paths.values()],
+    write_report(setup, report_settings=SETTINGS, results=[str(p) for p in paths.values()],
                  arm_manifests=[str(manifest), str(tmp_path / "b.json")],
                  markdown_path=tmp_path / "report.md", table_path=tmp_path / "report.tsv",
                  baseline_checkpoint=tiny_untied)
@@ -180,3 +188,266 @@ def test_a_bench_record_of_the_old_layout_is_named_with_the_rerun(tmp_path, tiny
     with pytest.raises(ReportInputError, match=f"{ARM}/bench.json: written by an older fourbit "
                                                r"\(one bench job per arm\).*--forcerun bench"):
         report(tmp_path, tiny_untied, paths, manifest)
+
+
+# --- the records don't mix weights -------------------------------------------------------------
+
+
+def test_records_from_other_weights_under_one_model_id_are_refused(tmp_path, tiny_untied, results):
+    paths, manifest = results
+    other = "cd" * 32
+    record = json.loads(paths["fidelity"].read_text())
+    paths["fidelity"].write_text(json.dumps({**record, "model_weights_sha256": other}))
+    with pytest.raises(ReportInputError) as refused:
+        report(tmp_path, tiny_untied, paths, manifest)
+    message = str(refused.value)
+    # the two files, the two hashes, and the rerun
+    assert f"{paths['baseline']} from model_weights_sha256 {WEIGHTS} (4 records)" in message
+    assert f"{paths['fidelity']} from {other} (1 records)" in message
+    assert message.endswith("snakemake --forcerun bench fidelity ppl")
+    assert not (tmp_path / "report.md").exists()
+
+
+@pytest.mark.parametrize("kind, rule", [("dense", "ppl"), ("bench", "bench"), ("fidelity", "fidelity")])
+def test_a_record_without_the_weights_hash_is_refused_as_older(tmp_path, tiny_untied, results, kind, rule):
+    paths, manifest = results
+    record = json.loads(paths[kind].read_text())
+    del record["model_weights_sha256"]
+    paths[kind].write_text(json.dumps(record))
+    with pytest.raises(ReportInputError, match=rf"{paths[kind]}: has no model_weights_sha256, so it "
+                                               rf"was written by an older fourbit.*--forcerun {rule}$"):
+        report(tmp_path, tiny_untied, paths, manifest)
+
+
+# --- the verdicts ------------------------------------------------------------------------------
+#
+# A study of one vLLM-like engine (KL a top-k lower bound) whose records are built from the
+# figures the issue measured; every verdict below is computed by the report from them.
+
+VLLM = "vllm-0000000000"
+BASE_PPL = 31.3269
+WINDOWS, WINDOW_TOKENS = 32, 511  # ppl windows
+KL_WINDOWS, KL_POSITIONS = 8, 511  # fidelity windows
+PROMPTS, NEW_TOKENS = 16, 32
+
+
+def _centred(values):
+    mean = sum(values) / len(values)
+    return [v - mean for v in values]
+
+
+# Each window's difficulty (shared by every arm: the windows are paired) and the arms'
+# own per-window scatter, both summing to 0 so the means are exactly the stated ones.
+DIFFICULTY = _centred([0.3 * math.sin(1.7 * i) for i in range(WINDOWS)])
+
+
+def ppl_windows(ppl, scatter, phase=0.4):
+    pattern = _centred([math.cos(2.3 * i + phase) for i in range(WINDOWS)])
+    nll = math.log(ppl)
+    sums = [WINDOW_TOKENS * (nll + d + scatter * p) for d, p in zip(DIFFICULTY, pattern)]
+    tokens = WINDOWS * WINDOW_TOKENS
+    return {"definition": "d", "token_ids_sha256": "t", "runtime": "r", "window_nll_sum": sums,
+            "window_tokens": [WINDOW_TOKENS] * WINDOWS, "tokens": tokens,
+            "mean_nll": sum(sums) / tokens, "ppl": math.exp(sum(sums) / tokens),
+            "model_weights_sha256": WEIGHTS}
+
+
+def fidelity_record(kl, top1, identical_prompts, phase):
+    """A top-k lower bound record: per-window KL sums scattered ±40% around kl (a phase per
+    arm, so two arms' windows disagree in both directions), top-1 counts scattered by a
+    few positions, and the greedy prompts listed identical."""
+    scatter = _centred([math.sin(1.3 * i + phase) for i in range(KL_WINDOWS)])
+    kl_sums = [kl * KL_POSITIONS * (1 + 0.4 * s) for s in scatter]
+    agree = round(top1 * KL_WINDOWS * KL_POSITIONS)
+    counts = [agree // KL_WINDOWS + round(3 * s) for s in scatter]
+    counts[0] += agree - sum(counts)
+    prefix = [NEW_TOKENS if p in identical_prompts else 5 for p in range(PROMPTS)]
+    return {
+        "computed": True, "method": "top-k lower bound", "bound": "lower bound",
+        "token_ids_sha256": "t",
+        "settings": {"windows": KL_WINDOWS, "prompts": PROMPTS, "prompt_tokens": 32,
+                     "new_tokens": NEW_TOKENS, "top_k": 20},
+        "positions": KL_WINDOWS * KL_POSITIONS, "kl_mean": kl, "kl_p99": 10 * kl,
+        "top1_agreement": sum(counts) / (KL_WINDOWS * KL_POSITIONS),
+        "window_kl_sum": kl_sums, "window_top1": counts, "window_positions": [KL_POSITIONS] * KL_WINDOWS,
+        "greedy": {"prompts": PROMPTS, "new_tokens": NEW_TOKENS, "identical": identical_prompts.__len__(),
+                   "matching_prefix": prefix},
+        "model_weights_sha256": WEIGHTS,
+    }
+
+
+def first(n):
+    return set(range(n))
+
+
+# name: (Δppl, its window scatter, KL bound, top-1, identical greedy prompts)
+ISSUE_ARMS = {
+    "rtn_sym_g128": (-0.0851, 0.004, 0.000998, 0.951, first(8)),
+    "gptq_asym_g128": (0.0038, 0.0015, 4.2e-5, 0.993, first(14)),
+    "gptq_sym_g128": (0.0123, 0.002, 4.5e-5, 0.990, set(range(2, 16))),
+    "cpu_int4_g128": (0.1253, 0.004, 0.00069, 0.954, first(6)),
+}
+
+
+def arm_id(name):
+    return f"{name}-0000000000"
+
+
+def vllm_study(tmp_path, tiny_untied, arms, *, benches=None, control=None, settings=SETTINGS):
+    """Write the records of ``arms`` (name -> ISSUE_ARMS-like tuple) on one vLLM-like engine
+    and run the report; ``benches``: name -> (baseline tg128, arm tg128) per pass;
+    ``control``: name -> the dense expansion's mean NLL offset (default 0, faithful)."""
+    benches, control = benches or {}, control or {}
+    root = tmp_path / "eval"
+    results, manifests = [], []
+
+    def put(arm, name, record):
+        path = root / VLLM / arm / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record))
+        results.append(str(path))
+
+    put("baseline", "dense.ppl.json", ppl_windows(BASE_PPL, 0.0))
+    for slot, (name, (delta, scatter, kl, top1, identical)) in enumerate(arms.items()):
+        quantized = ppl_windows(BASE_PPL + delta, scatter)
+        put(arm_id(name), "quantized.ppl.json", quantized)
+        put(arm_id(name), "dense.ppl.json",
+            {**quantized, "mean_nll": quantized["mean_nll"] + control.get(name, 0.0)})
+        put(arm_id(name), "fidelity.json", fidelity_record(kl, top1, identical, phase=1.1 * slot))
+        put(arm_id(name), "bench.json", bench_record(*benches[name], slot=slot + 1) if name in benches
+            else {"measured": False, "reason": "not timed here", "model_weights_sha256": WEIGHTS})
+        manifest = tmp_path / f"{name}.arm.json"
+        manifest.write_text(json.dumps({"id": arm_id(name), "quant": {"method": "gptq", "group_size": 128},
+                                        "storage": {"quantized_bits_per_weight": 4.2,
+                                                    "file_bits_per_param": 9.8, "size_mib": 6.1}}))
+        manifests.append(str(manifest))
+    setup = {
+        "model": {"id": "m", "source": "builtin"}, "corpus": {"id": "c", "source": "builtin"},
+        "evaluation": {"control_tolerance": 0.001},
+        "engines": {VLLM: {"name": "vllm", "reads": "hf", "arms": [arm_id(n) for n in arms],
+                           "unavailable": None}},
+        "arms": [],
+    }
+    write_report(setup, report_settings=settings, results=results, arm_manifests=manifests,
+                 markdown_path=tmp_path / "report.md", table_path=tmp_path / "report.tsv",
+                 baseline_checkpoint=tiny_untied)
+    return (tmp_path / "report.md").read_text()
+
+
+def verdict(markdown, start):
+    """The recommendation section's line that starts with ``start``."""
+    section = markdown.split("## Recommendation for this host", 1)[1].split("\n## ", 1)[0]
+    return next(line for line in section.splitlines() if line.startswith(start))
+
+
+def test_fidelity_names_the_faithful_arm_and_flags_the_one_below_its_baseline(tmp_path, tiny_untied):
+    """The issue's study: rtn_sym_g128 scores better than its baseline (its whole Δppl interval
+    below 0) with the worst KL and top-1; gptq_asym_g128 is the arm closest to the baseline.
+    The old report named rtn_sym_g128 for fidelity, for its most negative Δppl."""
+    markdown = vllm_study(tmp_path, tiny_untied, ISSUE_ARMS)
+    rows = {line.split("|")[2].strip(): line for line in markdown.splitlines()
+            if line.startswith(f"| {VLLM} |") and "none (unquantized)" not in line and "gptq |" in line}
+    rtn = rows[f"`{arm_id('rtn_sym_g128')}`"]
+    assert "-0.0851 [" in rtn and "(-0.27%)" in rtn  # the issue's figures
+    assert "below its baseline: a finding, not a win" in rtn  # flagged next to the row
+    for name in ("gptq_asym_g128", "gptq_sym_g128", "cpu_int4_g128"):
+        assert "finding" not in rows[f"`{arm_id(name)}`"]
+    assert verdict(markdown, f"- **A finding, not a win: `{arm_id('rtn_sym_g128')}` on {VLLM} scores "
+                             "better than its unquantized baseline**: Δppl -0.0851 [")
+    assert "an undertrained model" in markdown and "an evaluation split too small" in markdown
+    table = (tmp_path / "report.tsv").read_text().splitlines()
+    flags = {line.split("\t")[1]: line.split("\t")[-1] for line in table[1:]}
+    assert flags == {"baseline": "False", arm_id("rtn_sym_g128"): "True", arm_id("gptq_asym_g128"): "False",
+                     arm_id("gptq_sym_g128"): "False", arm_id("cpu_int4_g128"): "False"}
+
+    fidelity = verdict(markdown, "- **For fidelity: ")
+    assert fidelity.startswith(f"- **For fidelity: `{arm_id('gptq_asym_g128')}` on {VLLM}**")
+    assert "KL ≥ 4.2e-05 nats (a lower bound), top-1 99.3%, greedy 14/16 identical" in fidelity
+    assert "Δppl 0.0038 [" in fidelity and "0 inside its interval" in fidelity  # the support
+    # gptq_sym_g128's windows disagree with it both ways: named as a tie, with the reason
+    tie = fidelity.split("Not separable from it: ", 1)[1]
+    assert tie.startswith(f"`{arm_id('gptq_sym_g128')}` on {VLLM} (KL ≥ 4.2e-05 vs ≥ 4.5e-05: the "
+                          "paired 95% interval of the difference over 8 windows, [")
+    assert "includes 0" in tie
+    assert "2 other arm(s) are separably farther" in fidelity
+    assert arm_id("rtn_sym_g128") not in tie and arm_id("cpu_int4_g128") not in tie
+
+
+def test_an_arm_closer_on_every_measure_has_no_ties(tmp_path, tiny_untied):
+    arms = {name: ISSUE_ARMS[name] for name in ("rtn_sym_g128", "gptq_asym_g128", "cpu_int4_g128")}
+    fidelity = verdict(vllm_study(tmp_path, tiny_untied, arms), "- **For fidelity: ")
+    assert fidelity.startswith(f"- **For fidelity: `{arm_id('gptq_asym_g128')}`")
+    assert "Not separable" not in fidelity and "2 other arm(s) are separably farther" in fidelity
+
+
+def test_an_unfaithful_arm_is_not_judged_for_fidelity(tmp_path, tiny_untied):
+    markdown = vllm_study(tmp_path, tiny_untied, ISSUE_ARMS, control={"gptq_asym_g128": 0.01})
+    fidelity = verdict(markdown, "- **For fidelity: ")
+    assert fidelity.startswith(f"- **For fidelity: `{arm_id('gptq_sym_g128')}`")
+    assert fidelity.endswith(f"Not judged: `{arm_id('gptq_asym_g128')}` on {VLLM} (control NOT faithful).")
+
+
+def test_a_lower_bound_never_proves_an_arm_closer():
+    """KL: an exact value below a bound is closer (the bound's KL is at least the bound); a bound
+    below an exact value decides nothing; the same data as exact values would decide."""
+    def kl(value, bound):
+        return Measure("KL", value, False, lower_bound=bound,
+                       bound_method=("top-k lower bound", 20) if bound else (), se=value / 100)
+
+    assert compare_measure(kl(1e-4, False), kl(1e-3, True))[0] == 1
+    assert compare_measure(kl(1e-3, True), kl(1e-4, False))[0] == -1
+    sign, reason = compare_measure(kl(1e-4, True), kl(1e-3, False))
+    assert sign == 0 and "a lower bound below an exact value does not show which is closer" in reason
+    assert compare_measure(kl(1e-4, False), kl(1e-3, False))[0] == 1
+    assert compare_measure(kl(1e-4, True), kl(1e-3, True))[0] == 1  # bounds computed alike
+    other_k = Measure("KL", 1e-3, False, lower_bound=True, bound_method=("top-k lower bound", 5), se=1e-5)
+    sign, reason = compare_measure(kl(1e-4, True), other_k)
+    assert sign == 0 and "lower bounds computed differently" in reason
+
+
+# tg128 per pass, (baseline, arm): rtn and cpu_int4 overlap; gptq_sym is the fastest of all
+SPEEDS = {
+    "rtn_sym_g128": ([360.0, 350.0, 370.0], [150.0, 140.0, 160.0]),
+    "gptq_asym_g128": ([360.0, 350.0, 370.0], [130.0, 125.0, 135.0]),
+    "gptq_sym_g128": ([360.0, 350.0, 370.0], [200.0, 195.0, 205.0]),
+    "cpu_int4_g128": ([360.0, 350.0, 370.0], [145.0, 138.0, 155.0]),
+}
+
+
+def test_speed_takes_the_fastest_arm_within_the_quality_bound_and_names_ties(tmp_path, tiny_untied):
+    """|Δppl|: gptq_asym 0.01% (the smallest), gptq_sym 0.04%, rtn_sym 0.27%, cpu_int4 0.40%.
+    With a bound of 0.3 points cpu_int4 is out; gptq_sym is fastest; widening the bound does not
+    change that; narrowing it to 0.02 points leaves gptq_asym alone."""
+    speed = verdict(vllm_study(tmp_path, tiny_untied, ISSUE_ARMS, benches=SPEEDS,
+                               settings={"speed_quality_bound_pct": 0.3}), "- **For speed: ")
+    assert speed.startswith(f"- **For speed: `{arm_id('gptq_sym_g128')}` on {VLLM}**: the fastest "
+                            "decode, 200.0 tok/s [195.0–205.0]")
+    assert (f"within 0.3 percentage points (report.speed_quality_bound_pct) of the smallest "
+            f"(0.01%, `{arm_id('gptq_asym_g128')}` on {VLLM}), so at most 0.31%") in speed
+    assert "Not separable" not in speed  # 195–205 overlaps no other arm's range
+
+    # gptq_sym slowed into rtn_sym's range: rtn_sym (inside the bound) is now the fastest, and
+    # cpu_int4's overlapping range is outside the bound, so it is named only as out of bounds.
+    slower = {**SPEEDS, "gptq_sym_g128": ([360.0, 350.0, 370.0], [148.0, 142.0, 152.0])}
+    speed = verdict(vllm_study(tmp_path, tiny_untied, ISSUE_ARMS, benches=slower,
+                               settings={"speed_quality_bound_pct": 0.3}), "- **For speed: ")
+    assert speed.startswith(f"- **For speed: `{arm_id('rtn_sym_g128')}`")
+    assert (f"Not separable from it on speed (their tg128 [min–max] overlap its 140.0–160.0): "
+            f"`{arm_id('gptq_sym_g128')}` on {VLLM} (148.0 [142.0–152.0] ×0.41).") in speed
+    assert arm_id("cpu_int4_g128") not in speed
+
+    narrow = verdict(vllm_study(tmp_path, tiny_untied, ISSUE_ARMS, benches=SPEEDS,
+                                settings={"speed_quality_bound_pct": 0.02}), "- **For speed: ")
+    assert narrow.startswith(f"- **For speed: `{arm_id('gptq_asym_g128')}`")
+    assert ("Faster but outside the quality bound: "
+            f"`{arm_id('rtn_sym_g128')}` on {VLLM} (150.0 tok/s, |Δppl| 0.27%)") in narrow
+    assert f"`{arm_id('gptq_sym_g128')}` on {VLLM} (200.0 tok/s, |Δppl| 0.04%)" in narrow
+
+
+def test_speed_skips_an_arm_whose_control_failed(tmp_path, tiny_untied):
+    markdown = vllm_study(tmp_path, tiny_untied, ISSUE_ARMS, benches=SPEEDS,
+                          control={"gptq_sym_g128": 0.01})
+    speed = verdict(markdown, "- **For speed: ")
+    assert speed.startswith(f"- **For speed: `{arm_id('rtn_sym_g128')}`")  # the default bound: 1 point
+    assert f"Faster but its control did not pass: `{arm_id('gptq_sym_g128')}` on {VLLM}" in speed
+    assert "report.speed_quality_bound_pct" in markdown.split("## Definitions", 1)[1]

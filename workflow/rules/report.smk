@@ -24,6 +24,7 @@ rule report:
         "../../envs/fourbit.yaml"
     params:
         study=STUDY.summary(),
+        report_settings=STUDY.config["report"],
         training=f"{MODEL_DIR}/untied/training.json",
     script:
         "../../scripts/report.py"
