@@ -79,6 +79,7 @@ def test_report_rows_come_from_the_result_files(tmp_path, tiny_untied, results):
     table = (tmp_path / "report.tsv").read_text().splitlines()
     assert table[0].startswith("engine\tarm_id") and len(table) == 3
     assert f"- Engine {ENGINE}: r (its 4-bit runtimes: under Runtimes)" in markdown  # host block
+    assert f"- Every record above computed from the weights with model_weights_sha256 {WEIGHTS}" in markdown
     assert "timed in one bench job" not in markdown  # no job was timed
     # how the arm was made, from its manifest: algorithm, head, calibration, time, peak RSS
     assert f"| `{ARM}` | rtn, shrink search | rtn | dense | — | none | 1.2 s | 700 MiB |" in markdown

@@ -136,7 +136,7 @@ def _rule_of(path: str) -> str:
     return next(rule for suffix, rule in RECORD_RULES.items() if path.endswith(suffix))
 
 
-def check_same_weights(study: dict, results: list[str]) -> None:
+def check_same_weights(study: dict, results: list[str]) -> str | None:
     """Every record must name the weights it was computed from, and all must name the same.
 
     One model id can come to mean other weights (the builtin model retrained on a host
@@ -157,7 +157,7 @@ def check_same_weights(study: dict, results: list[str]) -> None:
         carriers.setdefault(weights, []).append(str(path))
         first = first or (str(path), weights)
     if len(carriers) < 2:
-        return
+        return first[1] if first else None
     other = next(w for w in carriers if w != first[1])
     rules = sorted({_rule_of(p) for p in results})
     raise ReportInputError(
@@ -523,9 +523,14 @@ def fidelity_verdict(rows: list[dict]) -> str:
         return ("- For fidelity: no arm's next-token distribution was compared with its "
                 "baseline, so none is recommended (perplexity alone cannot say which arm "
                 f"stays closest).{left_out}")
-    beats = {(i, j): compare_arms(a, b) for i, a in enumerate(judged)
-             for j, b in enumerate(judged) if i != j}
-    dominated = {j for (i, j), (sign, _) in beats.items() if sign == 1}
+    # Each pair once (a comparison is symmetric up to its sign); the reasons are recomputed,
+    # from the chosen arm's side, only for the arms it cannot be separated from.
+    sign = {}
+    for i, a in enumerate(judged):
+        for j in range(i + 1, len(judged)):
+            sign[(i, j)] = compare_arms(a, judged[j])[0]
+            sign[(j, i)] = -sign[(i, j)]
+    dominated = {j for (i, j), s in sign.items() if s == 1}
     front = [i for i in range(len(judged)) if i not in dominated] or list(range(len(judged)))
     measures = [r["_measures"] for r in judged]
     chosen = min(front, key=lambda i: (measures[i]["KL"].value, -measures[i]["top-1"].value,
@@ -537,8 +542,8 @@ def fidelity_verdict(rows: list[dict]) -> str:
         support += ", 0 inside its interval"
     if below_baseline(best):
         support += ", its whole interval below 0 (a finding, below)"
-    tied = [(judged[j], beats[(chosen, j)][1]) for j in range(len(judged))
-            if j != chosen and beats[(chosen, j)][0] != 1]
+    tied = [(judged[j], compare_arms(best, judged[j])[1]) for j in range(len(judged))
+            if j != chosen and sign[(chosen, j)] != 1]
     line = (f"- **For fidelity: {_label(best)}**: the closest to its engine's baseline by the "
             f"distribution measures: KL {m['KL'].shown()} nats"
             f"{' (a lower bound)' if m['KL'].lower_bound else ''}, top-1 {m['top-1'].shown()}, "
@@ -647,6 +652,8 @@ def host_block(study: dict, facts: dict, rows: list[dict]) -> list[str]:
     lines = [
         f"- Model: `{study['model']['id']}` ({study['model']['source']}); weights sha256: "
         + ", ".join(f"{k} {v[:16]}…" for k, v in facts.get("model_sha256", {}).items()),
+        f"- Every record above computed from the weights with model_weights_sha256 "
+        f"{facts.get('records_weights_sha256')}",
         f"- Corpus: `{study['corpus']['id']}` ({study['corpus']['source']}); split sha256: "
         + ", ".join(f"{k} {v[:16]}…" for k, v in facts.get("corpus_sha256", {}).items()),
         *(f"- Engine {engine}: {runtime} (its 4-bit runtimes: under Runtimes)"
@@ -863,7 +870,7 @@ def write_report(
 ) -> None:
     """``report_settings``: the config's validated ``report`` block (the schema's defaults
     filled in; this module has none of its own)."""
-    check_same_weights(study, results)
+    weights = check_same_weights(study, results)
     storage = {"hf": storage_stats(baseline_checkpoint)}
     if gguf_base_storage:
         storage["gguf"] = read_result(gguf_base_storage)
@@ -888,6 +895,7 @@ def write_report(
     if measured:
         facts["provenance"] = measured[0]["provenance"]
         facts["bandwidth"] = measured[0]["bandwidth"]
+    facts["records_weights_sha256"] = weights
     facts["bench_job"] = bench_job(benches)
     facts["quantization"] = [m for m in manifests if "method_facts" in m]
     facts["plots"] = plot(rows, Path(markdown_path).parent)
