@@ -294,19 +294,48 @@ def arm_id(name):
     return f"{name}-0000000000"
 
 
-def vllm_study(tmp_path, tiny_untied, arms, *, benches=None, control=None, settings=SETTINGS):
+def own_kl_record(kl, kl_se, top1, top1_se, identical_prompts):
+    """llama.cpp's KL mode: exact KL over its own chunks, with llama-perplexity's ± values
+    and no per-window sums; greedy on the same prompts as every engine."""
+    return {
+        "computed": True, "method": "llama-perplexity KL mode",
+        "bound": "exact, its own chunking: 8 chunks of 512 tokens", "token_ids_sha256": "t",
+        "settings": {"windows": KL_WINDOWS, "prompts": PROMPTS, "prompt_tokens": 32,
+                     "new_tokens": NEW_TOKENS, "top_k": 20},
+        "kl_mean": kl, "kl_mean_uncertainty": kl_se, "kl_p99": 10 * kl, "top1_agreement": top1,
+        "llama_perplexity": {"same_top_p_percent_uncertainty": 100 * top1_se},
+        "greedy": {"prompts": PROMPTS, "new_tokens": NEW_TOKENS, "identical": len(identical_prompts),
+                   "matching_prefix": [NEW_TOKENS if p in identical_prompts else 5 for p in range(PROMPTS)]},
+        "model_weights_sha256": WEIGHTS,
+    }
+
+
+LLAMACPP = "llamacpp-0000000000"
+
+
+def vllm_study(tmp_path, tiny_untied, arms, *, benches=None, control=None, settings=SETTINGS,
+               gguf_arms=None):
     """Write the records of ``arms`` (name -> ISSUE_ARMS-like tuple) on one vLLM-like engine
     and run the report; ``benches``: name -> (baseline tg128, arm tg128) per pass;
-    ``control``: name -> the dense expansion's mean NLL offset (default 0, faithful)."""
-    benches, control = benches or {}, control or {}
+    ``control``: name -> the dense expansion's mean NLL offset (default 0, faithful);
+    ``gguf_arms``: name -> (Δppl, scatter, own_kl_record's arguments) on a llama.cpp-like
+    engine."""
+    benches, control, gguf_arms = benches or {}, control or {}, gguf_arms or {}
     root = tmp_path / "eval"
     results, manifests = [], []
 
-    def put(arm, name, record):
-        path = root / VLLM / arm / name
+    def put(arm, name, record, engine=VLLM):
+        path = root / engine / arm / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record))
         results.append(str(path))
+
+    def manifest_of(name):
+        manifest = tmp_path / f"{name}.arm.json"
+        manifest.write_text(json.dumps({"id": arm_id(name), "quant": {"method": "gptq", "group_size": 128},
+                                        "storage": {"quantized_bits_per_weight": 4.2,
+                                                    "file_bits_per_param": 9.8, "size_mib": 6.1}}))
+        manifests.append(str(manifest))
 
     put("baseline", "dense.ppl.json", ppl_windows(BASE_PPL, 0.0))
     for slot, (name, (delta, scatter, kl, top1, identical)) in enumerate(arms.items()):
@@ -317,21 +346,32 @@ def vllm_study(tmp_path, tiny_untied, arms, *, benches=None, control=None, setti
         put(arm_id(name), "fidelity.json", fidelity_record(kl, top1, identical, phase=1.1 * slot))
         put(arm_id(name), "bench.json", bench_record(*benches[name], slot=slot + 1) if name in benches
             else {"measured": False, "reason": "not timed here", "model_weights_sha256": WEIGHTS})
-        manifest = tmp_path / f"{name}.arm.json"
-        manifest.write_text(json.dumps({"id": arm_id(name), "quant": {"method": "gptq", "group_size": 128},
-                                        "storage": {"quantized_bits_per_weight": 4.2,
-                                                    "file_bits_per_param": 9.8, "size_mib": 6.1}}))
-        manifests.append(str(manifest))
+        manifest_of(name)
+    engines = {VLLM: {"name": "vllm", "reads": "hf", "arms": [arm_id(n) for n in arms],
+                      "unavailable": None}}
+    gguf_storage = None
+    if gguf_arms:
+        put("baseline", "dense.ppl.json", ppl_windows(BASE_PPL + 0.01, 0.0), LLAMACPP)
+        for name, (delta, scatter, *fidelity) in gguf_arms.items():
+            quantized = ppl_windows(BASE_PPL + 0.01 + delta, scatter)
+            put(arm_id(name), "quantized.ppl.json", quantized, LLAMACPP)
+            put(arm_id(name), "dense.ppl.json", quantized, LLAMACPP)
+            put(arm_id(name), "fidelity.json", own_kl_record(*fidelity), LLAMACPP)
+            put(arm_id(name), "bench.json", {"measured": False, "reason": "not timed here",
+                                             "model_weights_sha256": WEIGHTS}, LLAMACPP)
+            manifest_of(name)
+        engines[LLAMACPP] = {"name": "llamacpp", "reads": "gguf", "arms": [arm_id(n) for n in gguf_arms],
+                             "unavailable": None}
+        gguf_storage = tmp_path / "f16.storage.json"
+        gguf_storage.write_text(json.dumps({"quantized_bits_per_weight": 16, "file_bits_per_param": 16,
+                                            "size_mib": 10.1}))
     setup = {
         "model": {"id": "m", "source": "builtin"}, "corpus": {"id": "c", "source": "builtin"},
-        "evaluation": {"control_tolerance": 0.001},
-        "engines": {VLLM: {"name": "vllm", "reads": "hf", "arms": [arm_id(n) for n in arms],
-                           "unavailable": None}},
-        "arms": [],
+        "evaluation": {"control_tolerance": 0.001}, "engines": engines, "arms": [],
     }
     write_report(setup, report_settings=settings, results=results, arm_manifests=manifests,
                  markdown_path=tmp_path / "report.md", table_path=tmp_path / "report.tsv",
-                 baseline_checkpoint=tiny_untied)
+                 baseline_checkpoint=tiny_untied, gguf_base_storage=gguf_storage)
     return (tmp_path / "report.md").read_text()
 
 
@@ -404,6 +444,32 @@ def test_a_lower_bound_never_proves_an_arm_closer():
     other_k = Measure("KL", 1e-3, False, lower_bound=True, bound_method=("top-k lower bound", 5), se=1e-5)
     sign, reason = compare_measure(kl(1e-4, True), other_k)
     assert sign == 0 and "lower bounds computed differently" in reason
+
+
+def test_arms_of_two_engines_compare_each_against_its_own_baseline(tmp_path, tiny_untied):
+    """A llama.cpp arm (exact KL over its own chunks, ± values only) against vLLM arms (bounds
+    over the study's windows): its exact KL above gptq_asym's bound decides nothing, its top-1
+    and greedy do not differ separably, so the two are named as not separable, with why."""
+    q4_k_m = (0.0324, 0.002, 0.000531, 2e-5, 0.992, 0.003, first(14))
+    fidelity = verdict(vllm_study(tmp_path, tiny_untied, ISSUE_ARMS, gguf_arms={"q4_k_m": q4_k_m}),
+                       "- **For fidelity: ")
+    assert fidelity.startswith(f"- **For fidelity: `{arm_id('gptq_asym_g128')}` on {VLLM}**")
+    tie = fidelity.split("Not separable from it: ", 1)[1]
+    assert (f"`{arm_id('q4_k_m')}` on {LLAMACPP} (KL ≥ 4.2e-05 vs 0.000531: a lower bound below an "
+            "exact value does not show which is closer; top-1 99.3% vs 99.2%: the unpaired 95% "
+            "interval of the difference (other positions)") in tie
+
+
+def test_an_exact_kl_below_a_bound_is_closer(tmp_path, tiny_untied):
+    """A llama.cpp arm with an exact KL separably below every vLLM bound (whose true KL is at
+    least the bound), and top-1 and greedy not separably worse: it is the closest arm."""
+    close = (0.001, 0.002, 1e-5, 1e-6, 0.995, 0.001, first(15))
+    fidelity = verdict(vllm_study(tmp_path, tiny_untied, ISSUE_ARMS, gguf_arms={"q8_0": close}),
+                       "- **For fidelity: ")
+    assert fidelity.startswith(f"- **For fidelity: `{arm_id('q8_0')}` on {LLAMACPP}**: the closest "
+                               "to its engine's baseline by the distribution measures: KL 1e-05 nats, "
+                               "top-1 99.5%, greedy 15/16 identical")
+    assert "4 other arm(s) are separably farther" in fidelity
 
 
 # tg128 per pass, (baseline, arm): rtn and cpu_int4 overlap; gptq_sym is the fastest of all
