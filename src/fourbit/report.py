@@ -517,7 +517,8 @@ def _why_not_judged(r: dict) -> str:
 def fidelity_verdict(rows: list[dict]) -> str:
     arms = [r for r in rows if r["arm_id"] != "baseline"]
     judged = [r for r in arms if r["control"] != "NOT faithful" and r["_measures"]]
-    skipped = [f"{_label(r)} ({_why_not_judged(r)})" for r in arms if r not in judged]
+    judged_ids = {id(r) for r in judged}
+    skipped = [f"{_label(r)} ({_why_not_judged(r)})" for r in arms if id(r) not in judged_ids]
     left_out = f" Not judged: {'; '.join(skipped)}." if skipped else ""
     if not judged:
         return ("- For fidelity: no arm's next-token distribution was compared with its "
@@ -583,12 +584,13 @@ def speed_verdict(rows: list[dict], bound_pct: float) -> str:
                  f"{fast['tg128_min']:.1f}–{fast['tg128_max']:.1f}): "
                  + ", ".join(f"{_label(r)} ({_span(r, 'tg128')})" for r in tied) + ".")
     faster = [r for r in arms if r["tg128_median"] != "" and r["tg128_median"] > fast["tg128_median"]]
-    outside = [r for r in faster if r in faithful]
+    faithful_ids = {id(r) for r in faithful}
+    outside = [r for r in faster if id(r) in faithful_ids]
     if outside:
         line += " Faster but outside the quality bound: " + ", ".join(
             f"{_label(r)} ({r['tg128_median']:.1f} tok/s, |Δppl| {abs(r['delta_ppl_pct']):.2f}%)"
             for r in outside) + "."
-    unproven = [r for r in faster if r not in faithful]
+    unproven = [r for r in faster if id(r) not in faithful_ids]
     if unproven:
         line += " Faster but its control did not pass: " + ", ".join(
             f"{_label(r)} ({r['tg128_median']:.1f} tok/s, control {r['control'] or 'not run'})"
