@@ -12,6 +12,7 @@ from fourbit.atomic import atomic_dir, write_json
 from fourbit.checkpoint import module_name, quantizable_linears, skeleton
 from fourbit.quant.methods import QuantizeJob, get_method
 from fourbit.quantized_checkpoint import matrix_shape, storage_stats, write_quantized
+from fourbit.vllm_plugin import write_arm_knobs
 
 log = logging.getLogger("fourbit")
 
@@ -70,6 +71,7 @@ def quantize_checkpoint(
     seconds = time.monotonic() - started
     with atomic_dir(out_dir) as folder:
         write_quantized(folder, model_dir, qweights, method.format(quant), quant)
+        write_arm_knobs(folder, quant)  # the plugin's per-arm kernel, into quantization_config
         stats = storage_stats(folder)
     manifest = {
         **arm,

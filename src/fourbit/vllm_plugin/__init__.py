@@ -1,10 +1,11 @@
-"""fourbit's vLLM plugin: quantization method "fourbit_int4" on PyTorch's CPU int4 kernel.
+"""fourbit's vLLM plugin: quantization method "fourbit_int4" on fourbit's own CPU 4-bit kernel.
 
 None of vLLM's own 4-bit paths run on this project's CPUs (GPTQ, AWQ and
 compressed-tensors W4A16 all go to cpu_gemm_wna16, built for AVX-512 only). This
 method reads three checkpoint formats through fourbit.formats, losslessly
 (format.unpack -> QuantizedWeight -> kernels.tinygemm), and runs every quantized
 linear -- merged qkv_proj / gate_up_proj included, and an untied lm_head -- on
+fourbit's AVX2 kernel (kernels/int4_cpu.py, W4A16 or W4A8) or PyTorch's
 aten._weight_int4pack_mm_for_cpu, or on a dense matmul over W_hat for large batches.
 
     checkpoint quant_method          how vLLM gets here
@@ -24,7 +25,12 @@ engines/vllm.py ``quant_overrides``):
                        [N, K] + float32 scales/offsets per group); falls back to the
                        kept copy where kernels.tinygemm cannot read the layout
     activation_dtype   "auto" (the model's dtype), "float32", "bfloat16" or "float16":
-                       the dtype both paths compute in (inputs cast in, outputs back)
+                       the dtype the dense path and tinygemm compute in (inputs cast in,
+                       outputs back); with "auto" and a float32 model tinygemm runs in
+                       bfloat16 where torch vectorizes only that (x86 AVX2/AVX-512,
+                       kernels/tinygemm.py kernel_dtype); fourbit's kernel computes in float32
+    kernel             "w4a16" (default), "w4a8" or "tinygemm": what runs batches below
+                       the threshold (DEFAULTS below; kernels/int4_cpu.py)
 The dense path computes W_hat in float32 (exact) and casts it to activation_dtype; in
 float32 it reproduces the dense expansion of the checkpoint up to matmul summation
 order, so quantized-vs-dense-control logprobs agree to ~1e-5 (tests/test_vllm_plugin.py).
@@ -71,6 +77,8 @@ How vLLM 0.32 takes an out-of-tree method (line numbers: site-packages/vllm):
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 QUANT_METHOD = "fourbit_int4"
@@ -84,8 +92,65 @@ DEFAULTS: dict[str, Any] = {
     # against 0.115 s from a kept copy; shapes the layout does not cover keep a copy.
     "direct_dequant": True,
     "activation_dtype": "auto",  # compute dtype of both paths; "auto" = the model's dtype
+    # Which kernel runs batches below the threshold, and with which numerics (kernels/
+    # int4_cpu.py): "w4a16" fourbit's kernel, float activations, exact against the dense
+    # control; "w4a8" the same weights with activations rounded to int8 per 32 columns,
+    # integer dot products (the fast path); "tinygemm" PyTorch's kernel. An arm sets it in
+    # its quant block (hashed), the checkpoint carries it; w4a16 when absent because it is
+    # the exact one. Falls back to tinygemm by name (logged) where the ISA or shape is missing.
+    "kernel": "w4a16",
 }
 KNOBS = tuple(DEFAULTS)
+KERNELS = ("w4a16", "w4a8", "tinygemm")
+
+
+def describe(knobs: dict[str, Any], model_dtype: str) -> str:
+    """What runs a 4-bit linear for these knobs on this host, for the runtime string.
+
+    No vLLM import (the engine's runtime() calls it in the main process). Shapes the
+    kernel does not cover are only known at load; those layers log their fallback.
+    """
+    import torch
+
+    from fourbit.kernels import int4_cpu, tinygemm
+
+    requested = knobs["activation_dtype"]
+    compute = model_dtype if requested == "auto" else requested
+    kernel = knobs["kernel"]
+    if kernel in int4_cpu.NUMERICS and int4_cpu.isa() != "none":
+        small = f"fourbit {kernel.upper()} kernel ({int4_cpu.isa()})"
+        source = "its packed layout"
+    else:
+        dtype = tinygemm.kernel_dtype(getattr(torch, compute), requested)
+        small = f"tinygemm {str(dtype).removeprefix('torch.')}"
+        small += "" if tinygemm.vectorized(dtype) else " (scalar)"
+        if kernel != "tinygemm":
+            small += f", fourbit {kernel} unavailable (no AVX2+FMA)"
+        # bfloat16 scales are not exact: the float32 dense path then reads a kept copy
+        exact = dtype in (getattr(torch, compute), torch.float32)
+        source = "the packed layout" if knobs["direct_dequant"] and exact else "a kept copy"
+    if not knobs["prefill_dequant"]:
+        return f"{small} for every batch"
+    return f"{small} below {knobs['dequant_threshold']} rows, dense {compute} from {source} above"
+
+
+# Knobs an arm's quant block carries (hashed into its id) and the checkpoint then holds.
+ARM_KNOBS = ("kernel",)
+
+
+def write_arm_knobs(folder: str | os.PathLike, quant: dict[str, Any]) -> None:
+    """Copy the arm's plugin knobs from its quant block into the checkpoint's
+    quantization_config (config.json), where vLLM hands them to the plugin."""
+    from fourbit.atomic import write_json
+    from fourbit.checkpoint import read_config
+
+    knobs = {k: quant[k] for k in ARM_KNOBS if k in quant}
+    if not knobs:
+        return
+    config = read_config(folder)
+    config["quantization_config"] = {**config["quantization_config"], **knobs}
+    write_json(Path(folder) / "config.json", config)
+
 
 _registered = False
 

@@ -54,9 +54,9 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 from vllm.model_executor.utils import set_weight_attrs
 
 from fourbit import formats
-from fourbit.kernels import tinygemm
+from fourbit.kernels import int4_cpu, tinygemm
 from fourbit.quant.qweight import QuantizedWeight
-from fourbit.vllm_plugin import DEFAULTS, KNOBS, QUANT_METHOD, ops
+from fourbit.vllm_plugin import DEFAULTS, KERNELS, KNOBS, QUANT_METHOD, ops
 
 log = logging.getLogger(__name__)
 
@@ -159,8 +159,11 @@ class FourbitInt4Config(QuantizationConfig):
         prefill_dequant: bool = DEFAULTS["prefill_dequant"],
         direct_dequant: bool = DEFAULTS["direct_dequant"],
         activation_dtype: str = DEFAULTS["activation_dtype"],
+        kernel: str = DEFAULTS["kernel"],
     ) -> None:
         super().__init__()
+        if kernel not in KERNELS:
+            raise ValueError(f"{QUANT_METHOD}: kernel must be one of {KERNELS}, got {kernel!r}")
         if activation_dtype != "auto" and activation_dtype not in _DTYPES:
             raise ValueError(
                 f"{QUANT_METHOD}: activation_dtype must be 'auto' or one of {sorted(_DTYPES)}, "
@@ -177,6 +180,7 @@ class FourbitInt4Config(QuantizationConfig):
         self.prefill_dequant = bool(prefill_dequant)
         self.direct_dequant = bool(direct_dequant)
         self.activation_dtype = activation_dtype
+        self.kernel = kernel
         # Module names (HF naming, then vLLM's after apply_vllm_mapper) that the
         # checkpoint stores quantized; None until maybe_update_config has read it.
         self.quantized_modules: set[str] | None = None
@@ -218,6 +222,7 @@ class FourbitInt4Config(QuantizationConfig):
             prefill_dequant=_as_bool(knobs["prefill_dequant"], "prefill_dequant"),
             direct_dequant=_as_bool(knobs["direct_dequant"], "direct_dequant"),
             activation_dtype=str(knobs["activation_dtype"]),
+            kernel=str(knobs["kernel"]),
         )
 
     @classmethod
@@ -413,7 +418,9 @@ class FourbitEmbeddingMethod(_StoredTensors, QuantizeMethodBase):
 
 
 class FourbitLinearMethod(_StoredTensors, LinearMethodBase):
-    """tinygemm for small batches, dense matmul on W_hat for large ones (see ops.py)."""
+    """fourbit's kernel (or tinygemm) for small batches, dense matmul on W_hat for large ones
+    (see ops.py). The arm's ``kernel`` knob picks; a layer the kernel cannot take on this
+    host falls back to tinygemm, logged with the layer's name and the reason."""
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         out_features = sum(layer.fourbit_out_sizes)
@@ -426,41 +433,62 @@ class FourbitLinearMethod(_StoredTensors, LinearMethodBase):
             compute = layer.fourbit_params_dtype
         else:
             compute = _DTYPES[cfg.activation_dtype]
-        n16 = -(-out_features // tinygemm.N_MULTIPLE) * tinygemm.N_MULTIPLE
         k = qw.shape[1]
         g = qw.group_size
+        kernel = cfg.kernel
+        if kernel in int4_cpu.NUMERICS:
+            reason = int4_cpu.unsupported(out_features, k, g)
+            if reason is not None:
+                log.warning("%s: %s: fourbit %s kernel not used (%s); tinygemm instead",
+                            QUANT_METHOD, _name(layer), kernel, reason)
+                kernel = "tinygemm"
         empty_u8 = torch.empty(0, dtype=torch.uint8)
         empty_f = torch.empty(0, dtype=torch.float32)
-        packed, sz = empty_u8, torch.empty(0, dtype=compute)
-        try:
-            tinygemm.check_shape(n16, k, g)
-            tinygemm_ok = True
-        except ValueError as e:
-            log.warning("%s: %s runs dense only: %s", QUANT_METHOD, layer.prefix, e)
-            tinygemm_ok = False
-        if tinygemm_ok:
-            packed, sz = tinygemm.to_tinygemm(_pad_rows(qw, n16), compute)
-        if not tinygemm_ok:
-            mode, threshold = ops.MODE_KEPT, 0
-        elif not cfg.prefill_dequant:
-            mode, threshold = ops.MODE_NEVER, ops.NO_THRESHOLD
-        elif cfg.direct_dequant and tinygemm.supports_direct_dequant(n16, k):
-            mode, threshold = ops.MODE_DIRECT, cfg.dequant_threshold
+        packed, sz, scales, zeros = empty_u8, torch.empty(0, dtype=compute), empty_f, empty_u8
+        codes, offsets = empty_u8, empty_f
+        if kernel != "tinygemm":
+            w = int4_cpu.repack(qw)  # [N, K/2] nibbles + [N, K/G] scales/zeros; qw is dropped
+            packed, scales, zeros = w.packed, w.scales, w.zeros
+            mode = ops.MODE_DIRECT if cfg.prefill_dequant else ops.MODE_NEVER
+            threshold = cfg.dequant_threshold if cfg.prefill_dequant else ops.NO_THRESHOLD
         else:
-            mode, threshold = ops.MODE_KEPT, cfg.dequant_threshold
-        codes, scales, offsets = empty_u8, empty_f, empty_f
-        if mode == ops.MODE_KEPT:
-            codes, scales, offsets = ops.kept_copy(qw.codes, qw.scales, qw.zeros, g)
+            mode, threshold, packed, sz = self._tinygemm(layer, qw, out_features, compute)
+            if mode == ops.MODE_KEPT:
+                codes, scales, offsets = ops.kept_copy(qw.codes, qw.scales, qw.zeros, g)
         layer.register_buffer("fourbit_packed", packed, persistent=False)
         layer.register_buffer("fourbit_sz", sz, persistent=False)
         layer.register_buffer("fourbit_codes", codes, persistent=False)
         layer.register_buffer("fourbit_scales", scales, persistent=False)
         layer.register_buffer("fourbit_offsets", offsets, persistent=False)
-        knobs = torch.tensor([threshold, mode, ops.DTYPE_CODE[compute]], dtype=torch.int64)
-        layer.register_buffer("fourbit_knobs", knobs, persistent=False)
+        layer.register_buffer("fourbit_zeros", zeros, persistent=False)
+        knobs = [threshold, mode, ops.DTYPE_CODE[compute], ops.KERNEL_CODE[kernel]]
+        layer.register_buffer("fourbit_knobs", torch.tensor(knobs, dtype=torch.int64),
+                              persistent=False)
         layer.fourbit_group_size = g
         layer.fourbit_out_features = out_features
         layer.fourbit_mode = mode
+        layer.fourbit_kernel = kernel
+
+    def _tinygemm(self, layer, qw: QuantizedWeight, out_features: int, compute: torch.dtype):
+        """(mode, threshold, packed, scales_and_zeros) for tinygemm. It runs in bfloat16 under
+        a float32 model where only bfloat16 is vectorized (tinygemm.kernel_dtype); its dense
+        path then reads W_hat from a kept copy, since bfloat16 scales are not exact."""
+        cfg = self.config
+        n16 = -(-out_features // tinygemm.N_MULTIPLE) * tinygemm.N_MULTIPLE
+        k, g = qw.shape[1], qw.group_size
+        try:
+            tinygemm.check_shape(n16, k, g)
+        except ValueError as e:
+            log.warning("%s: %s runs dense only: %s", QUANT_METHOD, _name(layer), e)
+            return ops.MODE_KEPT, 0, torch.empty(0, dtype=torch.uint8), torch.empty(0)
+        dtype = tinygemm.kernel_dtype(compute, cfg.activation_dtype)
+        packed, sz = tinygemm.to_tinygemm(_pad_rows(qw, n16), dtype)
+        exact = dtype == compute or dtype == torch.float32
+        if not cfg.prefill_dequant:
+            return ops.MODE_NEVER, ops.NO_THRESHOLD, packed, sz
+        if cfg.direct_dequant and exact and tinygemm.supports_direct_dequant(n16, k):
+            return ops.MODE_DIRECT, cfg.dequant_threshold, packed, sz
+        return ops.MODE_KEPT, cfg.dequant_threshold, packed, sz
 
     def apply(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
@@ -474,6 +502,7 @@ class FourbitLinearMethod(_StoredTensors, LinearMethodBase):
             layer.fourbit_codes,
             layer.fourbit_scales,
             layer.fourbit_offsets,
+            layer.fourbit_zeros,
             layer.fourbit_knobs,
             layer.fourbit_group_size,
             n,

@@ -20,15 +20,23 @@ read off the buffers inside the op, and the traced graph is identical whatever t
 (group_size and out_features are constants, but they are fixed by the checkpoint,
 whose path is part of the hash.)
 
-Paths, one set of weights:
-    rows <  threshold (or mode NEVER)  tinygemm: aten._weight_int4pack_mm_for_cpu
-    rows >= threshold, mode DIRECT     W_hat read out of the packed tinygemm tensors
-                                       (kernels.tinygemm.dequantize_packed), dense matmul
+Kernels (knobs[3]), one set of weights each:
+    KERNEL_W4A16 / KERNEL_W4A8  fourbit's kernel (kernels/int4_cpu.py) on its own layout:
+                                packed uint8 [N, K/2], scales float32 [N, K/G], zeros
+                                uint8 [N, K/G]; computes in float32
+    KERNEL_TINYGEMM             aten._weight_int4pack_mm_for_cpu: packed in torch's layout,
+                                scales_and_zeros [K/G, N', 2] in the dtype it runs in
+Paths:
+    rows <  threshold (or mode NEVER)  the kernel
+    rows >= threshold, mode DIRECT     W_hat read out of the kernel's own packed tensors
+                                       (int4_cpu.dequantize / tinygemm.dequantize_packed),
+                                       dense matmul
     rows >= threshold, mode KEPT       W_hat from a kept copy of the codes, dense matmul
-    mode KEPT with threshold 0         dense only (shapes tinygemm cannot take)
-Both dense paths compute W_hat in float32 (exact, see quant/qweight.py), cast it to the
-compute dtype and multiply there. The compute dtype is knobs[2] (scales_and_zeros are
-stored in it, so tinygemm runs in it too); inputs are cast to it and outputs back.
+                                       (tinygemm layouts the reader does not know)
+    mode KEPT with threshold 0         dense only (shapes no kernel can take)
+The dense paths compute W_hat in float32 (exact, see quant/qweight.py; from tinygemm's
+tensors only when they are float32), cast it to the compute dtype knobs[2] and multiply
+there. Inputs are cast to the kernel's dtype and outputs back to x's.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 
-from fourbit.kernels import tinygemm
+from fourbit.kernels import int4_cpu, tinygemm
 
 MODE_NEVER = 0  # always tinygemm
 MODE_DIRECT = 1  # dequantize from the packed tinygemm tensors
@@ -46,8 +54,14 @@ MODE_KEPT = 2  # dequantize from a kept copy of the codes
 
 NO_THRESHOLD = 1 << 62  # "never switch to the dense path"
 
-# Calls per path in this process ("tinygemm", "direct", "kept", and "embedding" for a
-# quantized table's lookups): for tests and sanity checks.
+KERNEL_TINYGEMM = 0
+KERNEL_W4A16 = 1  # fourbit's kernel, float32 activations
+KERNEL_W4A8 = 2  # fourbit's kernel, activations rounded to int8 per 32 columns
+KERNEL_CODE = {"tinygemm": KERNEL_TINYGEMM, "w4a16": KERNEL_W4A16, "w4a8": KERNEL_W4A8}
+KERNEL_NAME = {v: k for k, v in KERNEL_CODE.items()}
+
+# Calls per path in this process ("w4a16", "w4a8", "tinygemm", "direct", "kept", and
+# "embedding" for a quantized table's lookups): for tests and sanity checks.
 calls: Counter[str] = Counter()
 
 
@@ -72,7 +86,10 @@ def dequantize_kept(
     return w.view(n, k)  # [N, K/G, G] -> [N, K]
 
 
-def _dense_weight(packed, scales_and_zeros, codes, scales, offsets, mode, group_size, in_features):
+def _dense_weight(packed, scales_and_zeros, codes, scales, offsets, zeros, mode, kernel,
+                  group_size, in_features):
+    if mode == MODE_DIRECT and kernel != KERNEL_TINYGEMM:
+        return int4_cpu.dequantize(packed, scales, zeros, group_size)
     if mode == MODE_DIRECT:
         n = packed.shape[0]
         w = tinygemm.dequantize_packed(packed, scales_and_zeros, group_size, n, in_features)
@@ -90,12 +107,14 @@ def int4_linear(
     codes: torch.Tensor,
     scales: torch.Tensor,
     offsets: torch.Tensor,
+    zeros: torch.Tensor,
     knobs: torch.Tensor,
     group_size: int,
     out_features: int,
 ) -> torch.Tensor:
-    """x [M, K] -> [M, out_features] in x's dtype; knobs = int64 [threshold, mode, dtype code]."""
-    threshold, mode, _ = (int(v) for v in knobs.tolist())
+    """x [M, K] -> [M, out_features] in x's dtype; knobs = int64 [threshold, mode, dtype
+    code, kernel code]."""
+    threshold, mode, _, kernel = (int(v) for v in knobs.tolist())
     rows, in_features = x.shape
     if rows == 0:
         return x.new_empty((0, out_features))
@@ -103,10 +122,13 @@ def int4_linear(
     if use_dense:
         compute = knobs_dtype(knobs)
         calls["direct" if mode == MODE_DIRECT else "kept"] += 1
-        w = _dense_weight(
-            packed, scales_and_zeros, codes, scales, offsets, mode, group_size, in_features
-        )
+        w = _dense_weight(packed, scales_and_zeros, codes, scales, offsets, zeros, mode, kernel,
+                          group_size, in_features)
         y = F.linear(x.to(compute), w.to(compute))  # [M, K] x [N', K] -> [M, N']
+    elif kernel != KERNEL_TINYGEMM:
+        calls[KERNEL_NAME[kernel]] += 1
+        numerics = int4_cpu.numerics_code(KERNEL_NAME[kernel])
+        y = int4_cpu.linear_tensors(x, packed, scales, zeros, group_size, numerics)  # [M, N]
     else:
         calls["tinygemm"] += 1
         xc = x.to(scales_and_zeros.dtype).contiguous()
@@ -120,12 +142,12 @@ def int4_linear(
 
 @int4_linear.register_fake
 def _int4_linear_fake(
-    x, packed, scales_and_zeros, codes, scales, offsets, knobs, group_size, out_features
+    x, packed, scales_and_zeros, codes, scales, offsets, zeros, knobs, group_size, out_features
 ):
     return x.new_empty((x.shape[0], out_features))
 
 
-# The compute dtype travels in knobs[2] (tinygemm uses scales_and_zeros' dtype, the same one).
+# The dense path's compute dtype travels in knobs[2] (tinygemm uses scales_and_zeros' dtype).
 _DTYPE_CODES = {0: torch.float32, 1: torch.bfloat16, 2: torch.float16}
 DTYPE_CODE = {v: k for k, v in _DTYPE_CODES.items()}
 
