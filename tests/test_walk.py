@@ -129,3 +129,18 @@ def test_calibration_windows_are_seeded_and_disjoint():
 def test_too_small_calibration_split_names_the_numbers():
     with pytest.raises(ValueError, match="has 50 tokens; 6 windows of 10 need 60"):
         calibration_samples(list(range(50)), 6, 10, seed=0)
+
+
+def test_linears_kept_dense_are_walked_but_not_counted_as_quantized(tmp_path):
+    """A fallback: dense linear comes back from the quantizer as itself; the layers after
+    it are measured with it as it is, and linears_quantized does not count it."""
+    folder = save_tiny(tmp_path / "m")
+    seen = []
+
+    def keep_down_dense(name, w, h):
+        seen.append(name)
+        return w if name.endswith("mlp.down_proj") else w.clone()
+
+    info = quantize_sequential(folder, samples(), keep_down_dense)
+    assert len(seen) == 2 * len(LINEARS) + 1  # every linear of both layers, and the head
+    assert info["linears_quantized"] == 2 * (len(LINEARS) - 1) + 1

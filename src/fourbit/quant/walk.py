@@ -24,14 +24,11 @@ import torch
 from fourbit.checkpoint import CheckpointError, TensorReader, skeleton
 from fourbit.progress import Progress
 from fourbit.quant.hessian import Hessian
+from fourbit.quant.shapes import HEAD, LAYER_GROUPS
 
-GROUPS = (  # within a layer, in forward order; each group's members share one input
-    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    ("self_attn.o_proj",),
-    ("mlp.gate_proj", "mlp.up_proj"),
-    ("mlp.down_proj",),
-)
-HEAD = "lm_head"
+# Within a layer, in forward order; each group's members share one input. The same
+# table decides which linears fall back to dense together (fourbit.quant.shapes).
+GROUPS = LAYER_GROUPS
 
 # (name, W [N, K] float32, H [K, K]) -> W_hat [N, K]; W and H are read-only.
 QuantizeLinear = Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -70,8 +67,11 @@ def quantize_sequential(
                 h = _input_hessian(layer, modules[0], inputs, layer_kwargs[i])
                 for name, module in zip(group, modules, strict=True):
                     w = module.weight.detach()
-                    w.copy_(_checked(quantize_linear(prefix + name, w, h), w.shape, prefix + name))
-                    calls += 1
+                    w_hat = _checked(quantize_linear(prefix + name, w, h), w.shape, prefix + name)
+                    # A linear kept dense (quantize_head off, fallback: dense) comes back as
+                    # itself: measured for the layers after it, not counted as quantized.
+                    calls += w_hat is not w
+                    w.copy_(w_hat)
             inputs = [layer(x, **layer_kwargs[i]) for x in inputs]  # the next layer's inputs
             layer.to("meta")
             progress.update(note=f"layer {i}")
@@ -81,8 +81,8 @@ def quantize_sequential(
             for x in inputs:
                 h.add_batch(base.norm(x))
             w = reader.get(f"{HEAD}.weight").float()
-            _checked(quantize_linear(HEAD, w, h.h), w.shape, HEAD)  # nothing reads it after
-            calls += 1
+            w_hat = _checked(quantize_linear(HEAD, w, h.h), w.shape, HEAD)  # nothing reads it after
+            calls += w_hat is not w
             progress.update(note=HEAD)
     return {
         "layers": len(base.layers),

@@ -1,0 +1,147 @@
+"""fourbit.quant.shapes: the plan made from config.json before any job is the one the
+quantize job makes from the real module tree and the real format tables."""
+
+import itertools
+
+import pytest
+
+from fourbit.formats import get_format
+from fourbit.quant import shapes
+from fourbit.quant.methods import get_method
+
+# A 135M-like model (hidden 576, 9 / 3 heads), two layers: 576 is not a multiple of 128.
+WIDE_576 = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+    "intermediate_size": 1536, "num_hidden_layers": 2, "num_attention_heads": 9,
+    "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True,
+}
+
+
+def quant(method="cpu_int4", group_size=128, **extra):
+    base = {"method": method, "group_size": group_size, "sym": method != "cpu_int4", "quantize_head": True}
+    return {**base, **extra}
+
+
+@pytest.mark.parametrize("name", sorted(shapes.FORMAT_SHAPES))
+def test_format_shapes_copy_the_formats_layout_tables(name):
+    assert shapes.FORMAT_SHAPES[name] == {spec.suffix: spec.shape for spec in get_format(name).layout}
+
+
+def test_every_format_is_copied():
+    from fourbit.formats import FORMATS
+
+    assert set(shapes.FORMAT_SHAPES) == set(FORMATS)
+
+
+@pytest.mark.parametrize("name", sorted(shapes.FORMAT_SHAPES))
+def test_does_not_fit_exactly_when_the_format_refuses(name):
+    fmt = get_format(name)
+    for n, k, g in itertools.product((8, 12, 16, 192, 200), (64, 96, 99, 100, 576, 1536), shapes.GROUP_SIZES):
+        try:
+            fmt.shapes(n, k, g)
+            refused = False
+        except ValueError:
+            refused = True
+        assert (shapes.does_not_fit(name, n, k, g) is not None) == refused, (n, k, g)
+
+
+@pytest.mark.parametrize("method,sym", [("cpu_int4", False), ("rtn", True), ("rtn", False),
+                                        ("gptq", True), ("gptq", False)])
+def test_format_of_agrees_with_the_method(method, sym):
+    q = {"method": method, "sym": sym}
+    assert shapes.format_of(q) == get_method(method).format(q)
+
+
+@pytest.mark.parametrize("model_type,extra", [
+    ("llama", {}),
+    ("llama", {"head_dim": 32}),  # head_dim not hidden / heads
+    ("qwen2", {}),
+    ("mistral", {}),
+])
+def test_matrices_from_config_are_the_skeletons(model_type, extra):
+    """The DAG-time arithmetic against the module tree transformers builds (what
+    fourbit.quantize.select_modules reads)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fourbit.checkpoint import module_name, quantizable_linears
+    from fourbit.quantized_checkpoint import matrix_shape
+
+    config = {"model_type": model_type, "hidden_size": 192, "intermediate_size": 320,
+              "num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 2,
+              "vocab_size": 1000, "tie_word_embeddings": False, **extra}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))
+    planned = shapes.matrices_from_config(config)
+    linears = {name: matrix_shape(m) for name, m in quantizable_linears(model).items()}
+    assert list(planned.linears.items()) == list(linears.items())
+    assert planned.head == module_name(model, model.get_output_embeddings())
+    assert planned.embedding == module_name(model, model.get_input_embeddings())
+    assert planned.embedding_shape == matrix_shape(model.get_input_embeddings())
+
+
+def test_a_layout_fourbit_does_not_walk_is_refused_by_name():
+    with pytest.raises(shapes.ShapeError, match="model_type 'gpt2'.*llama, mistral, qwen2"):
+        shapes.matrices_from_config({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+
+
+def test_group_128_on_576_wide_layers_names_layers_widths_and_the_groups_that_fit():
+    plan = shapes.plan_arm(shapes.matrices_from_config(WIDE_576), quant(group_size=128), "g128")
+    assert plan.refusal is not None
+    assert "arm g128 (cpu_int4, group_size 128" in plan.refusal
+    assert ("model.layers.{0-1}.self_attn.q_proj: K=576 is not a multiple of group_size 128 "
+            "(N=576, K=576)") in plan.refusal
+    assert "lm_head: K=576" in plan.refusal
+    assert "mlp.down_proj" not in plan.refusal  # K=1536 = 12 x 128 fits
+    assert "group sizes that fit every matrix: 32, 64" in plan.refusal
+    assert "fallback: dense" in plan.refusal
+
+
+def test_group_64_fits_the_576_wide_model():
+    plan = shapes.plan_arm(shapes.matrices_from_config(WIDE_576), quant(group_size=64), "g64")
+    assert plan.refusal is None and not plan.kept_dense
+    assert len(plan.quantized) == 2 * 7 + 1
+
+
+def test_the_embedding_is_checked_only_when_the_arm_quantizes_it():
+    matrices = shapes.matrices_from_config(WIDE_576)  # the table [49152, 576] is grouped along 576
+    without = shapes.plan_arm(matrices, quant(group_size=128))
+    with_table = shapes.plan_arm(matrices, quant(group_size=128, quantize_embedding=True))
+    assert "model.embed_tokens" not in without.refusal
+    assert "model.embed_tokens: K=576 is not a multiple of group_size 128 (N=49152, K=576)" in with_table.refusal
+    assert "model.embed_tokens" in shapes.plan_arm(matrices, quant(group_size=64, quantize_embedding=True)).quantized
+
+
+def test_fallback_dense_keeps_misfits_and_their_merged_siblings_dense():
+    # head_dim 4 with one KV head: k/v have N=4, which GPTQ's qzeros [K/G, N/8] cannot
+    # hold; q fits alone but vLLM merges it with k and v, so all three stay dense.
+    config = {**WIDE_576, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 64,
+              "num_key_value_heads": 1}
+    plan = shapes.plan_arm(shapes.matrices_from_config(config), quant("gptq", 128, fallback="dense"))
+    assert plan.refusal is None
+    dense_suffixes = {name.split(".", 3)[3] for name in plan.kept_dense}
+    assert dense_suffixes == {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"}
+    assert set(plan.misfits) == {f"model.layers.{i}.self_attn.{m}_proj" for i in (0, 1) for m in "kv"}
+    assert "N=4 is not a multiple of 8" in plan.misfits["model.layers.0.self_attn.k_proj"]
+    assert "model.layers.0.self_attn.o_proj" in plan.quantized and "lm_head" in plan.quantized
+
+
+def test_refuse_is_the_default_policy():
+    config = {**WIDE_576, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 64,
+              "num_key_value_heads": 1}
+    plan = shapes.plan_arm(shapes.matrices_from_config(config), quant("gptq", 128))
+    assert "no group size fits every matrix" in plan.refusal
+
+
+def test_fallback_dense_that_leaves_nothing_quantized_is_refused():
+    plan = shapes.plan_arm(shapes.matrices_from_config({**WIDE_576, "intermediate_size": 1000}),
+                           quant(group_size=128, fallback="dense"))
+    assert plan.refusal and "would leave nothing quantized" in plan.refusal
+
+
+def test_llamacpp_arms_are_never_refused_but_their_fallbacks_are_listed():
+    matrices = shapes.matrices_from_config(WIDE_576)
+    fallbacks = shapes.llamacpp_fallbacks(matrices, {"type": "Q4_K_M"})
+    assert "model.layers.0.mlp.down_proj" not in fallbacks  # 1536 = 6 x 256
+    assert fallbacks["model.layers.1.self_attn.q_proj"] == "K=576 is not a multiple of 256 (Q4_K_M's block)"
+    assert shapes.llamacpp_fallbacks(matrices, {"type": "Q4_0"}) == {}  # 576 = 18 x 32
