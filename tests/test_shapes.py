@@ -145,3 +145,41 @@ def test_llamacpp_arms_are_never_refused_but_their_fallbacks_are_listed():
     assert "model.layers.0.mlp.down_proj" not in fallbacks  # 1536 = 6 x 256
     assert fallbacks["model.layers.1.self_attn.q_proj"] == "K=576 is not a multiple of 256 (Q4_K_M's block)"
     assert shapes.llamacpp_fallbacks(matrices, {"type": "Q4_0"}) == {}  # 576 = 18 x 32
+
+
+@pytest.mark.parametrize("method", ["cpu_int4", "rtn"])
+def test_fallback_dense_writes_a_checkpoint_the_control_and_the_reference_engine_read(tmp_path, method):
+    """down_proj (K=320) does not fit group 128; with fallback: dense it stays as it was,
+    arm.json names it and counts its bits, and the dense control and the reference
+    engine read the mixed checkpoint."""
+    import json
+
+    import torch
+    from conftest import save_tiny_llama
+
+    from fourbit.checkpoint import load_tensors
+    from fourbit.config import canonical_quant, load_schema
+    from fourbit.dequantize import dequantize_checkpoint
+    from fourbit.engines import reference
+    from fourbit.quantize import quantize_checkpoint
+
+    save_tiny_llama(tmp_path / "m", tied=False, hidden=256, intermediate=320)
+    quant = canonical_quant({"method": method, "group_size": 128, "fallback": "dense"}, load_schema())
+    arm = {"name": "t", "id": "t-0000000000", "quant": quant}
+    manifest = quantize_checkpoint(tmp_path / "m", tmp_path / "q", tmp_path / "arm.json", arm)
+    down = [f"model.layers.{i}.mlp.down_proj" for i in (0, 1)]
+    storage = json.loads((tmp_path / "arm.json").read_text())["storage"]
+    assert sorted(storage["fallback_dense"]) == down and storage["fallback_dense_weights"] == 2 * 256 * 320
+    assert not set(down) & set(manifest["quantized_modules"]) and "lm_head" in manifest["quantized_modules"]
+    # dense float32 weights at 32 bits pull the average up from ~4.2 bits
+    assert storage["quantized_bits_per_weight"] < 5 < storage["bits_per_weight_with_fallback"] < 32
+    source, stored = load_tensors(tmp_path / "m"), load_tensors(tmp_path / "q")
+    for name in down:
+        assert torch.equal(stored[f"{name}.weight"], source[f"{name}.weight"])
+    dequantize_checkpoint(tmp_path / "q", tmp_path / "d")
+    assert torch.equal(load_tensors(tmp_path / "d")[f"{down[0]}.weight"], source[f"{down[0]}.weight"])
+    windows = [list(range(1, 33))]
+    settings = {"dtype": "float32", "threads": 1}
+    quantized = reference.score_windows(tmp_path / "q", windows, settings, 1)
+    dense = reference.score_windows(tmp_path / "d", windows, settings, 1)
+    assert abs(quantized[0]["nll_sum"] - dense[0]["nll_sum"]) < 1e-3 * quantized[0]["tokens"]

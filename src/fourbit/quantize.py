@@ -9,8 +9,9 @@ import time
 from pathlib import Path
 
 from fourbit.atomic import atomic_dir, write_json
-from fourbit.checkpoint import module_name, quantizable_linears, skeleton
+from fourbit.checkpoint import TensorReader, module_name, quantizable_linears, skeleton
 from fourbit.quant.methods import QuantizeJob, get_method
+from fourbit.quant.shapes import Matrices, plan_arm
 from fourbit.quantized_checkpoint import matrix_shape, storage_stats, write_quantized
 from fourbit.vllm_plugin import write_arm_knobs
 
@@ -23,33 +24,42 @@ class GroupSizeError(ValueError):
 
 def select_modules(
     model_dir: str | os.PathLike, quant: dict
-) -> tuple[dict[str, tuple[int, int]], str | None]:
+) -> tuple[dict[str, tuple[int, int]], str | None, dict[str, tuple[int, int]]]:
     """(module name -> (N, K) for every linear the arm quantizes, the input embedding's
-    name if the arm quantizes it too), every width checked against the group."""
+    name if the arm quantizes it too, the linears its ``fallback: dense`` keeps dense).
+
+    The plan is fourbit.quant.shapes.plan_arm's, the one the workflow made from
+    config.json before any job, here on the model's real module tree."""
     model = skeleton(model_dir)
-    linears = quantizable_linears(model)
-    head = model.get_output_embeddings()
-    chosen = {
-        name: matrix_shape(module)
-        for name, module in linears.items()
-        if quant["quantize_head"] or module is not head
+    table = model.get_input_embeddings()
+    matrices = Matrices(
+        linears={name: matrix_shape(module) for name, module in quantizable_linears(model).items()},
+        head=module_name(model, model.get_output_embeddings()),
+        embedding=module_name(model, table),
+        embedding_shape=matrix_shape(table),  # [V, H], grouped along H like a linear's K
+    )
+    plan = plan_arm(matrices, quant)
+    if plan.refusal:
+        raise GroupSizeError(plan.refusal)
+    chosen = {name: shape for name, shape in plan.quantized.items() if name != matrices.embedding}
+    embedding = matrices.embedding if matrices.embedding in plan.quantized else None
+    return chosen, embedding, plan.kept_dense
+
+
+def _fallback_stats(folder: Path, stats: dict, kept_dense: dict[str, tuple[int, int]]) -> dict:
+    """The linears ``fallback: dense`` kept unquantized, and the bits per weight over every
+    matrix the arm was asked to quantize, those dense ones counted as stored (the table's
+    ``quantized_bits_per_weight`` covers only the quantized ones)."""
+    reader = TensorReader(folder)
+    stored = {name: reader.get(f"{name}.weight") for name in kept_dense}
+    dense_bits = sum(t.numel() * t.element_size() * 8 for t in stored.values())
+    dense_weights = sum(t.numel() for t in stored.values())
+    quantized_bits = stats["quantized_bits_per_weight"] * stats["linear_weights"]
+    return {
+        "fallback_dense": {name: list(shape) for name, shape in kept_dense.items()},
+        "fallback_dense_weights": dense_weights,
+        "bits_per_weight_with_fallback": (quantized_bits + dense_bits) / (stats["linear_weights"] + dense_weights),
     }
-    shapes = dict(chosen)
-    embedding = None
-    if quant.get("quantize_embedding"):
-        table = model.get_input_embeddings()
-        embedding = module_name(model, table)
-        shapes[embedding] = matrix_shape(table)  # [V, H], grouped along H like a linear's K
-    group = quant["group_size"]
-    bad = [f"{name}: K={k} is not a multiple of group_size {group}"
-           for name, (_, k) in shapes.items() if k % group]
-    if bad:
-        raise GroupSizeError(
-            f"group_size {group} does not divide the input width of {len(bad)} layer(s):\n  "
-            + "\n  ".join(bad[:10])
-            + "\nchoose a group size that divides every input width (32, 64 or 128 usually do)"
-        )
-    return chosen, embedding
 
 
 def quantize_checkpoint(
@@ -63,7 +73,7 @@ def quantize_checkpoint(
 ) -> dict:
     quant = arm["quant"]
     method = get_method(quant["method"])
-    linears, embedding = select_modules(model_dir, quant)  # fails before any expensive work
+    linears, embedding, kept_dense = select_modules(model_dir, quant)  # fails before any expensive work
     started = time.monotonic()
     calibration = Path(calibration_text) if calibration_text else None
     job = QuantizeJob(Path(model_dir), linears, quant, calibration, threads, embedding)
@@ -73,6 +83,8 @@ def quantize_checkpoint(
         write_quantized(folder, model_dir, qweights, method.format(quant), quant)
         write_arm_knobs(folder, quant)  # the plugin's per-arm kernel, into quantization_config
         stats = storage_stats(folder)
+        if kept_dense:
+            stats.update(_fallback_stats(folder, stats, kept_dense))
     manifest = {
         **arm,
         "format": method.format(quant),
