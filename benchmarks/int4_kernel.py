@@ -1,0 +1,199 @@
+"""Batch-1 times of every CPU linear kernel fourbit can run, side by side, at a real model's shapes.
+
+    .venv/bin/python benchmarks/int4_kernel.py [--threads 2] [--group-size 128] [--json out.json]
+
+For each linear shape of Qwen2.5-0.5B as vLLM runs it (q/k/v merged: 1152 x 896, o: 896 x
+896, gate/up merged: 9728 x 896, down: 896 x 4864, the untied lm_head: 151936 x 896) it
+times one row x [1, K] through
+
+    dense fp32 / dense bf16    F.linear on W_hat (what the unquantized baselines run)
+    tinygemm bf16 / fp32       aten._weight_int4pack_mm_for_cpu (bf16 is vectorized on x86)
+    fourbit W4A16 / W4A8       kernels/int4_cpu.py
+
+on random 4-bit weights (asymmetric, float16 scales). Decode streams every weight from
+memory once per token, so each measurement cycles through enough copies of the weights
+that they cannot stay in the last-level cache; otherwise a 0.5 MB layer would be timed
+from L2. It then prints a whole token's linears (24 layers + head), the effective weight
+bandwidth (resident bytes / time) against the triad bandwidth of fourbit.bench.bandwidth
+measured in the same run and threads, and the resident bytes of each layout against bf16.
+
+Wall-clock numbers mean something only on idle cores: the load average is printed before
+and after, and the run says when it was above a quarter of the threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from fourbit.bench.bandwidth import last_level_cache_bytes, measure_bandwidth
+from fourbit.kernels import int4_cpu, tinygemm
+from fourbit.quant.qweight import QuantizedWeight
+
+LAYERS = 24
+# (name, N, K, per token): Qwen2.5-0.5B, hidden 896, intermediate 4864, 14 heads / 2 KV of 64
+SHAPES = [
+    ("qkv_proj", 896 + 2 * 2 * 64, 896, LAYERS),
+    ("o_proj", 896, 896, LAYERS),
+    ("gate_up_proj", 2 * 4864, 896, LAYERS),
+    ("down_proj", 896, 4864, LAYERS),
+    ("lm_head", 151936, 896, 1),
+]
+METHODS = ("dense fp32", "dense bf16", "tinygemm bf16", "tinygemm fp32", "fourbit W4A16",
+           "fourbit W4A8")
+
+
+def random_qweight(n: int, k: int, g: int, seed: int) -> QuantizedWeight:
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    zeros = torch.randint(0, 16, (n, k // g), generator=gen, dtype=torch.uint8)
+    scales = (0.002 + 0.03 * torch.rand(n, k // g, generator=gen)).half()
+    return QuantizedWeight(codes, scales, zeros, g)
+
+
+def build(method: str, qw: QuantizedWeight):
+    """(call(x) -> y, resident tensors) for one copy of the weight in ``method``'s layout."""
+    g = qw.group_size
+    n = qw.shape[0]
+    if method.startswith("dense"):
+        w = qw.dequantize(torch.float32 if "fp32" in method else torch.bfloat16)
+        return (lambda x: F.linear(x, w)), [w]
+    if method.startswith("tinygemm"):
+        dtype = torch.bfloat16 if "bf16" in method else torch.float32
+        packed, sz = tinygemm.to_tinygemm(qw, dtype)
+        return (lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, g, sz)), [
+            packed, sz]
+    packed = int4_cpu.repack(qw)
+    numerics = "w4a8" if method.endswith("W4A8") else "w4a16"
+    assert packed.shape[0] == n
+    return (lambda x: int4_cpu.linear(x, packed, numerics)), [
+        packed.packed, packed.scales, packed.zeros]
+
+
+def input_dtype(method: str) -> torch.dtype:
+    return torch.bfloat16 if "bf16" in method else torch.float32
+
+
+def resident_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def time_method(method: str, qw: QuantizedWeight, x: torch.Tensor, llc: int, min_time: float,
+                max_time: float) -> dict:
+    """Median seconds per call, each call on the next of enough copies to defeat the LLC."""
+    first, tensors = build(method, qw)
+    one = resident_bytes(tensors)
+    copies = max(1, math.ceil(2 * llc / one))
+    calls = [first] + [build(method, qw)[0] for _ in range(copies - 1)]
+    xi = x.to(input_dtype(method))
+    for call in calls:  # warm: page faults, thread pool, first-call dispatch
+        call(xi)
+    times: list[float] = []
+    started = time.perf_counter()
+    while True:
+        for call in calls:
+            t0 = time.perf_counter()
+            call(xi)
+            times.append(time.perf_counter() - t0)
+        spent = time.perf_counter() - started
+        if (spent >= min_time and len(times) >= 5) or spent >= max_time:
+            break
+    return {"seconds": statistics.median(times), "calls": len(times), "copies": copies,
+            "resident_bytes": one}
+
+
+def load_average() -> float:
+    return os.getloadavg()[0]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--group-size", type=int, default=128, choices=(32, 64, 128))
+    parser.add_argument("--min-time", type=float, default=0.3, help="seconds per measurement")
+    parser.add_argument("--max-time", type=float, default=3.0,
+                        help="stop a slow measurement (tinygemm fp32 on the head) after this")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--no-bandwidth", action="store_true", help="skip the triad")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    llc = last_level_cache_bytes()
+    load_before = load_average()
+    flags = open("/proc/cpuinfo").read().split("flags", 2)[1].split("\n", 1)[0].split()
+    host = {
+        "torch": torch.__version__,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "fourbit_kernel_isa": int4_cpu.isa(),
+        "avx512f": "avx512f" in flags,
+        "threads": args.threads,
+        "group_size": args.group_size,
+        "load_average_before": load_before,
+    }
+    print(f"host: torch {host['torch']} capability {host['torch_cpu_capability']}, fourbit "
+          f"kernel ISA {host['fourbit_kernel_isa']}, avx512f {'yes' if host['avx512f'] else 'no'}, "
+          f"{args.threads} threads, group {args.group_size}, LLC {llc >> 20} MiB, "
+          f"load average {load_before:.2f}")
+    if int4_cpu.isa() == "none":
+        args.methods = [m for m in args.methods if not m.startswith("fourbit")]
+        print("fourbit's kernel does not run here (no AVX2+FMA): its columns are left out")
+
+    x = torch.randn(1, max(k for _, _, k, _ in SHAPES), generator=torch.Generator().manual_seed(0))
+    results: dict[str, dict[str, dict]] = {}
+    for i, (name, n, k, _) in enumerate(SHAPES):
+        qw = random_qweight(n, k, args.group_size, seed=i)
+        results[name] = {}
+        for method in args.methods:
+            results[name][method] = time_method(method, qw, x[:, :k], llc, args.min_time,
+                                                args.max_time)
+        del qw
+
+    width = 15
+    print(f"\nbatch 1, ms per call (median), {args.threads} threads:")
+    print(f"{'shape':<26}" + "".join(f"{m:>{width}}" for m in args.methods))
+    for name, n, k, _ in SHAPES:
+        row = results[name]
+        print(f"{name + f' {n}x{k}':<26}"
+              + "".join(f"{row[m]['seconds'] * 1e3:>{width}.3f}" for m in args.methods))
+    token = {m: sum(results[name][m]["seconds"] * per for name, _, _, per in SHAPES)
+             for m in args.methods}
+    token_bytes = {m: sum(results[name][m]["resident_bytes"] * per for name, _, _, per in SHAPES)
+                   for m in args.methods}
+    print(f"{'one token (24 layers+head)':<26}" + "".join(f"{token[m] * 1e3:>{width}.2f}"
+                                                         for m in args.methods))
+    bf16_bytes = sum(n * k * 2 * per for _, n, k, per in SHAPES)
+    print(f"{'resident / bf16':<26}" + "".join(f"{token_bytes[m] / bf16_bytes:>{width}.3f}"
+                                               for m in args.methods))
+    print(f"{'effective GB/s':<26}" + "".join(f"{token_bytes[m] / token[m] / 1e9:>{width}.1f}"
+                                              for m in args.methods))
+
+    triad = None
+    if not args.no_bandwidth:
+        triad = measure_bandwidth(threads=args.threads)["gbs"]
+        print(f"{'of triad':<26}" + "".join(
+            f"{token_bytes[m] / token[m] / 1e9 / triad:>{width}.0%}" for m in args.methods))
+        print(f"triad bandwidth (fourbit.bench.bandwidth, {args.threads} threads): {triad:.1f} GB/s")
+    load_after = load_average()
+    print(f"load average after: {load_after:.2f}")
+    if max(load_before, load_after) > 0.25 * args.threads:
+        print("WARNING: the cores were busy; these wall-clock times are not a measurement of "
+              "the kernels alone")
+    if args.json:
+        out = {"host": {**host, "load_average_after": load_after, "llc_bytes": llc},
+               "triad_gbs": triad, "per_shape": results,
+               "token_seconds": token, "token_resident_bytes": token_bytes,
+               "bf16_bytes": bf16_bytes}
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
