@@ -73,7 +73,14 @@ def test_bad_value_names_the_allowed_values():
 def test_duplicate_arm_is_refused():
     bad = copy.deepcopy(BASE)
     bad["arms"].append(copy.deepcopy(BASE["arms"][0]))
-    with pytest.raises(ConfigError, match="same id"):
+    with pytest.raises(ConfigError, match=r"arms\[2\]\.name: 'a' is already the name of arms\[0\]"):
+        study(bad)
+
+
+def test_two_arms_of_one_name_are_refused_even_with_different_quant():
+    bad = copy.deepcopy(BASE)
+    bad["arms"][1]["name"] = "a"  # group 64, where arms[0] is group 128: ids would differ
+    with pytest.raises(ConfigError, match=r"'a' is already the name of arms\[0\]; every arm needs its own name"):
         study(bad)
 
 
@@ -141,3 +148,288 @@ def test_a_vllm_native_job_on_a_node_without_the_kernel_stops_naming_it(monkeypa
     (tmp_path / "config.json").write_text('{"quantization_config": {"quant_method": "gptq"}}')
     with pytest.raises(RuntimeError, match="cannot run on this node .*no avx512f here"):
         vllm_native.score_windows(tmp_path, [[1, 2]], {}, 1)
+
+
+# --- Shapes, architectures and names checked while the DAG is built ---------------------
+
+import json  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import yaml  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SNAKEMAKE = [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile")]
+# A 135M-like model (hidden 576, 9 / 3 heads, vocab 49152), two layers: 576 is not a
+# multiple of 128, 1536 is.
+WIDE_576 = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+    "intermediate_size": 1536, "num_hidden_layers": 2, "num_attention_heads": 9,
+    "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True,
+}
+G128 = {"name": "g128", "quant": {"method": "cpu_int4", "group_size": 128}}
+G64 = {"name": "g64", "quant": {"method": "cpu_int4", "group_size": 64}}
+
+
+def synthetic_576(tmp_path, **overrides) -> dict:
+    arch = tmp_path / "wide576.json"
+    arch.write_text(json.dumps({**WIDE_576, **overrides}))
+    return {"source": "synthetic", "architecture": str(arch)}
+
+
+def dry_run(workdir: Path, config: dict, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``snakemake -n`` on ``config``: the real workflow's DAG, no job run."""
+    path = workdir / "study.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return subprocess.run(
+        [*SNAKEMAKE, "-n", "--directory", str(workdir), "--configfile", str(path), "--cores", "1",
+         "results/report.md"],
+        capture_output=True, text=True, timeout=600, env=env,
+    )
+
+
+def scheduled_jobs(output: str) -> dict[str, int]:
+    """Job counts from Snakemake's 'Job stats' table of a dry run."""
+    table = output.split("Job stats:")[1].split("\n\n")[0]
+    return {m[1]: int(m[2]) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.M) if m[1] != "total"}
+
+
+def scheduled_arms(output: str) -> set[str]:
+    return set(re.findall(r"wildcards:.*\barm=([a-z0-9_.]+)-[0-9a-f]{10}", output))
+
+
+@pytest.mark.slow
+def test_an_arm_whose_group_does_not_fit_the_model_gets_no_job_and_its_reason(tmp_path):
+    config = {"model": synthetic_576(tmp_path), "corpus": {"source": "builtin"},
+              "engines": {"vllm": {}}, "arms": [G128, G64]}
+    run = dry_run(tmp_path, config)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "not run: arm g128 (cpu_int4, group_size 128" in run.stderr
+    assert "model.layers.{0-1}.self_attn.q_proj: K=576 is not a multiple of group_size 128" in run.stderr
+    assert "group sizes that fit every matrix: 32, 64" in run.stderr
+    assert scheduled_arms(run.stdout) == {"g64"}
+    assert scheduled_jobs(run.stdout)["quantize"] == 1
+    assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.slow
+def test_a_local_576_wide_model_is_checked_before_any_job(tmp_path):
+    from conftest import save_tiny_llama
+
+    save_tiny_llama(tmp_path / "m", tied=True, hidden=576, intermediate=1152, layers=1, vocab=512)
+    arms = [
+        {"name": "gptq128", "quant": {"method": "gptq", "group_size": 128}},
+        {"name": "gptq128_dense", "quant": {"method": "gptq", "group_size": 128, "fallback": "dense"}},
+        {"name": "rtn64", "quant": {"method": "rtn", "group_size": 64}},
+    ]
+    config = {"model": {"source": "path", "path": str(tmp_path / "m")}, "corpus": {"source": "builtin"},
+              "arms": arms}
+    run = dry_run(tmp_path, config)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "not run: arm gptq128 (gptq, group_size 128, format gptq)" in run.stderr
+    assert "arm gptq128_dense" not in run.stderr
+    assert scheduled_arms(run.stdout) == {"gptq128_dense", "rtn64"}
+
+
+@pytest.mark.slow
+def test_an_hf_model_is_checked_from_its_pinned_config_before_the_download(tmp_path):
+    from conftest import hub_cache
+
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    hub = hub_cache(tmp_path, "models--org--wide", revision, {"config.json": json.dumps(WIDE_576).encode()})
+    env = {**os.environ, "HF_HUB_CACHE": str(hub), "HF_HOME": str(hub.parent), "HF_HUB_OFFLINE": "1"}
+    config = {"model": {"source": "hf", "repo_id": "org/wide", "revision": revision},
+              "corpus": {"source": "builtin"}, "arms": [G128, G64]}
+    run = dry_run(tmp_path, config, env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "not run: arm g128" in run.stderr and scheduled_arms(run.stdout) == {"g64"}
+    assert scheduled_jobs(run.stdout)["download"] == 1
+
+
+@pytest.mark.slow
+def test_duplicate_arm_names_fail_the_dry_run_naming_them(tmp_path):
+    config = {"model": {"source": "builtin", "preset": "tiny"}, "corpus": {"source": "builtin"},
+              "arms": [G128, {**G64, "name": "g128"}]}
+    run = dry_run(tmp_path, config)
+    assert run.returncode != 0
+    assert "arms[1].name: 'g128' is already the name of arms[0]" in run.stdout + run.stderr
+    assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.slow
+def test_an_unknown_synthetic_architecture_fails_the_dry_run_naming_the_shipped_ones(tmp_path):
+    config = {"model": {"source": "synthetic", "architecture": "qwen9-7b"}, "corpus": {"source": "builtin"},
+              "arms": [G64]}
+    run = dry_run(tmp_path, config)
+    assert run.returncode != 0
+    assert "model.architecture 'qwen9-7b': not a shipped name (qwen2.5-0.5b" in run.stdout + run.stderr
+    assert not (tmp_path / "results").exists()
+
+
+def test_refused_arms_are_in_the_study_summary_with_their_reason(tmp_path):
+    s = study({**BASE, "model": synthetic_576(tmp_path), "arms": [G128, G64]})
+    assert [a.name for a in s.arms.values()] == ["g64"]
+    (refused,) = s.summary()["refused_arms"]
+    assert refused["name"] == "g128" and refused["id"].startswith("g128-")
+    assert "K=576 is not a multiple of group_size 128" in refused["reason"]
+
+
+def test_a_study_none_of_whose_arms_fit_stops(tmp_path):
+    with pytest.raises(ConfigError, match="no arm of the config can run on this model"):
+        study({**BASE, "model": synthetic_576(tmp_path), "arms": [G128]})
+
+
+def test_fallback_is_part_of_the_arm_id(tmp_path):
+    dense = {"name": "g128", "quant": {**G128["quant"], "fallback": "dense"}}
+    refuse = {"name": "g128", "quant": {**G128["quant"], "fallback": "refuse"}}
+    assert list(study({**BASE, "arms": [dense]}).arms) != list(study({**BASE, "arms": [refuse]}).arms)
+    assert list(study({**BASE, "arms": [refuse]}).arms) == list(study({**BASE, "arms": [G128]}).arms)
+
+
+def test_an_arm_with_dense_fallback_layers_is_not_given_to_vllm_native(tmp_path, monkeypatch):
+    from fourbit import engines
+
+    monkeypatch.setitem(engines.ENGINE_HOST_CHECKS, "vllm_native", lambda: None)
+    arms = [{"name": "dense", "quant": {"method": "gptq", "group_size": 128, "fallback": "dense"}},
+            {"name": "fits", "quant": {"method": "gptq", "group_size": 64, "fallback": "dense"}}]
+    s = study({**BASE, "model": synthetic_576(tmp_path), "engines": {"vllm": {}, "vllm_native": {}},
+               "arms": arms})
+    names = {e.name: [s.arms[a].name for a in s.arms_for(e)] for e in s.engines.values()}
+    assert names == {"vllm": ["dense", "fits"], "vllm_native": ["fits"]}
+    plan = next(a["plan"] for a in s.summary()["arms"] if a["name"] == "dense")
+    assert "model.layers.0.self_attn.q_proj" in plan["kept_dense"]
+    assert "model.layers.0.mlp.down_proj" not in plan["kept_dense"]  # 1536 = 12 x 128
+
+
+def test_an_architecture_vllm_does_not_list_stops_before_any_job(tmp_path):
+    model = synthetic_576(tmp_path, architectures=["LlamaForCausalLMWithoutVllm"])
+    with pytest.raises(ConfigError, match=r"LlamaForCausalLMWithoutVllm is not one vLLM .* runs.*"
+                                          r"LlamaForCausalLM.*engines vllm need it"):
+        study({**BASE, "model": model, "engines": {"vllm": {}}, "arms": [G64]})
+    # without a vLLM engine the same model is fine
+    assert study({**BASE, "model": model, "engines": {"reference": {}}, "arms": [G64]}).arms
+
+
+def test_a_model_layout_fourbit_cannot_walk_stops_before_any_job(tmp_path):
+    model = synthetic_576(tmp_path, model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    with pytest.raises(ConfigError, match="model_type 'gpt2'.*Llama layout"):
+        study({**BASE, "model": model, "arms": [G64]})
+
+
+def test_a_bad_builtin_training_override_stops_before_any_job():
+    with pytest.raises(ConfigError, match="model.train: .*hidden_size=300 must be a multiple of 256"):
+        study({**BASE, "model": {"source": "builtin", "preset": "tiny", "train": {"hidden_size": 300}}})
+
+
+def test_building_the_study_imports_neither_torch_nor_transformers(tmp_path):
+    """The DAG is built at every Snakemake start (and in every cluster job): the shape and
+    architecture checks must not cost a torch import."""
+    code = ("import sys, json; from fourbit.config import Study; "
+            "Study.from_config(json.loads(sys.argv[1])); "
+            "print(sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules))")
+    config = {**BASE, "model": synthetic_576(tmp_path), "engines": {"vllm": {}, "llamacpp": {}},
+              "arms": [G64, {"name": "q4", "quant": {"method": "llamacpp"}}]}
+    run = subprocess.run([sys.executable, "-c", code, json.dumps(config)], capture_output=True, text=True,
+                         cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "[]"
+
+
+def test_the_report_names_refused_arms_dense_fallbacks_and_llamacpp_fallbacks(tmp_path):
+    from fourbit.report import arms_refused_or_falling_back
+
+    dense = {"name": "g128d", "quant": {"method": "rtn", "group_size": 128, "fallback": "dense"}}
+    s = study({**BASE, "model": synthetic_576(tmp_path), "engines": {"vllm": {}, "llamacpp": {}},
+               "arms": [G128, dense, {"name": "q4", "quant": {"method": "llamacpp"}}]})
+    dense_id = next(a for a in s.arms if a.startswith("g128d-"))
+    manifest = {"id": dense_id, "storage": {"fallback_dense": dict.fromkeys(["a", "b"], [576, 576]),
+                                            "bits_per_weight_with_fallback": 7.25}}
+    text = "\n".join(arms_refused_or_falling_back(s.summary(), [manifest]))
+    assert "**Not run on this model: arm g128**" in text
+    assert "model.layers.{0-1}.self_attn.q_proj: K=576 is not a multiple of group_size 128" in text
+    assert f"`{dense_id}` kept 2 linears dense" in text and "7.250" in text
+    assert "llama-quantize stores these tensors in a fallback type" in text
+    assert "K=576 is not a multiple of 256 (Q4_K_M's block)" in text
+    assert arms_refused_or_falling_back(study().summary(), []) == []
+
+
+def fake_converter(tree: Path, registers: str, chkhsh: str = "0" * 64) -> Path:
+    """A llama.cpp tree with only what fourbit reads of its converter."""
+    (tree / "conversion").mkdir(parents=True)
+    (tree / "convert_hf_to_gguf.py").write_text("from conversion import ModelBase\n")
+    (tree / "conversion" / "llama.py").write_text(f"@ModelBase.register(\n    {registers})\nclass M:\n    pass\n")
+    (tree / "conversion" / "base.py").write_text(
+        "    def get_vocab_base_pre(self, tokenizer) -> str:\n"
+        "        chktxt = 'probe text'\n"
+        f'        if chkhsh == "{chkhsh}":\n            # ref: somewhere\n            res = "known-bpe"\n')
+    return tree
+
+
+def test_the_converters_architectures_and_pre_tokenizers_are_read_from_its_source(tmp_path):
+    from fourbit import supported
+
+    tree = fake_converter(tmp_path / "tree", '"LlamaForCausalLM",\n    "MistralForCausalLM"', "ab" * 32)
+    assert supported.llamacpp_architectures(tree) == {"LlamaForCausalLM", "MistralForCausalLM"}
+    assert supported.llamacpp_pre_tokenizers(tree) == ("probe text", {"ab" * 32: "known-bpe"})
+    supported.check_llamacpp({"architectures": ["MistralForCausalLM"]}, tree, None)
+    with pytest.raises(supported.Unsupported, match="Qwen2ForCausalLM is not one llama.cpp's converter"):
+        supported.check_llamacpp({"architectures": ["Qwen2ForCausalLM"]}, tree, None)
+
+
+def built_llamacpp_tree() -> Path:
+    from fourbit.llamacpp.build import find_llamacpp
+
+    tools = find_llamacpp()
+    if tools is None:
+        pytest.skip("llama.cpp is not built on this host (make llamacpp)")
+    return tools.convert_script.parent
+
+
+def test_an_architecture_the_built_converter_lacks_stops_before_any_job(tmp_path):
+    built_llamacpp_tree()
+    model = synthetic_576(tmp_path, architectures=["LlamaForCausalLMNotInLlamaCpp"])
+    with pytest.raises(ConfigError, match="LlamaForCausalLMNotInLlamaCpp is not one llama.cpp's converter"):
+        study({**BASE, "model": model, "engines": {"llamacpp": {}}, "arms": [{"name": "q4", "quant":
+                                                                                {"method": "llamacpp"}}]})
+    assert study({**BASE, "model": synthetic_576(tmp_path), "engines": {"llamacpp": {}},
+                  "arms": [{"name": "q4", "quant": {"method": "llamacpp"}}]}).arms
+
+
+def bpe_tokenizer(folder: Path) -> None:
+    """A byte-level-free BPE split on whitespace: a pre-tokenizer no released model uses."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    text = [json.__doc__ or "", os.__doc__ or "", re.__doc__ or ""] * 4
+    tokenizer.train_from_iterator(text, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>"]))
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                              "unk_token": "<unk>"}))
+
+
+def test_a_tokenizer_the_converter_does_not_know_stops_before_any_job(tmp_path):
+    from conftest import save_tiny_llama
+
+    from fourbit import supported
+
+    tree = built_llamacpp_tree()
+    save_tiny_llama(tmp_path / "m", tied=True, vocab=512)
+    bpe_tokenizer(tmp_path / "m")
+    assert supported.needs_pre_tokenizer_hash(tmp_path / "m")
+    config = {**BASE, "model": {"source": "path", "path": str(tmp_path / "m")},
+              "engines": {"llamacpp": {}}, "arms": [{"name": "q4", "quant": {"method": "llamacpp"}}]}
+    with pytest.raises(ConfigError, match=r"the tokenizer of .*m is a BPE whose pre-tokenizer llama.cpp's "
+                                          r"converter does not recognise \(chkhsh [0-9a-f]{64}.*llama-bpe"):
+        study(config)
+    # the converter reads a SentencePiece tokenizer.model without hashing anything
+    (tmp_path / "m" / "tokenizer.model").write_bytes(b"")
+    assert not supported.needs_pre_tokenizer_hash(tmp_path / "m")
+    assert study(config).arms
+    # and without a llama.cpp engine or arm the BPE tokenizer is nobody's business
+    (tmp_path / "m" / "tokenizer.model").unlink()
+    assert study({**config, "engines": {"reference": {}}, "arms": [G64]}).arms
+    assert tree.is_dir()

@@ -89,3 +89,55 @@ def test_synthetic_source_builds_random_weights_at_given_shapes(tmp_path):
 def test_unknown_architecture_names_the_shipped_ones(tmp_path):
     with pytest.raises(ValueError, match="qwen2.5-0.5b"):
         fetch_model({"source": "synthetic", "architecture": "nope", "seed": 0}, tmp_path / "out", tmp_path, 1)
+
+
+def test_builtin_config_before_any_job_is_the_one_training_builds(tmp_path):
+    from fourbit.builtin_model import TINY_SPEC, _new_model, resolve_spec
+    from fourbit.sources import model_config
+
+    planned = model_config({"source": "builtin", "preset": "tiny"}, Path("/nonexistent"))
+    _new_model(resolve_spec(TINY_SPEC)).save_pretrained(tmp_path)  # as training saves it
+    built = read_config(tmp_path)
+    for key, value in planned.items():
+        assert built[key] == value, key
+
+
+def test_path_config_is_the_folders_and_a_folder_without_one_is_named(tmp_path):
+    from fourbit.sources import model_config
+
+    save_tiny_llama(tmp_path / "m", tied=False, hidden=256)
+    assert model_config({"source": "path", "path": str(tmp_path / "m")}, tmp_path)["hidden_size"] == 256
+    with pytest.raises(ValueError, match=f"{tmp_path}: no config.json"):
+        model_config({"source": "path", "path": str(tmp_path)}, tmp_path)
+
+
+def test_synthetic_config_of_a_shipped_name_and_of_an_unknown_one():
+    from fourbit.sources import model_config
+
+    assert model_config({"source": "synthetic", "architecture": "qwen2.5-0.5b"}, Path("."))["hidden_size"] == 896
+    with pytest.raises(ValueError, match="'nope': not a shipped name \\(qwen2.5-0.5b"):
+        model_config({"source": "synthetic", "architecture": "nope"}, Path("."))
+
+
+def test_hf_config_before_any_job_comes_from_the_pinned_revision_and_refuses_remote_code(tmp_path):
+    save_tiny_llama(tmp_path / "m", tied=True)
+    files = model_files(tmp_path / "m")
+    remote = json.dumps({**json.loads(files["config.json"]), "auto_map": {"AutoModel": "x.Y"}}).encode()
+    hub = hub_cache(tmp_path, "models--org--tiny", REVISION, {"config.json": files["config.json"]})
+    hub_cache(tmp_path, "models--org--remote", REVISION, {"config.json": remote})
+    env = {**os.environ, "HF_HUB_CACHE": str(hub), "HF_HOME": str(hub.parent), "HF_HUB_OFFLINE": "1"}
+    code = ("import json, sys; from pathlib import Path; from fourbit.sources import model_config; "
+            "print(json.dumps(model_config(json.loads(sys.argv[1]), Path(sys.argv[2]))))")
+
+    def config_of(repo):
+        spec = {"source": "hf", "repo_id": repo, "revision": REVISION}
+        return subprocess.run([sys.executable, "-c", code, json.dumps(spec), str(tmp_path / "none")],
+                              env=env, capture_output=True, text=True)
+
+    run = config_of("org/tiny")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout)["hidden_size"] == 256
+    run = config_of("org/remote")
+    assert run.returncode != 0 and "trust_remote_code" in run.stderr
+    run = config_of("org/absent")
+    assert run.returncode != 0 and "cannot read config.json of org/absent@" in run.stderr

@@ -19,12 +19,20 @@ from typing import Any
 import jsonschema
 import yaml
 
+from fourbit import sources, supported
 from fourbit.engines import ENGINE_READS, ENGINE_RUNS_ARM, unavailable_here
 from fourbit.hashing import canonical_json, file_sha256, short_hash
+from fourbit.quant import shapes
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
 ID_PATTERN = r"[a-z0-9][a-z0-9_.]*-[0-9a-f]{10}"
 GGUF_METHODS = {"llamacpp"}  # methods whose checkpoints only llama.cpp reads
+VLLM_ENGINES = ("vllm", "vllm_native")  # engines that need vLLM's registry to list the architecture
+# Engines that cannot serve an arm some of whose linears its fallback kept dense: vLLM's
+# own GPTQ loader expects every linear of a GPTQ checkpoint quantized (fourbit writes no
+# modules_in_block_to_quantize), while fourbit's plugin reads what is quantized from the
+# safetensors themselves.
+NEEDS_EVERY_LINEAR_QUANTIZED = ("vllm_native",)
 
 
 class ConfigError(ValueError):
@@ -119,6 +127,14 @@ class Arm:
     name: str
     quant: dict
     id: str
+    # What the arm does to this model's matrices (fourbit.quant.shapes.ArmPlan.summary, or
+    # for a llama.cpp arm the tensors llama-quantize stores in a fallback type); not hashed.
+    plan: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def kept_dense(self) -> dict:
+        """Linears its ``fallback: dense`` keeps unquantized on this model."""
+        return self.plan.get("kept_dense", {})
 
     @property
     def kind(self) -> str:
@@ -147,6 +163,8 @@ class Engine:
     def runs(self, arm: "Arm") -> bool:
         """Whether this engine scores ``arm``: it reads the arm's kind of checkpoint, and
         engines that run only some formats (vLLM's own kernels) run this one."""
+        if arm.kept_dense and self.name in NEEDS_EVERY_LINEAR_QUANTIZED:
+            return False
         return arm.kind == self.reads and ENGINE_RUNS_ARM.get(self.name, lambda _: True)(arm.quant)
 
 
@@ -160,6 +178,9 @@ class Study:
     arms: dict[str, Arm] = field(default_factory=dict)
     # engine name -> why it cannot run on this host (None: it can)
     unavailable: dict[str, str | None] = field(default_factory=dict)
+    # arms of the config that cannot apply to this model: {name, id, method, reason};
+    # dropped from the DAG before any job, named in the report
+    refused_arms: list[dict] = field(default_factory=list)
 
     @classmethod
     def from_config(cls, config: dict, schema: dict | None = None) -> "Study":
@@ -167,8 +188,19 @@ class Study:
         config = copy.deepcopy(config)
         quant_parts = [arm.get("quant") for arm in config.get("arms", []) if isinstance(arm, dict)]
         _validate(config, schema, "config")
+        _check_unique_names(config["arms"])
         corpus_id = corpus_identity(config["corpus"])
+        model_id = model_identity(config["model"], corpus_id)
+        engines = {
+            name: Engine(name, _sorted(settings), f"{name}-{short_hash('engine', settings)}")
+            for name, settings in sorted(config["engines"].items())
+        }
+        model_config = _model_config(config, model_id)
+        matrices = _matrices(model_config)
+        has_gguf_arms = any(quant.get("method") in GGUF_METHODS for quant in quant_parts)
+        _check_engines_read(config["model"], model_config, engines, has_gguf_arms, Path(config["results"]) / model_id)
         arms: dict[str, Arm] = {}
+        refused: list[dict] = []
         for index, (arm, quant) in enumerate(zip(config["arms"], quant_parts)):
             canonical = canonical_quant(quant, schema, f"arms[{index}].quant")
             if "calibration" in canonical:
@@ -176,26 +208,31 @@ class Study:
                 canonical["calibration"] = _sorted({**canonical["calibration"], "corpus": corpus_id})
             arm["quant"] = canonical
             arm_id = f"{arm['name']}-{short_hash('arm', canonical)}"
-            if arm_id in arms:
-                raise ConfigError(
-                    f"arms[{index}] ({arm['name']}) has the same id {arm_id} as an earlier arm: "
-                    "same name and same quantization config; remove one or rename it"
-                )
             if any(a.quant != canonical and a.id == arm_id for a in arms.values()):
                 raise ConfigError(f"hash collision on {arm_id}; change the arm's name")
-            arms[arm_id] = Arm(arm["name"], canonical, arm_id)
-        engines = {
-            name: Engine(name, _sorted(settings), f"{name}-{short_hash('engine', settings)}")
-            for name, settings in sorted(config["engines"].items())
-        }
+            if canonical["method"] in GGUF_METHODS:
+                fallbacks = shapes.llamacpp_fallbacks(matrices, canonical)
+                plan = {"llamacpp_fallback": shapes.collapse(fallbacks, _all_shapes(matrices))}
+            else:
+                arm_plan = shapes.plan_arm(matrices, canonical, arm["name"])
+                if arm_plan.refusal:
+                    refused.append({"name": arm["name"], "id": arm_id, "method": canonical["method"],
+                                    "reason": arm_plan.refusal})
+                    continue
+                plan = arm_plan.summary()
+            arms[arm_id] = Arm(arm["name"], canonical, arm_id, plan)
+        if not arms:
+            raise ConfigError("no arm of the config can run on this model:\n  "
+                              + "\n  ".join(r["reason"] for r in refused))
         return cls(
             config=_sorted(config),
             results=config["results"],
-            model_id=model_identity(config["model"], corpus_id),
+            model_id=model_id,
             corpus_id=corpus_id,
             engines=engines,
             arms=arms,
             unavailable={name: unavailable_here(name) for name in engines},
+            refused_arms=refused,
         )
 
     def arms_of_kind(self, kind: str) -> list[str]:
@@ -220,12 +257,72 @@ class Study:
             "engines": {e.id: {"name": e.name, "reads": e.reads, **e.settings,
                                "arms": self.arms_for(e), "unavailable": self.unavailable.get(e.name)}
                         for e in self.engines.values()},
-            "arms": [{**arm.manifest(), "kind": arm.kind} for arm in self.arms.values()],
+            "arms": [{**arm.manifest(), "kind": arm.kind, "plan": arm.plan} for arm in self.arms.values()],
+            "refused_arms": self.refused_arms,
         }
 
     @classmethod
     def from_file(cls, path: str | Path) -> "Study":
         return cls.from_config(yaml.safe_load(Path(path).read_text()))
+
+
+def _check_unique_names(arms: list[dict]) -> None:
+    """Arm names must differ: ids, folders and report rows start with them, and two arms
+    of one name would be told apart only by a hash."""
+    seen: dict[str, int] = {}
+    for index, arm in enumerate(arms):
+        if arm["name"] in seen:
+            raise ConfigError(
+                f"arms[{index}].name: {arm['name']!r} is already the name of arms[{seen[arm['name']]}]; "
+                "every arm needs its own name (rename one, e.g. "
+                f"{arm['name']}_{arm['quant'].get('group_size', index)}, or remove it)"
+            )
+        seen[arm["name"]] = index
+
+
+def _model_config(config: dict, model_id: str) -> dict:
+    """The model's config.json before any job (fourbit.sources.model_config)."""
+    try:
+        return sources.model_config(config["model"], Path(config["results"]) / model_id / "source")
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
+def _matrices(model_config: dict) -> shapes.Matrices:
+    try:
+        return shapes.matrices_from_config(model_config)
+    except shapes.ShapeError as error:
+        raise ConfigError(f"model: {error}") from None
+
+
+def _all_shapes(matrices: shapes.Matrices) -> dict:
+    return {**matrices.linears, matrices.embedding: matrices.embedding_shape}
+
+
+def _check_engines_read(model: dict, model_config: dict, engines: dict, has_gguf_arms: bool,
+                        model_dir: Path) -> None:
+    """Stop before any job when vLLM or llama.cpp's converter cannot read this model."""
+    try:
+        vllm = [name for name in engines if name in VLLM_ENGINES]
+        if vllm:
+            supported.check_vllm(model_config, vllm)
+        if "llamacpp" in engines or has_gguf_arms:
+            from fourbit.llamacpp.build import find_llamacpp
+
+            tools = find_llamacpp()
+            if tools is None:
+                # Built by the study's first job (build_llamacpp); its converter then meets
+                # the model in convert_gguf, which names an unknown architecture itself.
+                print("fourbit: llama.cpp is not built yet, so the model's architecture and tokenizer "
+                      "are not checked against its converter before the jobs start", file=sys.stderr)
+                return
+            # The tokenizer files exist before any job only for a local folder (or a finished
+            # download); builtin and synthetic models get fourbit's SentencePiece tokenizer.
+            folder = {"path": Path(model.get("path", "")), "hf": model_dir / "source"}.get(model["source"])
+            there = folder is not None and (folder / "config.json").is_file()
+            supported.check_llamacpp(model_config, tools.convert_script.parent, folder if there else None)
+    except supported.Unsupported as error:
+        raise ConfigError(str(error)) from None
 
 
 def _slug(text: str) -> str:

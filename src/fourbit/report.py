@@ -757,6 +757,31 @@ def unavailable_engines(study: dict) -> list[str]:
     return ["", *lines] if lines else []
 
 
+def arms_refused_or_falling_back(study: dict, manifests: list[dict]) -> list[str]:
+    """Arms the model's shapes refused before any job (fourbit.quant.shapes), arms whose
+    ``fallback: dense`` kept linears unquantized (with the bits per weight counting them),
+    and llama.cpp arms whose tensors llama-quantize stores in a fallback type."""
+    lines = [f"- **Not run on this model: arm {r['name']}** (`{r['id']}`): "
+             + " ".join(r["reason"].split()) for r in study.get("refused_arms", [])]
+    plans = {arm["id"]: arm.get("plan", {}) for arm in study["arms"]}
+    for m in manifests:
+        storage = m["storage"]
+        if storage.get("fallback_dense"):
+            lines.append(
+                f"- **`{m['id']}` kept {len(storage['fallback_dense'])} linears dense** (fallback: dense; "
+                f"with the linears vLLM merges them with): {'; '.join(plans.get(m['id'], {}).get('misfits', []))}. "
+                f"Bits per weight over every matrix it was asked to quantize, those stored dense: "
+                f"{storage['bits_per_weight_with_fallback']:.3f} (bits/weight above counts the quantized "
+                "ones only); vllm_native does not run it.")
+    for arm_id, plan in plans.items():
+        if plan.get("llamacpp_fallback"):
+            shown = plan["llamacpp_fallback"]
+            lines.append(f"- `{arm_id}`: llama-quantize stores these tensors in a fallback type (its own "
+                         f"per-tensor rule, not an error; bits/weight counts the file): {'; '.join(shown[:4])}"
+                         + (f"; and {len(shown) - 4} more kinds" if len(shown) > 4 else "") + ".")
+    return ["", *lines] if lines else []
+
+
 def render_markdown(study: dict, rows: list[dict], facts: dict, settings: Mapping) -> str:
     headers = ["engine", "arm", "method", "group", "sym", "bits/weight", "file bits/param", "size MiB",
                "ppl", f"Δppl vs baseline [{CONFIDENCE:.0%} CI]", "control (arm vs dense Δ nats/token)"]
@@ -797,6 +822,7 @@ def render_markdown(study: dict, rows: list[dict], facts: dict, settings: Mappin
                  _fmt(r["ppl"]), delta, control]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     lines += unavailable_engines(study)
+    lines += arms_refused_or_falling_back(study, facts.get("quantization", []))
     lines += ["", "## What the evaluation split can and cannot tell apart", ""] + separability(rows)
     lines += ["", "## Fidelity to the baseline", ""] + fidelity_table(rows)
     lines += ["", "## Throughput", ""] + throughput_table(rows)

@@ -1,8 +1,11 @@
 """Where a study's model comes from: one fetcher per ``model.source``.
 
-Each fetcher fills a temporary folder with a Hugging Face model (config.json,
-*.safetensors, tokenizer files); ``fetch_model`` renames it into place and adds
-``fourbit-source.json`` with the content hash of every weight file.
+Each source registers two things: a fetcher, which fills a temporary folder with a
+Hugging Face model (config.json, *.safetensors, tokenizer files) that ``fetch_model``
+renames into place, adding ``fourbit-source.json`` with the content hash of every
+weight file; and a config reader, which gives the model's config.json before any job
+runs (``model_config``), so the workflow checks every arm's shapes against the model
+while it builds the DAG. Config readers import neither torch nor transformers.
 """
 
 from __future__ import annotations
@@ -10,13 +13,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import torch
-
 from fourbit.atomic import atomic_dir
-from fourbit.checkpoint import CheckpointError, read_config, weight_files
 from fourbit.hashing import file_sha256
 
 log = logging.getLogger("fourbit")
@@ -24,39 +25,122 @@ ARCHITECTURES = Path(__file__).parent / "architectures"
 MANIFEST = "fourbit-source.json"
 
 Fetcher = Callable[[dict, Path, Path, int], None]
-SOURCES: dict[str, Fetcher] = {}
+# (spec, folder the download job writes, which may already exist) -> config.json as a dict
+ConfigReader = Callable[[dict, Path], dict]
 
 
-def register_source(name: str) -> Callable[[Fetcher], Fetcher]:
+@dataclass(frozen=True)
+class Source:
+    fetch: Fetcher
+    config: ConfigReader
+
+
+SOURCES: dict[str, Source] = {}
+
+
+def register_source(name: str, *, config: ConfigReader) -> Callable[[Fetcher], Fetcher]:
     def add(fetcher: Fetcher) -> Fetcher:
-        SOURCES[name] = fetcher
+        SOURCES[name] = Source(fetcher, config)
         return fetcher
 
     return add
 
 
+def _source(spec: dict) -> Source:
+    if spec["source"] not in SOURCES:
+        raise ValueError(f"model.source {spec['source']!r} is not known; allowed: {', '.join(sorted(SOURCES))}")
+    return SOURCES[spec["source"]]
+
+
+def model_config(spec: dict, source_dir: str | os.PathLike) -> dict:
+    """The config.json the download job's model will have, without running it.
+
+    ``source_dir`` is where that job writes the model (results/<model id>/source); a
+    reader uses it when the model is already there. Raises ValueError naming what is
+    wrong (an unknown architecture, a folder without config.json, a Hub revision that
+    cannot be read)."""
+    return _source(spec).config(spec, Path(source_dir))
+
+
 def fetch_model(spec: dict, target: str | os.PathLike, corpus_dir: str | os.PathLike, threads: int) -> None:
-    source = spec["source"]
-    if source not in SOURCES:
-        raise ValueError(f"model.source {source!r} is not known; allowed: {', '.join(sorted(SOURCES))}")
+    from fourbit.checkpoint import weight_files  # imports torch: not at DAG time
+
+    source = _source(spec)
     with atomic_dir(target) as folder:
-        SOURCES[source](spec, folder, Path(corpus_dir), threads)
+        source.fetch(spec, folder, Path(corpus_dir), threads)
         weights = {p.name: file_sha256(p) for p in weight_files(folder)}
         manifest = {"spec": spec, "weights_sha256": weights}
         (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 
-@register_source("builtin")
-def _builtin(spec: dict, folder: Path, corpus_dir: Path, threads: int) -> None:
-    from fourbit.builtin_model import DEFAULT_SPEC, TINY_SPEC, train_builtin_model
+def _builtin_spec(spec: dict) -> dict:
+    from fourbit.builtin_model import DEFAULT_SPEC, TINY_SPEC
 
     presets = {"default": DEFAULT_SPEC, "tiny": TINY_SPEC}
-    train_builtin_model(corpus_dir, folder, {**presets[spec["preset"]], **spec.get("train", {})})
+    return {**presets[spec["preset"]], **spec.get("train", {})}
 
 
-@register_source("hf")
+def _builtin_config(spec: dict, source_dir: Path) -> dict:
+    """The LlamaConfig fourbit.builtin_model._new_model builds, as config.json has it
+    (tests/test_sources.py compares the two)."""
+    from fourbit.builtin_model import resolve_spec
+
+    try:
+        resolved = resolve_spec(_builtin_spec(spec))
+    except ValueError as error:
+        raise ValueError(f"model.train: {error}") from None
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": resolved["vocab_size"],
+        "hidden_size": resolved["hidden_size"],
+        "intermediate_size": resolved["intermediate_size"],
+        "num_hidden_layers": resolved["num_layers"],
+        "num_attention_heads": resolved["num_heads"],
+        "num_key_value_heads": resolved["num_kv_heads"],
+        "head_dim": resolved["hidden_size"] // resolved["num_heads"],
+        "tie_word_embeddings": True,
+    }
+
+
+@register_source("builtin", config=_builtin_config)
+def _builtin(spec: dict, folder: Path, corpus_dir: Path, threads: int) -> None:
+    from fourbit.builtin_model import train_builtin_model
+
+    train_builtin_model(corpus_dir, folder, _builtin_spec(spec))
+
+
+def _hub_config(spec: dict, source_dir: Path) -> dict:
+    """The pinned revision's config.json: from the finished download if there is one,
+    else from the Hub (one small file, kept in the Hub cache that the download job
+    then reuses; with a commit hash an already cached file is read without the
+    network). The download job needs the Hub anyway, so failing here loses nothing."""
+    if (source_dir / "config.json").is_file():
+        return _read_config(source_dir)
+    from huggingface_hub import hf_hub_download
+
+    where = f"{spec['repo_id']}@{spec['revision']}"
+    try:
+        path = hf_hub_download(spec["repo_id"], "config.json", revision=spec["revision"])
+    except Exception as error:  # noqa: BLE001 - offline, unknown repo or revision: all stop here
+        raise ValueError(
+            f"model: cannot read config.json of {where} before any job ({type(error).__name__}: "
+            f"{error}); the study checks every arm against the model's shapes first"
+        ) from None
+    config = json.loads(Path(path).read_text())
+    if config.get("auto_map") and not spec.get("trust_remote_code", False):
+        raise ValueError(
+            f"model: {where} needs remote code (auto_map in config.json); "
+            "set model.trust_remote_code: true if you trust it"
+        )
+    return config
+
+
+@register_source("hf", config=_hub_config)
 def _hugging_face(spec: dict, folder: Path, corpus_dir: Path, threads: int) -> None:
     from huggingface_hub import snapshot_download
+
+    from fourbit.checkpoint import CheckpointError, read_config
 
     snapshot = Path(
         snapshot_download(
@@ -74,25 +158,50 @@ def _hugging_face(spec: dict, folder: Path, corpus_dir: Path, threads: int) -> N
     _link_folder(snapshot, folder)
 
 
-@register_source("path")
+def _path_config(spec: dict, source_dir: Path) -> dict:
+    return _read_config(Path(spec["path"]))
+
+
+def _read_config(folder: Path) -> dict:
+    """fourbit.checkpoint.read_config's check, without importing torch."""
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{folder}: no config.json; expected a Hugging Face model folder")
+    return json.loads(path.read_text())
+
+
+@register_source("path", config=_path_config)
 def _local_path(spec: dict, folder: Path, corpus_dir: Path, threads: int) -> None:
     _link_folder(Path(spec["path"]), folder)
 
 
-@register_source("synthetic")
-def _synthetic(spec: dict, folder: Path, corpus_dir: Path, threads: int) -> None:
-    """Random weights at a real architecture's shapes: for speed, not quality."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from fourbit.tokenizer import train_tokenizer
-
+def _architecture_file(spec: dict) -> Path:
+    """A shipped architecture's config.json (src/fourbit/architectures/<name>.json), or
+    the path the spec gives."""
     architecture = spec["architecture"]
     shipped = ARCHITECTURES / f"{architecture}.json"
     config_path = shipped if shipped.is_file() else Path(architecture)
     if not config_path.is_file():
         known = ", ".join(sorted(p.stem for p in ARCHITECTURES.glob("*.json")))
-        raise ValueError(f"model.architecture {architecture!r}: not a shipped name ({known}) nor a config.json path")
-    config = AutoConfig.from_pretrained(config_path)
+        raise ValueError(
+            f"model.architecture {architecture!r}: not a shipped name ({known}) nor a path to a config.json"
+        )
+    return config_path
+
+
+def _synthetic_config(spec: dict, source_dir: Path) -> dict:
+    return json.loads(_architecture_file(spec).read_text())
+
+
+@register_source("synthetic", config=_synthetic_config)
+def _synthetic(spec: dict, folder: Path, corpus_dir: Path, threads: int) -> None:
+    """Random weights at a real architecture's shapes: for speed, not quality."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fourbit.tokenizer import train_tokenizer
+
+    config = AutoConfig.from_pretrained(_architecture_file(spec))
     config.torch_dtype = "float32"
     torch.manual_seed(spec.get("seed", 0))
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -104,6 +213,8 @@ def _synthetic(spec: dict, folder: Path, corpus_dir: Path, threads: int) -> None
 
 def _link_folder(source: Path, folder: Path) -> None:
     """Link a model folder's files instead of copying gigabytes."""
+    from fourbit.checkpoint import weight_files
+
     weight_files(source)  # fails early, naming the folder, when there are no safetensors
     for path in source.iterdir():
         if path.is_file():

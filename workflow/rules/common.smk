@@ -1,9 +1,15 @@
 # Validate first, then derive: fourbit.config checks the config against
 # workflow/schemas/config.schema.yaml (filling defaults) and computes every id
 # before any rule is defined.
+import sys
+
 from fourbit.config import ID_PATTERN, Study
 
 STUDY = Study.from_config(config)
+# An arm that cannot apply to this model (its shapes were checked against the model's
+# config.json just now) has no jobs; the report names it with the same reason.
+for refused in STUDY.refused_arms:
+    print(f"fourbit: not run: {refused['reason']}", file=sys.stderr)
 RESULTS = STUDY.results
 MODEL = STUDY.model_id
 CORPUS = STUDY.corpus_id
