@@ -191,3 +191,14 @@ def test_probe_under_other_capabilities(forced):
     assert got["block_n"] == block_n
     assert {int(k): tuple(v) for k, v in got["rows"].items()} == expected_rows(block_n, full)
     assert all(got["ok"])
+
+
+def test_kernel_dtype_avoids_the_scalar_float32_path():
+    """tinygemm has SIMD code on x86 only for bfloat16: a float32 compute dtype is run in
+    bfloat16 there unless float32 was asked for by name; elsewhere it is kept."""
+    vector = torch.backends.cpu.get_cpu_capability() in tinygemm.VECTORIZED_CAPABILITIES
+    assert tinygemm.vectorized(torch.bfloat16) == vector
+    assert not tinygemm.vectorized(torch.float32)
+    assert tinygemm.kernel_dtype(torch.float32) == (torch.bfloat16 if vector else torch.float32)
+    assert tinygemm.kernel_dtype(torch.float32, "float32") == torch.float32
+    assert tinygemm.kernel_dtype(torch.bfloat16) == torch.bfloat16

@@ -244,6 +244,42 @@ def test_embedding_lookup_is_exactly_the_dense_controls_rows():
     assert method.embedding(layer, torch.tensor([], dtype=torch.long)).shape == (0, hidden)
 
 
+@pytest.mark.parametrize("isa", ["host", "none"])
+def test_linear_method_picks_the_kernel_or_falls_back_by_name(monkeypatch, caplog, isa):
+    """A layer loads into fourbit's layout when the kernel runs here; with the ISA hidden
+    (FOURBIT_INT4_ISA=none, what a CPU without AVX2 sees) it takes tinygemm and says so,
+    naming the layer; either way the op reproduces W_hat."""
+    from fourbit.kernels import int4_cpu
+    from fourbit.vllm_plugin.config import FourbitInt4Config, FourbitLinearMethod
+
+    if isa == "none":
+        monkeypatch.setenv("FOURBIT_INT4_ISA", "none")
+    fmt = formats.get_format("cpu_int4")
+    config = FourbitInt4Config.from_config(dict(fmt.quantization_config(GROUP, False),
+                                                kernel="w4a16", prefill_dequant=False))
+    n, k = 40, 256
+    qw = _random_qweight(n, k, sym=False, gen=torch.Generator().manual_seed(9))
+    layer, method = torch.nn.Module(), FourbitLinearMethod(config)
+    layer.prefix = "model.layers.0.mlp.down_proj"
+    method.create_weights(layer, k, [n], k, n, torch.float32)
+    for suffix, tensor in fmt.pack(qw).items():
+        placeholder = getattr(layer, suffix)
+        placeholder.weight_loader(placeholder, tensor)
+    with caplog.at_level("WARNING"):
+        method.process_weights_after_loading(layer)
+    expected = "w4a16" if int4_cpu.isa() != "none" else "tinygemm"
+    assert layer.fourbit_kernel == expected
+    if expected == "tinygemm":
+        assert "model.layers.0.mlp.down_proj" in caplog.text and "AVX2" in caplog.text
+    else:
+        assert layer.fourbit_packed.shape == (n, k // 2)  # the kernel's layout, no copy of codes
+        assert layer.fourbit_codes.numel() == 0 and layer.fourbit_sz.numel() == 0
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(1))
+    ref = x.double() @ qw.dequantize().double().T
+    tol = 1e-4 if expected == "w4a16" else 0.05 * ref.abs().max()  # tinygemm runs bf16 on x86
+    assert (method.apply(layer, x).double() - ref).abs().max() < tol
+
+
 # --- vLLM --------------------------------------------------------------------------------
 
 CASES = [(f, "llama", True, 512, False, "w4a16") for f in FORMATS] + [

@@ -7,8 +7,9 @@
 //                              k = 64c + i in its low nibble, k = 64c + 32 + i in its
 //                              high one; a last half chunk (K % 64 == 32) holds
 //                              k = 64C + i low, 64C + 16 + i high (i < 16)
-//   scales  float32 [N, K/G]
-//   zeros   uint8   [N, K/G]   W_hat[n, k] = scales[n, g] * (code[n, k] - zeros[n, g])
+//   scales  float32 [ceil(N/4), K/G, 4]   blocks of 4 rows (the rows computed together),
+//   zeros   uint8   [ceil(N/4), K/G, 4]   padded with 0: W_hat[n, k] = s * (code[n, k] - z),
+//                                         s, z at [n / 4, k / G, n % 4]
 //
 // A group's dot product is s * (sum q*x - z * sum x): the codes stay unsigned 0..15,
 // which is what _mm256_maddubs_epi16 (unsigned x signed bytes) wants, and sum x is one
@@ -111,31 +112,42 @@ FOURBIT_AVX2 inline __m256 block_dot_i8(__m256i w, const int8_t* y) {
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 
-// R rows of W4A8. w[r] points at row r's packed bytes, s/z at its group scales/zeros.
-template <int R>
-FOURBIT_AVX2 void rows_w4a8(const uint8_t* const* w, const float* const* s,
-                            const uint8_t* const* z, const int8_t* qy, const float* d,
-                            const float* xsum, int64_t k, int64_t g, float* out) {
+// The zero-point term of ROWS rows at group gi, s * z * sum(x), added to corr (one lane
+// per row): the scales and zeros of a row block are stored [K/G][ROWS], so it is one
+// vector operation for the block.
+FOURBIT_AVX2 inline __m128 add_zero_term(__m128 corr, const float* sb, const uint8_t* zb,
+                                         int64_t gi, float xsum) {
+  int32_t z4;
+  std::memcpy(&z4, zb + gi * ROWS, sizeof z4);
+  const __m128 z = _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(z4)));
+  const __m128 sz = _mm_mul_ps(_mm_loadu_ps(sb + gi * ROWS), z);
+  return _mm_fmadd_ps(sz, _mm_set1_ps(xsum), corr);
+}
+
+// ROWS rows of W4A8. w[r] points at row r's packed bytes; sb / zb at the row block's
+// scales / zeros, [K/G][ROWS] each.
+FOURBIT_AVX2 void rows_w4a8(const uint8_t* const* w, const float* sb, const uint8_t* zb,
+                            const int8_t* qy, const float* d, const float* xsum, int64_t k,
+                            int64_t g, float* out) {
+  constexpr int R = ROWS;
   const __m256i low = _mm256_set1_epi8(0x0F);
   const int64_t full = k / CHUNK;
   const int64_t groups = k / g;
   __m256 acc[R];
-  float corr[R];
-  for (int r = 0; r < R; ++r) {
-    acc[r] = _mm256_setzero_ps();
-    corr[r] = 0.f;
-  }
+  __m128 corr = _mm_setzero_ps();
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   if (g == QK) {
     // One block per group: the combined scale s * d multiplies each block's sum.
     for (int64_t c = 0; c < full; ++c) {
       const float d0 = d[2 * c], d1 = d[2 * c + 1];
       const int8_t* y = qy + c * CHUNK;
+      const float* s0 = sb + 2 * c * R;
       for (int r = 0; r < R; ++r) {
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + c * 32));
         const __m256 p0 = block_dot_i8(_mm256_and_si256(raw, low), y);
         const __m256 p1 = block_dot_i8(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), y + QK);
-        acc[r] = _mm256_fmadd_ps(p0, _mm256_set1_ps(s[r][2 * c] * d0), acc[r]);
-        acc[r] = _mm256_fmadd_ps(p1, _mm256_set1_ps(s[r][2 * c + 1] * d1), acc[r]);
+        acc[r] = _mm256_fmadd_ps(p0, _mm256_set1_ps(s0[r] * d0), acc[r]);
+        acc[r] = _mm256_fmadd_ps(p1, _mm256_set1_ps(s0[R + r] * d1), acc[r]);
       }
     }
     if (k % CHUNK) {  // the half chunk: 16 bytes, k = 64C + i low, 64C + 16 + i high
@@ -145,15 +157,18 @@ FOURBIT_AVX2 void rows_w4a8(const uint8_t* const* w, const float* const* s,
         const __m256i codes = _mm256_and_si256(
             _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low);  // [lo 16 | hi 16] = k order
         const __m256 p = block_dot_i8(codes, qy + b * QK);
-        acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(s[r][b] * d[b]), acc[r]);
+        acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(sb[b * R + r] * d[b]), acc[r]);
       }
     }
+    for (int64_t gi = 0; gi < groups; ++gi) corr = add_zero_term(corr, sb, zb, gi, xsum[gi]);
   } else {
-    // G = 64, 128, 256: a group is G/64 whole chunks; its sum is scaled once.
+    // G = 64, 128, 256: a group is G/64 whole chunks; its sum is scaled once. One
+    // accumulator per row (rows are independent chains), so nothing spills.
     const int64_t chunks = g / CHUNK;
+    const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t gi = 0; gi < groups; ++gi) {
-      __m256 lo_acc[R], hi_acc[R];
-      for (int r = 0; r < R; ++r) lo_acc[r] = hi_acc[r] = _mm256_setzero_ps();
+      __m256 part[R];
+      for (int r = 0; r < R; ++r) part[r] = _mm256_setzero_ps();
       for (int64_t c = gi * chunks; c < (gi + 1) * chunks; ++c) {
         const __m256 d0 = _mm256_broadcast_ss(d + 2 * c);
         const __m256 d1 = _mm256_broadcast_ss(d + 2 * c + 1);
@@ -166,25 +181,19 @@ FOURBIT_AVX2 void rows_w4a8(const uint8_t* const* w, const float* const* s,
           const __m256i p0 = _mm256_maddubs_epi16(_mm256_and_si256(raw, low), y0);
           const __m256i p1 =
               _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), y1);
-          const __m256i ones = _mm256_set1_epi16(1);
-          lo_acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p0, ones)), d0,
-                                      lo_acc[r]);
-          hi_acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p1, ones)), d1,
-                                      hi_acc[r]);
+          part[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p0, ones)), d0, part[r]);
+          part[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p1, ones)), d1, part[r]);
         }
       }
       for (int r = 0; r < R; ++r) {
-        acc[r] = _mm256_fmadd_ps(_mm256_add_ps(lo_acc[r], hi_acc[r]),
-                                 _mm256_set1_ps(s[r][gi]), acc[r]);
+        acc[r] = _mm256_fmadd_ps(part[r], _mm256_broadcast_ss(sb + gi * R + r), acc[r]);
       }
+      corr = add_zero_term(corr, sb, zb, gi, xsum[gi]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    for (int64_t gi = 0; gi < groups; ++gi) {
-      corr[r] += s[r][gi] * static_cast<float>(z[r][gi]) * xsum[gi];
-    }
-    out[r] = hsum8(acc[r]) - corr[r];
-  }
+  float c4[4];
+  _mm_storeu_ps(c4, corr);
+  for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]) - c4[r];
 }
 
 // `bytes` packed bytes of R rows from byte0: low nibbles times x[k_lo + i], high ones
@@ -206,18 +215,15 @@ FOURBIT_AVX2 inline void span_w4a16(const uint8_t* const* w, const float* x, int
   }
 }
 
-// R rows of W4A16 (float32 activations x [K]).
-template <int R>
-FOURBIT_AVX2 void rows_w4a16(const uint8_t* const* w, const float* const* s,
-                             const uint8_t* const* z, const float* x, const float* xsum,
-                             int64_t k, int64_t g, float* out) {
+// ROWS rows of W4A16 (float32 activations x [K]); sb / zb as for rows_w4a8.
+FOURBIT_AVX2 void rows_w4a16(const uint8_t* const* w, const float* sb, const uint8_t* zb,
+                             const float* x, const float* xsum, int64_t k, int64_t g,
+                             float* out) {
+  constexpr int R = ROWS;
   const __m256i low = _mm256_set1_epi32(0x0F);
   __m256 acc[R];
-  float corr[R];
-  for (int r = 0; r < R; ++r) {
-    acc[r] = _mm256_setzero_ps();
-    corr[r] = 0.f;
-  }
+  __m128 corr = _mm_setzero_ps();
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   // One group at a time; inside it two independent accumulators per row (low and
   // high nibbles), so consecutive FMAs of a row do not wait on each other.
   const int64_t groups = k / g;
@@ -253,15 +259,13 @@ FOURBIT_AVX2 void rows_w4a16(const uint8_t* const* w, const float* const* s,
     }
     for (int r = 0; r < R; ++r) {
       acc[r] = _mm256_fmadd_ps(_mm256_add_ps(lo_acc[r], hi_acc[r]),
-                               _mm256_set1_ps(s[r][gi]), acc[r]);
+                               _mm256_broadcast_ss(sb + gi * R + r), acc[r]);
     }
+    corr = add_zero_term(corr, sb, zb, gi, xsum[gi]);
   }
-  for (int r = 0; r < R; ++r) {
-    for (int64_t gi = 0; gi < groups; ++gi) {
-      corr[r] += s[r][gi] * static_cast<float>(z[r][gi]) * xsum[gi];
-    }
-    out[r] = hsum8(acc[r]) - corr[r];
-  }
+  float c4[4];
+  _mm_storeu_ps(c4, corr);
+  for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]) - c4[r];
 }
 
 // ---- the op -------------------------------------------------------------------------
@@ -272,14 +276,16 @@ void check(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor&
   TORCH_CHECK(packed.dtype() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
               "fourbit int4: packed must be contiguous uint8 [N, K/2]");
   const int64_t n = packed.size(0), k = packed.size(1) * 2;
+  const int64_t blocks = (n + ROWS - 1) / ROWS;
   TORCH_CHECK(k % g == 0, "fourbit int4: K=", k, " is not a multiple of group ", g);
   TORCH_CHECK(g == QK || g % CHUNK == 0, "fourbit int4: group ", g, " must be 32 or a multiple of 64");
   TORCH_CHECK(scales.dtype() == at::kFloat && scales.is_contiguous() &&
-                  scales.sizes() == at::IntArrayRef({n, k / g}),
-              "fourbit int4: scales must be contiguous float32 [N, K/G] = [", n, ", ", k / g, "]");
+                  scales.sizes() == at::IntArrayRef({blocks, k / g, ROWS}),
+              "fourbit int4: scales must be contiguous float32 [ceil(N/4), K/G, 4] = [", blocks,
+              ", ", k / g, ", 4]");
   TORCH_CHECK(zeros.dtype() == at::kByte && zeros.is_contiguous() &&
-                  zeros.sizes() == at::IntArrayRef({n, k / g}),
-              "fourbit int4: zeros must be contiguous uint8 [N, K/G]");
+                  zeros.sizes() == at::IntArrayRef({blocks, k / g, ROWS}),
+              "fourbit int4: zeros must be contiguous uint8 [ceil(N/4), K/G, 4]");
 }
 
 // x [M, K] float32 -> [M, N] float32.
@@ -323,21 +329,19 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Te
       const int64_t r0 = b * ROWS;
       const int rows = static_cast<int>(std::min<int64_t>(ROWS, n - r0));
       const uint8_t* w[ROWS];
-      const float* s[ROWS];
-      const uint8_t* z[ROWS];
       for (int r = 0; r < ROWS; ++r) {
         const int64_t row = r0 + std::min(r, rows - 1);  // a short last block repeats its last row
         w[r] = wp + row * (k / 2);
-        s[r] = sp + row * groups;
-        z[r] = zp + row * groups;
       }
+      const float* sb = sp + b * groups * ROWS;
+      const uint8_t* zb = zp + b * groups * ROWS;
       for (int64_t i = 0; i < m; ++i) {
         float out[ROWS];
         if (numerics == W4A8) {
-          rows_w4a8<ROWS>(w, s, z, qy.data() + i * k, d.data() + i * (k / QK),
-                          xsum.data() + i * groups, k, g, out);
+          rows_w4a8(w, sb, zb, qy.data() + i * k, d.data() + i * (k / QK),
+                    xsum.data() + i * groups, k, g, out);
         } else {
-          rows_w4a16<ROWS>(w, s, z, xp + i * k, xsum.data() + i * groups, k, g, out);
+          rows_w4a16(w, sb, zb, xp + i * k, xsum.data() + i * groups, k, g, out);
         }
         std::memcpy(yp + i * n + r0, out, rows * sizeof(float));
       }
@@ -377,8 +381,9 @@ at::Tensor dequantize(const at::Tensor& packed, const at::Tensor& scales, const 
       }
       float* dst = out + row * k;
       for (int64_t gi = 0; gi < groups; ++gi) {
-        const float s = sp[row * groups + gi];
-        const int z = zp[row * groups + gi];
+        const int64_t at = ((row / ROWS) * groups + gi) * ROWS + row % ROWS;  // [N/4, K/G, 4]
+        const float s = sp[at];
+        const int z = zp[at];
         for (int64_t i = gi * g; i < (gi + 1) * g; ++i) {
           dst[i] = s * static_cast<float>(static_cast<int>(codes[i]) - z);
         }
