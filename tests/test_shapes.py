@@ -183,3 +183,37 @@ def test_fallback_dense_writes_a_checkpoint_the_control_and_the_reference_engine
     quantized = reference.score_windows(tmp_path / "q", windows, settings, 1)
     dense = reference.score_windows(tmp_path / "d", windows, settings, 1)
     assert abs(quantized[0]["nll_sum"] - dense[0]["nll_sum"]) < 1e-3 * quantized[0]["tokens"]
+
+
+@pytest.mark.slow
+def test_vllm_serves_a_fallback_arm_whose_merged_layers_stay_dense(tmp_path):
+    """hidden 320 does not fit group 128: q/k/v (vLLM's qkv_proj), o, gate/up (gate_up_proj)
+    and the head stay dense, down_proj (K=512) is quantized; fourbit's plugin serves the
+    mix and agrees with the arm's dense expansion."""
+    import torch
+    import transformers
+
+    from fourbit.config import canonical_quant, load_schema
+    from fourbit.dequantize import dequantize_checkpoint
+    from fourbit.engines import vllm
+    from fourbit.quantize import quantize_checkpoint
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=320, intermediate_size=512, num_hidden_layers=2, vocab_size=512, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False, initializer_range=0.1)
+    transformers.LlamaForCausalLM(config).float().eval().save_pretrained(tmp_path / "m")
+    # tinygemm: the plugin's kernel that every host has; the dense/quantized split is the plugin's
+    quant = canonical_quant({"method": "rtn", "group_size": 128, "fallback": "dense", "kernel": "tinygemm"},
+                            load_schema())
+    manifest = quantize_checkpoint(tmp_path / "m", tmp_path / "q", tmp_path / "arm.json",
+                                   {"name": "t", "id": "t-0000000000", "quant": quant})
+    assert manifest["quantized_modules"] == [f"model.layers.{i}.mlp.down_proj" for i in (0, 1)]
+    dequantize_checkpoint(tmp_path / "q", tmp_path / "d")
+    settings = {"name": "vllm", "dtype": "float32", "enforce_eager": True, "kv_cache_gib": 0.25,
+                "max_num_seqs": 1, "quant": {}}
+    windows = [torch.randint(0, 512, (64,), generator=torch.Generator().manual_seed(1)).tolist()]
+    quantized = vllm.score_windows(tmp_path / "q", windows, settings, 2)
+    dense = vllm.score_windows(tmp_path / "d", windows, settings, 2)
+    assert "fourbit_int4 plugin on gptq weights" in vllm.runtime(tmp_path / "q", settings)
+    assert abs(quantized[0]["nll_sum"] - dense[0]["nll_sum"]) < 1e-4 * quantized[0]["tokens"]
