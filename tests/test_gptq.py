@@ -43,15 +43,15 @@ def test_gptq_output_error_at_most_rtn(sym, group, act_order, static_groups):
     grid = Grid(group_size=group, sym=sym)
     h = hessian_of(x)
     qw, info = gptq_quantize(w, h, grid, act_order=act_order, static_groups=static_groups)
-    rtn = quantize_rtn(w, grid)  # with its range search, which GPTQ here does without
+    rtn = quantize_rtn(w, grid)  # with its weighted search, which GPTQ here does without
     assert output_error(w, qw.dequantize(), x) <= output_error(w, rtn.dequantize(), x)
     assert info["damp_percent_used"] == 0.01 and info["dead_columns"] == 0
     assert 0 < info["relative_loss"] < 0.01
 
 
 @pytest.mark.parametrize("act_order", [False, True])
-@pytest.mark.parametrize("shrink_steps", [0, 10])
-def test_stored_weight_is_exactly_what_gptq_used(monkeypatch, act_order, shrink_steps):
+@pytest.mark.parametrize("search", ["minmax", "shrink", "weighted"])
+def test_stored_weight_is_exactly_what_gptq_used(monkeypatch, act_order, search):
     """Every column GPTQ fed back as quantized equals the stored QuantizedWeight's."""
     used = []
     original = Grid.dequantize
@@ -67,7 +67,7 @@ def test_stored_weight_is_exactly_what_gptq_used(monkeypatch, act_order, shrink_
     h = hessian_of(x)
     qw, _ = gptq_quantize(
         w, h, Grid(group_size=32), act_order=act_order, static_groups=act_order,
-        shrink_steps=shrink_steps,
+        search=search, shrink_steps=10,
     )
     w_hat = torch.stack(used, 1)  # [N, K], columns in processing order
     if act_order:  # back to original column order
@@ -77,11 +77,14 @@ def test_stored_weight_is_exactly_what_gptq_used(monkeypatch, act_order, shrink_
     assert qw.codes.max() <= 15 and qw.zeros.max() <= 15 and qw.scales.dtype == torch.float16
 
 
-def test_range_search_lowers_gptq_error():
+@pytest.mark.parametrize("search", ["shrink", "weighted"])
+@pytest.mark.parametrize("sym", [False, True])
+def test_range_search_lowers_gptq_error(search, sym):
     w, x = layer(seed=2)
-    h, grid = hessian_of(x), Grid(group_size=64)
+    h, grid = hessian_of(x), Grid(group_size=64, sym=sym)
     plain, _ = gptq_quantize(w, h, grid)
-    searched, _ = gptq_quantize(w, h, grid, shrink_steps=20)
+    searched, info = gptq_quantize(w, h, grid, search=search)
+    assert info["search"] == search
     assert output_error(w, searched.dequantize(), x) < output_error(w, plain.dequantize(), x)
 
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from fourbit.quant import grid as grid_mod
-from fourbit.quant.grid import Grid, quantize_rtn
+from fourbit.quant.grid import SEARCHES, Grid, quantize_rtn
 
 SCALE_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
@@ -14,12 +14,23 @@ def heavy_tailed(n, k, seed=0):
 
 
 def group_error(weight, qw, importance=None):
-    """Squared error per group [N, K/G], optionally weighted per column."""
+    """Squared error per group [N, K/G], optionally weighted per column (or per weight)."""
     sq = (qw.dequantize() - weight).square()
     if importance is not None:
         sq = sq * importance
     n, k = weight.shape
     return sq.view(n, k // qw.group_size, qw.group_size).sum(-1)
+
+
+def llama_weights(weight, group, importance=None):
+    """The weighted search's per-weight weights [N, K], as llama.cpp's quantize_row_q4_K
+    computes them: av_x + |x|, or quant_weights * sqrt(sigma2 + x^2); per group."""
+    n, k = weight.shape
+    w = weight.view(n, k // group, group)
+    sigma2 = w.square().mean(-1, keepdim=True)
+    if importance is None:
+        return (sigma2.sqrt() + w.abs()).view(n, k)
+    return (importance.view(k // group, group) * (sigma2 + w.square()).sqrt()).view(n, k)
 
 
 @pytest.mark.parametrize("shape", [(8, 128), (16, 256), (3, 384)])
@@ -28,17 +39,64 @@ def group_error(weight, qw, importance=None):
 def test_shrink_search_never_worse_than_min_max(shape, sym, group):
     w = heavy_tailed(*shape)
     grid = Grid(group_size=group, sym=sym)
-    plain = group_error(w, quantize_rtn(w, grid, shrink_steps=0))
-    searched = group_error(w, quantize_rtn(w, grid, shrink_steps=20))
+    plain = group_error(w, quantize_rtn(w, grid, search="minmax"))
+    searched = group_error(w, quantize_rtn(w, grid, search="shrink", shrink_steps=20))
     assert (searched <= plain).all()
     assert searched.sum() < plain.sum()  # the outliers make clipping pay somewhere
 
 
+@pytest.mark.parametrize("shape", [(8, 128), (16, 256), (3, 384)])
 @pytest.mark.parametrize("sym", [False, True])
-def test_all_zero_group_is_exact(sym):
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("with_importance", [False, True])
+def test_weighted_search_never_worse_than_min_max_on_its_objective(shape, sym, group,
+                                                                   with_importance):
+    w = heavy_tailed(*shape)
+    gen = torch.Generator().manual_seed(7)
+    importance = torch.exp(torch.randn(shape[1], generator=gen) * 2) if with_importance else None
+    grid = Grid(group_size=group, sym=sym)
+    e = llama_weights(w, group, importance)
+    plain = group_error(w, quantize_rtn(w, grid, search="minmax"), e)
+    searched = group_error(w, quantize_rtn(w, grid, search="weighted", importance=importance), e)
+    assert (searched <= plain).all()  # min/max is a candidate and wins ties
+    assert searched.sum() < plain.sum()  # and strictly better somewhere
+
+
+def test_weighted_search_follows_llama_cpp_on_an_outlier_group():
+    """One large weight: the weighted search keeps it (av_x + |x| counts it most) where the
+    squared-error shrink search clips it for the many small ones."""
+    w = torch.full((1, 32), 0.01)
+    w[0, ::2] = -0.01
+    w[0, 5] = 0.3
+    grid = Grid(group_size=32)
+    for search, kept in (("weighted", True), ("shrink", False)):
+        w_hat = quantize_rtn(w, grid, search=search).dequantize()
+        assert (abs(w_hat[0, 5] - 0.3) < 0.01) == kept, search
+
+
+def test_integer_zero_worked_example():
+    """The numbers of Grid._to_integer_zero's docstring."""
+    w = torch.tensor([[-0.31, -0.02, 0.07, 0.44]])
+    scale = torch.tensor([0.050062]).half().float()
+    zero = Grid._to_integer_zero(torch.tensor([-0.315548]), scale)
+    assert scale.item() == 0.050048828125 and zero.item() == 6
+    codes = Grid.quantize(w, scale, zero)
+    assert codes.tolist() == [[0, 6, 7, 15]]
+    torch.testing.assert_close(Grid.dequantize(codes, scale, zero),
+                               torch.tensor([[-0.300293, 0.0, 0.050049, 0.450439]]))
+
+
+def test_unknown_search_is_refused():
+    with pytest.raises(ValueError, match="search='clip' is not one of"):
+        quantize_rtn(torch.randn(2, 128), Grid(), search="clip")
+
+
+@pytest.mark.parametrize("sym", [False, True])
+@pytest.mark.parametrize("search", SEARCHES)
+def test_all_zero_group_is_exact(sym, search):
     w = heavy_tailed(4, 256)
     w[1, 128:] = 0
-    qw = quantize_rtn(w, Grid(sym=sym))
+    qw = quantize_rtn(w, Grid(sym=sym), search=search)
     assert torch.equal(qw.dequantize()[1, 128:], torch.zeros(128))
     assert qw.scales[1, 1].item() == 1.0
 
@@ -46,11 +104,12 @@ def test_all_zero_group_is_exact(sym):
 @pytest.mark.parametrize("sym", [False, True])
 @pytest.mark.parametrize("dtype", SCALE_DTYPES)
 @pytest.mark.parametrize("value", [0.3, -0.3, 1e-3, -7.25])
-def test_constant_group_is_exact(sym, dtype, value):
+@pytest.mark.parametrize("search", SEARCHES)
+def test_constant_group_is_exact(sym, dtype, value, search):
     c = torch.tensor(value).to(dtype).float()  # a value the scale dtype can hold
     w = heavy_tailed(2, 128)
     w[0, 64:] = c
-    qw = quantize_rtn(w, Grid(group_size=64, sym=sym, scale_dtype=dtype))
+    qw = quantize_rtn(w, Grid(group_size=64, sym=sym, scale_dtype=dtype), search=search)
     assert torch.equal(qw.dequantize()[0, 64:], c.expand(64))
 
 
@@ -71,8 +130,8 @@ def test_weights_on_the_grid_are_reproduced(sym, dtype, group):
         zeros = torch.randint(0, 16, (n, k // group), generator=gen, dtype=torch.uint8)
     w = grid_mod.QuantizedWeight(codes, scales, zeros, group).dequantize()
     grid = Grid(group_size=group, sym=sym, scale_dtype=dtype)
-    for steps in (0, 20):
-        assert torch.equal(quantize_rtn(w, grid, shrink_steps=steps).dequantize(), w)
+    for search in SEARCHES:
+        assert torch.equal(quantize_rtn(w, grid, search=search).dequantize(), w), search
 
 
 @pytest.mark.parametrize("sym", [False, True])
@@ -80,8 +139,9 @@ def test_importance_weighted_search_lowers_weighted_error(sym):
     w = heavy_tailed(32, 256, seed=2)
     importance = torch.exp(torch.randn(256, generator=torch.Generator().manual_seed(3)) * 2)
     grid = Grid(group_size=64, sym=sym)
-    plain = group_error(w, quantize_rtn(w, grid), importance)
-    aware = group_error(w, quantize_rtn(w, grid, importance=importance), importance)
+    plain = group_error(w, quantize_rtn(w, grid, search="shrink"), importance)
+    aware = quantize_rtn(w, grid, search="shrink", importance=importance)
+    aware = group_error(w, aware, importance)
     assert (aware <= plain).all()  # same candidates, chosen by the weighted error
     assert aware.sum() < plain.sum()
 
@@ -93,13 +153,14 @@ def test_k_not_multiple_of_group_raises():
 
 @pytest.mark.parametrize("sym", [False, True])
 @pytest.mark.parametrize("dtype", SCALE_DTYPES)
-def test_scales_are_exact_in_scale_dtype(sym, dtype):
+@pytest.mark.parametrize("search", SEARCHES)
+def test_scales_are_exact_in_scale_dtype(sym, dtype, search):
     grid = Grid(group_size=32, sym=sym, scale_dtype=dtype)
     w = heavy_tailed(8, 128, seed=4)
-    scale, zero = grid.find_params(w.view(8, 4, 32), shrink_steps=10)
-    assert torch.equal(scale.to(dtype).float(), scale)
+    scale, zero = grid.find_params(w.view(8, 4, 32), search=search, shrink_steps=10)
+    assert torch.equal(scale.to(dtype).float(), scale) and (scale > 0).all()
     assert torch.equal(zero, zero.round()) and zero.min() >= 0 and zero.max() <= 15
-    qw = quantize_rtn(w, grid, shrink_steps=10)
+    qw = quantize_rtn(w, grid, search=search, shrink_steps=10)
     assert qw.scales.dtype == dtype
     assert torch.equal(qw.scales.float(), scale.view(8, 4))
 

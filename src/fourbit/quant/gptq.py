@@ -44,7 +44,8 @@ def gptq_quantize(
     max_damp_percent: float = 1.0,
     act_order: bool = False,
     static_groups: bool = False,
-    shrink_steps: int = 0,
+    search: str = "minmax",
+    shrink_steps: int = 20,
     layer_name: str = "",
 ) -> tuple[QuantizedWeight, dict]:
     """Quantize weight [N, K] against hessian [K, K] on ``grid``.
@@ -57,8 +58,9 @@ def gptq_quantize(
         and the result needs no column index (g_idx).
     static_groups: group scale/zero from the original W up front, instead of from
         the error-updated W when the first column of the group is reached.
-    shrink_steps: range search for each group's scale (Grid.find_params, weighted
-        by diag H); 0 is the reference's plain min/max.
+    search, shrink_steps: how each group's scale and zero are found (Grid.find_params),
+        with diag H as the per-column importance, as llama.cpp uses its imatrix;
+        "minmax" is the reference's plain min/max.
     Returns the QuantizedWeight (in original column order) and an info dict.
     """
     n, k = weight.shape
@@ -84,7 +86,9 @@ def gptq_quantize(
     importance = H.diagonal().float()
 
     def find_params(w, cols):  # w [N, ..., G] -> (scale, zero) [N, ...]
-        return grid.find_params(w, shrink_steps=shrink_steps, importance=importance[cols])
+        return grid.find_params(
+            w, search=search, shrink_steps=shrink_steps, importance=importance[cols]
+        )
 
     scales, zeros = torch.empty(n, n_groups), torch.empty(n, n_groups)
     if static_groups:
@@ -122,6 +126,7 @@ def gptq_quantize(
         "dead_columns": len(dead),
         "act_order": act_order,
         "static_groups": static_groups,
+        "search": search,
         "loss": loss,  # tr(dW H dW^T): mean over calibration tokens of 2 |dW x|^2
         "relative_loss": loss / total if total > 0 else 0.0,  # the same over tr(W H W^T)
     }

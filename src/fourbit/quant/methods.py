@@ -13,9 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import torch
+
 from fourbit.checkpoint import TensorReader
 from fourbit.progress import Progress
 from fourbit.quant.grid import Grid, quantize_rtn
+from fourbit.quant.hessian import Hessian
 from fourbit.quant.qweight import QuantizedWeight
 
 log = logging.getLogger("fourbit")
@@ -62,8 +65,13 @@ def grid_of(quant: dict) -> Grid:
     return Grid(bits=quant["bits"], group_size=quant["group_size"], sym=quant["sym"])
 
 
-def calibration_tokens(job: QuantizeJob):
-    """Token windows [S, T] from the corpus's calibration split, as the arm's config says."""
+def calibration_tokens(job: QuantizeJob, heldout: int = 0) -> torch.Tensor:
+    """Token windows [S + heldout, T] from the corpus's calibration split, as the arm's
+    config says: S = calibration.samples windows to fit, then ``heldout`` more to judge by.
+
+    All S + heldout windows are one draw (calibration_samples, so none overlap), split
+    by a permutation seeded like it; each part stays in stream order.
+    """
     from transformers import AutoTokenizer
 
     from fourbit.quant.calibration import calibration_samples
@@ -73,7 +81,16 @@ def calibration_tokens(job: QuantizeJob):
     spec = job.quant["calibration"]
     tokenizer = AutoTokenizer.from_pretrained(job.model_dir)
     ids = tokenizer(job.calibration_text.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
-    return calibration_samples(ids, spec["samples"], spec["seq_len"], spec["seed"])
+    try:
+        windows = calibration_samples(ids, spec["samples"] + heldout, spec["seq_len"], spec["seed"])
+    except ValueError as error:
+        held = f"calibration.samples {spec['samples']} + {heldout} held out"
+        raise ValueError(f"{error} ({held})") from None
+    if not heldout:
+        return windows
+    order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(spec["seed"]))
+    held, fit = order[:heldout].sort().values, order[heldout:].sort().values
+    return torch.cat([windows[fit], windows[held]])  # [S, T] + [heldout, T] -> [S + heldout, T]
 
 
 def quantize_each(job: QuantizeJob, quantize_one) -> dict[str, QuantizedWeight]:
@@ -87,34 +104,127 @@ def quantize_each(job: QuantizeJob, quantize_one) -> dict[str, QuantizedWeight]:
     return qweights
 
 
-def quantize_embedding(job: QuantizeJob, grid: Grid, shrink_steps: int) -> dict[str, QuantizedWeight]:
+def search_of(quant: dict) -> dict:
+    """The arm's grid search as Grid.find_params / quantize_rtn / gptq_quantize take it."""
+    return {"search": quant["search"], "shrink_steps": quant["shrink_steps"]}
+
+
+def quantize_embedding(job: QuantizeJob, grid: Grid, search: dict) -> dict[str, QuantizedWeight]:
     """The input embedding [V, H] by RTN when the arm asks for it: a row per token, groups
     along H. Calibration says nothing about it (its input is a token id, not activations)."""
     if job.embedding is None:
         return {}
     table = TensorReader(job.model_dir).get(f"{job.embedding}.weight").float()  # [V, H]
-    return {job.embedding: quantize_rtn(table, grid, shrink_steps=shrink_steps)}
+    return {job.embedding: quantize_rtn(table, grid, **search)}
 
 
-def quantize_walking(job: QuantizeJob, quantize_one) -> tuple[dict[str, QuantizedWeight], dict]:
-    """Sequential calibration: ``quantize_one(name, W, H) -> QuantizedWeight`` per linear.
-
-    Layer i is measured on the outputs of layers 0..i-1 as already quantized.
+class _HeldOutHessian(Hessian):
+    """A layer input's Hessian split by token: the first ``fit_tokens`` rows it is fed go
+    into ``.h`` (what the quantizer fits), the rest into ``.heldout`` (what the guard judges
+    by). walk.quantize_sequential feeds a layer's inputs window by window in sample order,
+    so with the held-out windows last, ``.h`` is exactly the calibration windows' H.
     """
-    from fourbit.quant.walk import HEAD, quantize_sequential
+
+    def __init__(self, k: int, dtype: torch.dtype = torch.float32, *, fit_tokens: int):
+        super().__init__(k, dtype)
+        self.fit_tokens = fit_tokens
+        self.heldout = Hessian(k, dtype)
+
+    def add_batch(self, x: torch.Tensor) -> None:
+        rows = x.reshape(-1, x.shape[-1])  # [..., K] -> [n, K]
+        fit = max(0, min(len(rows), self.fit_tokens - self.n))
+        if fit:
+            super().add_batch(rows[:fit])
+        if fit < len(rows):
+            self.heldout.add_batch(rows[fit:])
+
+
+def quantize_walking(
+    job: QuantizeJob, quantize_one, *, heldout: bool = False
+) -> tuple[dict[str, QuantizedWeight], dict]:
+    """Sequential calibration: ``quantize_one(name, W, H, H_heldout) -> QuantizedWeight``
+    per linear.
+
+    Layer i is measured on the outputs of layers 0..i-1 as already quantized. With
+    ``heldout``, calibration.heldout more windows (disjoint from the calibration ones) go
+    through the same walk, and each linear also gets their Hessian H_heldout, the same
+    layer's inputs on text the quantizer never fitted; otherwise H_heldout is None.
+    The walk builds its Hessians with walk.Hessian: while it runs, that name is a
+    factory of _HeldOutHessian (walk.py takes no held-out samples of its own).
+    """
+    from fourbit.quant import walk
+
+    n_held = job.quant["calibration"]["heldout"] if heldout else 0
+    samples = calibration_tokens(job, n_held)  # [S + n_held, T], held-out windows last
+    fit_tokens = (len(samples) - n_held) * samples.shape[1]
+    latest: list[_HeldOutHessian] = []
+
+    def make_hessian(k, dtype=torch.float32):
+        latest[:] = [_HeldOutHessian(k, dtype, fit_tokens=fit_tokens)]
+        return latest[0]
 
     qweights: dict[str, QuantizedWeight] = {}
 
     def quantize_linear(name, weight, hessian):
         if name not in job.linears:  # the head, when quantize_head is off
             return weight
-        qweights[name] = quantize_one(name, weight, hessian)
+        h_heldout = None
+        if heldout:
+            if not latest or latest[0].h is not hessian:
+                raise RuntimeError(f"{name}: walk.quantize_sequential did not build this "
+                                   "Hessian with walk.Hessian; the held-out split needs it")
+            h_heldout = latest[0].heldout.h
+        qweights[name] = quantize_one(name, weight, hessian, h_heldout)
         return qweights[name].dequantize()
 
-    info = quantize_sequential(
-        job.model_dir, calibration_tokens(job), quantize_linear, head=HEAD in job.linears
-    )
-    return qweights, info
+    original = walk.Hessian
+    walk.Hessian = make_hessian if heldout else original
+    try:
+        info = walk.quantize_sequential(
+            job.model_dir, samples, quantize_linear, head=walk.HEAD in job.linears
+        )
+    finally:
+        walk.Hessian = original
+    return qweights, {**info, "tokens": fit_tokens, "heldout_tokens": n_held * samples.shape[1]}
+
+
+def heldout_error(weight: torch.Tensor, w_hat: torch.Tensor, h: torch.Tensor) -> float:
+    """tr(dW H dW^T) / tr(W H W^T): the relative output error ||X dW^T||^2 / ||X W^T||^2
+    on the tokens whose Hessian H is (hessian.py: H = 2/n X^T X, so the 2/n cancels)."""
+    dw = weight - w_hat  # [N, K]
+    total = (weight @ h * weight).sum().item()
+    return (dw @ h * dw).sum().item() / total if total > 0 else 0.0
+
+
+class HeldOutGuard:
+    """Keeps, per layer, the searched grid's result or plain min/max rounding's, whichever
+    has the smaller output error on held-out activations, and records which was kept.
+
+    The search fits a proxy (a weighted weight error, or GPTQ's loss on the calibration
+    windows); this checks it against the plain grid on what matters, the layer's output,
+    on text neither was fitted to. facts() is what the arm's manifest records.
+    """
+
+    def __init__(self, search: str):
+        self.search = search
+        self.errors: dict[str, dict[str, float]] = {}  # layer -> {search: e, "minmax": e}
+        self.kept: dict[str, str] = {}
+
+    def choose(self, name, weight, h_heldout, searched: QuantizedWeight, plain: QuantizedWeight):
+        e_search = heldout_error(weight, searched.dequantize(), h_heldout)
+        e_plain = heldout_error(weight, plain.dequantize(), h_heldout)
+        self.errors[name] = {self.search: e_search, "minmax": e_plain}
+        self.kept[name] = self.search if e_search <= e_plain else "minmax"
+        return searched if e_search <= e_plain else plain
+
+    def facts(self, heldout_windows: int) -> dict:
+        return {
+            "search": self.search,
+            "heldout_windows": heldout_windows,
+            "kept_search": [n for n, k in self.kept.items() if k == self.search],
+            "kept_minmax": [n for n, k in self.kept.items() if k == "minmax"],
+            "heldout_relative_error": self.errors,
+        }
 
 
 def symmetric_gptq_else_compressed(quant: dict) -> str:
@@ -122,50 +232,72 @@ def symmetric_gptq_else_compressed(quant: dict) -> str:
     return "gptq" if quant["sym"] else "compressed_tensors"
 
 
+ALGORITHM = {  # what the manifest (and the report's table) calls each search
+    "minmax": "plain min/max rounding",
+    "shrink": "shrink search on squared weight error",
+    "weighted": "llama.cpp-style weighted search",
+}
+
+
 @register_method("cpu_int4")
 class CpuInt4:
-    """Asymmetric round-to-nearest per group, with a search over shrunken ranges.
+    """Asymmetric round-to-nearest per group, each group's grid found by ``search``.
 
-    With ``importance: activation`` the search weights each input column's
-    squared error by the calibration activations' second moment (diag of H),
-    measured sequentially like GPTQ, instead of treating all columns alike.
+    With ``importance: activation`` the search weights each input column by the
+    calibration activations' second moment (diag of H, as llama.cpp's imatrix),
+    measured sequentially like GPTQ, and each layer keeps the searched grid only
+    if it beats plain min/max on held-out activations (HeldOutGuard).
     """
 
     def format(self, quant: dict) -> str:
         return "cpu_int4"
 
     def quantize(self, job: QuantizeJob) -> tuple[dict[str, QuantizedWeight], dict]:
-        grid, steps = grid_of(job.quant), job.quant["shrink_steps"]
-        embedding = quantize_embedding(job, grid, steps)
+        grid, search = grid_of(job.quant), search_of(job.quant)
+        embedding = quantize_embedding(job, grid, search)
         table = {"embedding": "rtn" if embedding else "dense"}
+        algorithm = f"rtn, {ALGORITHM[search['search']]}"
         if job.quant["importance"] == "none":
-            qweights = quantize_each(job, lambda name, w: quantize_rtn(w, grid, shrink_steps=steps))
-            return {**qweights, **embedding}, {
-                "algorithm": "rtn, shrink search on squared weight error", "head": "rtn", **table}
+            qweights = quantize_each(job, lambda name, w: quantize_rtn(w, grid, **search))
+            return {**qweights, **embedding}, {"algorithm": algorithm, "head": "rtn", **table}
 
-        def weighted(name, weight, hessian):
-            return quantize_rtn(weight, grid, shrink_steps=steps, importance=hessian.diagonal().float())
+        guarded = search["search"] != "minmax"
+        guard = HeldOutGuard(search["search"])
 
-        qweights, info = quantize_walking(job, weighted)
-        return {**qweights, **embedding}, {
-            **info, "algorithm": "rtn, shrink search weighted by diag(H)", "head": "rtn", **table}
+        def weighted(name, weight, hessian, h_heldout):
+            searched = quantize_rtn(weight, grid, **search, importance=hessian.diagonal().float())
+            if not guarded:
+                return searched
+            return guard.choose(name, weight, h_heldout, searched,
+                                quantize_rtn(weight, grid, search="minmax"))
+
+        qweights, info = quantize_walking(job, weighted, heldout=guarded)
+        facts = {**info, "algorithm": f"{algorithm} weighted by diag(H)", "head": "rtn", **table}
+        if guarded:
+            facts["heldout_guard"] = guard.facts(job.quant["calibration"]["heldout"])
+        return {**qweights, **embedding}, facts
 
 
 @register_method("rtn")
 class RoundToNearest:
-    """Plain round-to-nearest: the baseline GPTQ is measured against."""
+    """Round-to-nearest, plain by default: the baseline GPTQ is measured against."""
 
     format = staticmethod(symmetric_gptq_else_compressed)
 
     def quantize(self, job: QuantizeJob) -> tuple[dict[str, QuantizedWeight], dict]:
-        grid, steps = grid_of(job.quant), job.quant["shrink_steps"]
-        qweights = quantize_each(job, lambda name, w: quantize_rtn(w, grid, shrink_steps=steps))
-        return qweights, {"algorithm": "rtn", "head": "rtn"}
+        grid, search = grid_of(job.quant), search_of(job.quant)
+        qweights = quantize_each(job, lambda name, w: quantize_rtn(w, grid, **search))
+        return qweights, {"algorithm": f"rtn, {ALGORITHM[search['search']]}", "head": "rtn"}
 
 
 @register_method("gptq")
 class Gptq:
-    """Hessian-based GPTQ, sequential over layers; the head by GPTQ or RTN."""
+    """Hessian-based GPTQ, sequential over layers; the head by GPTQ or RTN.
+
+    Each group's grid is found by ``search`` with diag(H) as the importance; unless
+    that is plain min/max, each layer is quantized both ways and keeps whichever has
+    the smaller output error on held-out activations (HeldOutGuard).
+    """
 
     format = staticmethod(symmetric_gptq_else_compressed)
 
@@ -173,27 +305,40 @@ class Gptq:
         from fourbit.quant.gptq import gptq_quantize
         from fourbit.quant.walk import HEAD
 
-        quant, grid = job.quant, grid_of(job.quant)
+        quant, grid, search = job.quant, grid_of(job.quant), search_of(job.quant)
         damping: dict[str, float] = {}
+        guarded = search["search"] != "minmax"
+        guard = HeldOutGuard(search["search"])
 
-        def quantize_one(name, weight, hessian):
+        def one_way(name, weight, hessian, search):
             if name == HEAD and quant["head_method"] == "rtn":
-                return quantize_rtn(weight, grid, shrink_steps=1)
+                return quantize_rtn(weight, grid, **search, importance=hessian.diagonal().float())
             qweight, info = gptq_quantize(
                 weight, hessian, grid,
                 block_size=quant["block_size"], damp_percent=quant["damp_percent"],
                 act_order=quant["act_order"], static_groups=quant["static_groups"], layer_name=name,
+                **search,
             )
-            damping[name] = info["damp_percent_used"]
+            damping[name] = max(damping.get(name, 0.0), info["damp_percent_used"])  # of both ways
             return qweight
 
-        qweights, info = quantize_walking(job, quantize_one)
+        def quantize_one(name, weight, hessian, h_heldout):
+            searched = one_way(name, weight, hessian, search)
+            if not guarded:
+                return searched
+            plain = one_way(name, weight, hessian, {**search, "search": "minmax"})
+            return guard.choose(name, weight, h_heldout, searched, plain)
+
+        qweights, info = quantize_walking(job, quantize_one, heldout=guarded)
         raised = {name: d for name, d in damping.items() if d != quant["damp_percent"]}
-        return qweights, {
+        facts = {
             **info,
-            "algorithm": "gptq",
+            "algorithm": f"gptq, {ALGORITHM[search['search']]} weighted by diag(H)",
             "act_order": quant["act_order"],
             "static_groups": quant["static_groups"],
             "head": quant["head_method"] if HEAD in job.linears else "not quantized",
             "damping_raised": raised,
         }
+        if guarded:
+            facts["heldout_guard"] = guard.facts(quant["calibration"]["heldout"])
+        return qweights, facts
