@@ -433,3 +433,35 @@ def test_a_tokenizer_the_converter_does_not_know_stops_before_any_job(tmp_path):
     (tmp_path / "m" / "tokenizer.model").unlink()
     assert study({**config, "engines": {"reference": {}}, "arms": [G64]}).arms
     assert tree.is_dir()
+
+
+def test_an_hf_tokenizer_the_converter_does_not_know_stops_before_the_download(tmp_path):
+    from conftest import hub_cache, save_tiny_llama
+
+    from fourbit.sources import HUB_TOKENIZER_FILES
+
+    built_llamacpp_tree()
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    save_tiny_llama(tmp_path / "m", tied=True, vocab=512)
+    bpe_tokenizer(tmp_path / "m")
+    names = ("config.json", "tokenizer.json", "tokenizer_config.json")
+    hub = hub_cache(tmp_path, "models--org--bpe", revision, {n: (tmp_path / "m" / n).read_bytes() for n in names})
+    env = {**os.environ, "HF_HUB_CACHE": str(hub), "HF_HOME": str(hub.parent), "HF_HUB_OFFLINE": "1"}
+    config = {**BASE, "model": {"source": "hf", "repo_id": "org/bpe", "revision": revision},
+              "engines": {"llamacpp": {}}, "arms": [{"name": "q4", "quant": {"method": "llamacpp"}}]}
+    code = "import sys, json; from fourbit.config import Study; Study.from_config(json.loads(sys.argv[1]))"
+
+    def build():
+        return subprocess.run([sys.executable, "-c", code, json.dumps(config)], capture_output=True,
+                              text=True, cwd=tmp_path, env=env)
+
+    # Offline, and nothing says whether the repo has a tokenizer.model: not checked yet.
+    assert build().returncode == 0
+    # An earlier online look-up cached that the repo has none of the other files.
+    absent = hub / "models--org--bpe" / ".no_exist" / revision
+    absent.mkdir(parents=True)
+    for name in set(HUB_TOKENIZER_FILES) - set(names):
+        (absent / name).touch()
+    run = build()
+    assert run.returncode != 0
+    assert "is a BPE whose pre-tokenizer llama.cpp's converter does not recognise" in run.stderr

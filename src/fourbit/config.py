@@ -316,11 +316,10 @@ def _check_engines_read(model: dict, model_config: dict, engines: dict, has_gguf
                 print("fourbit: llama.cpp is not built yet, so the model's architecture and tokenizer "
                       "are not checked against its converter before the jobs start", file=sys.stderr)
                 return
-            # The tokenizer files exist before any job only for a local folder (or a finished
-            # download); builtin and synthetic models get fourbit's SentencePiece tokenizer.
-            folder = {"path": Path(model.get("path", "")), "hf": model_dir / "source"}.get(model["source"])
-            there = folder is not None and (folder / "config.json").is_file()
-            supported.check_llamacpp(model_config, tools.convert_script.parent, folder if there else None)
+            # Builtin and synthetic models get fourbit's SentencePiece tokenizer, which the
+            # converter reads from tokenizer.model: only a model's own tokenizer is checked.
+            folder = sources.tokenizer_folder(model, model_dir / "source")
+            supported.check_llamacpp(model_config, tools.convert_script.parent, folder)
     except supported.Unsupported as error:
         raise ConfigError(str(error)) from None
 

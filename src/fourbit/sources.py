@@ -27,20 +27,26 @@ MANIFEST = "fourbit-source.json"
 Fetcher = Callable[[dict, Path, Path, int], None]
 # (spec, folder the download job writes, which may already exist) -> config.json as a dict
 ConfigReader = Callable[[dict, Path], dict]
+# (spec, that folder) -> a folder with the model's own tokenizer files before any job, or
+# None when there is none yet or the workflow makes the tokenizer itself
+TokenizerFinder = Callable[[dict, Path], "Path | None"]
 
 
 @dataclass(frozen=True)
 class Source:
     fetch: Fetcher
     config: ConfigReader
+    tokenizer: TokenizerFinder = lambda spec, source_dir: None  # noqa: E731
 
 
 SOURCES: dict[str, Source] = {}
 
 
-def register_source(name: str, *, config: ConfigReader) -> Callable[[Fetcher], Fetcher]:
+def register_source(
+    name: str, *, config: ConfigReader, tokenizer: TokenizerFinder | None = None
+) -> Callable[[Fetcher], Fetcher]:
     def add(fetcher: Fetcher) -> Fetcher:
-        SOURCES[name] = Source(fetcher, config)
+        SOURCES[name] = Source(fetcher, config, *([tokenizer] if tokenizer else []))
         return fetcher
 
     return add
@@ -60,6 +66,12 @@ def model_config(spec: dict, source_dir: str | os.PathLike) -> dict:
     wrong (an unknown architecture, a folder without config.json, a Hub revision that
     cannot be read)."""
     return _source(spec).config(spec, Path(source_dir))
+
+
+def tokenizer_folder(spec: dict, source_dir: str | os.PathLike) -> Path | None:
+    """A folder holding the model's own tokenizer files (and config.json) before any job,
+    for checks such as llama.cpp's converter's; None when there is none to check yet."""
+    return _source(spec).tokenizer(spec, Path(source_dir))
 
 
 def fetch_model(spec: dict, target: str | os.PathLike, corpus_dir: str | os.PathLike, threads: int) -> None:
@@ -136,7 +148,35 @@ def _hub_config(spec: dict, source_dir: Path) -> dict:
     return config
 
 
-@register_source("hf", config=_hub_config)
+# What a tokenizer check reads: the tokenizer's own files, and config.json next to them.
+HUB_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+                       "special_tokens_map.json", "vocab.json", "merges.txt")
+
+
+def _hub_tokenizer(spec: dict, source_dir: Path) -> Path | None:
+    """The pinned revision's snapshot folder with its tokenizer files (small; fetched into
+    the Hub cache the download job reuses), or None when it cannot be told which of them
+    the repo has (offline, not cached): then the converter meets the tokenizer in its job."""
+    if (source_dir / "config.json").is_file():
+        return source_dir
+    from huggingface_hub import _CACHED_NO_EXIST, hf_hub_download, try_to_load_from_cache
+    from huggingface_hub.errors import LocalEntryNotFoundError, RemoteEntryNotFoundError
+
+    repo, revision = spec["repo_id"], spec["revision"]
+    folder = Path(hf_hub_download(repo, "config.json", revision=revision)).parent
+    for name in HUB_TOKENIZER_FILES:
+        try:
+            hf_hub_download(repo, name, revision=revision)
+        except RemoteEntryNotFoundError:
+            continue  # the repo has no such file
+        except LocalEntryNotFoundError:
+            if try_to_load_from_cache(repo, name, revision=revision) is _CACHED_NO_EXIST:
+                continue  # an earlier online look-up cached that the repo has no such file
+            return None
+    return folder
+
+
+@register_source("hf", config=_hub_config, tokenizer=_hub_tokenizer)
 def _hugging_face(spec: dict, folder: Path, corpus_dir: Path, threads: int) -> None:
     from huggingface_hub import snapshot_download
 
@@ -170,7 +210,7 @@ def _read_config(folder: Path) -> dict:
     return json.loads(path.read_text())
 
 
-@register_source("path", config=_path_config)
+@register_source("path", config=_path_config, tokenizer=lambda spec, source_dir: Path(spec["path"]))
 def _local_path(spec: dict, folder: Path, corpus_dir: Path, threads: int) -> None:
     _link_folder(Path(spec["path"]), folder)
 
