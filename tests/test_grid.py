@@ -1,8 +1,12 @@
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from fourbit.quant import grid as grid_mod
 from fourbit.quant.grid import SEARCHES, Grid, quantize_rtn
+from fourbit.quant.methods import HeldOutGuard, heldout_error
 
 SCALE_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
@@ -188,3 +192,66 @@ def test_grid_rejects_unsupported_settings(kwargs, message):
 def test_scale_overflow_names_the_step():
     with pytest.raises(ValueError, match="does not fit a torch.float16 scale"):
         quantize_rtn(torch.full((1, 128), 1e6).index_fill_(1, torch.tensor([0]), -1e6), Grid())
+
+
+# ---- real layers: held-out output error against plain rounding ----
+
+GOLDEN = Path(__file__).parent / "golden" / "grid_layers_builtin_default.safetensors"
+REAL_LAYERS = ("model.layers.1.self_attn.q_proj", "model.layers.1.mlp.down_proj")
+
+
+def real_layer(name):
+    """Rows 0:32, columns 0:256 of a layer of the workflow's default model (builtin,
+    trained here; see the file's metadata), with diag(H) of 32 calibration windows and
+    the Hessian of 16 held-out ones, both of the unquantized model's inputs."""
+    tensors = load_file(GOLDEN)
+    w = tensors[f"{name}.weight"].float()  # [32, 256]
+    k = w.shape[1]
+    rows, cols = torch.triu_indices(k, k)
+    h = torch.zeros(k, k)
+    h[rows, cols] = tensors[f"{name}.heldout_hessian_triu"].float()  # upper triangle [K(K+1)/2]
+    h = h + h.triu(1).T  # -> the symmetric [K, K]
+    return w, tensors[f"{name}.importance"], h
+
+
+@pytest.mark.parametrize("sym", [False, True])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_guarded_search_never_worse_than_min_max_on_real_layers(sym, group):
+    """cpu_int4 importance: activation's rule on real weights and activations: per layer,
+    the stored result is the weighted search's unless plain min/max rounding of the same
+    grid has the smaller held-out output error; so it is never worse, layer by layer. And
+    the search earns its place: summed over the layers it beats min/max on held-out data."""
+    grid = Grid(group_size=group, sym=sym)
+    guard = HeldOutGuard("weighted")
+    searched_total = plain_total = 0.0
+    for name in REAL_LAYERS:
+        w, importance, h_heldout = real_layer(name)
+        searched = quantize_rtn(w, grid, importance=importance)
+        plain = quantize_rtn(w, grid, search="minmax")
+        kept = guard.choose(name, w, h_heldout, searched, plain)
+        e_kept = heldout_error(w, kept.dequantize(), h_heldout)
+        e_plain = heldout_error(w, plain.dequantize(), h_heldout)
+        e_searched = heldout_error(w, searched.dequantize(), h_heldout)
+        assert e_kept <= e_plain, name
+        assert e_kept == min(e_searched, e_plain)
+        assert kept is (searched if guard.kept[name] == "weighted" else plain)
+        searched_total, plain_total = searched_total + e_searched, plain_total + e_plain
+    assert searched_total < plain_total
+    if not sym and group == 128:  # where the search loses on this layer, the guard says no
+        assert guard.kept["model.layers.1.self_attn.q_proj"] == "minmax"
+    facts = guard.facts(16)
+    assert sorted(facts["kept_search"] + facts["kept_minmax"]) == sorted(REAL_LAYERS)
+
+
+def test_old_shrink_search_loses_to_min_max_where_the_weighted_one_wins():
+    """Why the default changed, on the default model's down_proj (rows 0:32, columns 0:256):
+    the squared-weight-error shrink search clips the extremes and loses to plain rounding on
+    held-out output error; llama.cpp's weighting with diag(H) wins by a wide margin."""
+    w, importance, h_heldout = real_layer("model.layers.1.mlp.down_proj")
+    for group in (32, 64):
+        grid = Grid(group_size=group)
+        plain = heldout_error(w, quantize_rtn(w, grid, search="minmax").dequantize(), h_heldout)
+        shrink = heldout_error(w, quantize_rtn(w, grid, search="shrink").dequantize(), h_heldout)
+        weighted = quantize_rtn(w, grid, importance=importance).dequantize()
+        assert shrink > plain
+        assert heldout_error(w, weighted, h_heldout) < 0.75 * plain

@@ -1,0 +1,150 @@
+"""Per-layer held-out output error of each grid search, on one model; not a test.
+
+    .venv/bin/python benchmarks/grid_search.py --model results/<model id>/untied \
+        --calibration results/corpus/<corpus id>/calibration.txt [--samples 32 --heldout 16]
+
+For every linear of the untied model (the head included) and every grid (sym and
+asym, groups 32/64/128), the relative output error on held-out activations,
+||X_h (W - W_hat)^T||^2 / ||X_h W^T||^2 = tr(dW H_h dW^T) / tr(W H_h W^T), of:
+
+    minmax       plain min/max rounding (the baseline every search must not lose to)
+    shrink       the old search (20 shrunken ranges, squared weight error): cpu_int4's
+                 default before the weighted search
+    shrink+H     the same weighted by diag(H) of the calibration windows (the old
+                 cpu_int4 importance: activation)
+    weighted     llama.cpp's weighted search, av_x + |x| (cpu_int4's default now)
+    weighted+H   the same with diag(H) as llama.cpp's imatrix (cpu_int4 activation now,
+                 before its guard)
+    guarded      weighted+H or minmax, whichever is better on the held-out windows:
+                 what cpu_int4 importance: activation now stores
+    gptq, gptq+w GPTQ on the calibration Hessian with the minmax and the weighted grid
+                 (with --gptq; the gptq arm stores the better of the two per layer)
+
+The windows are the arm's own draw (fourbit.quant.methods.calibration_tokens):
+``--samples`` calibration windows to fit and ``--heldout`` more, disjoint, to judge
+by. Unlike the arms, every layer sees the *unquantized* model's inputs (one forward
+pass), which isolates each layer's own error, as benchmarks/layer_errors.py does;
+so "guarded" here is decided and scored on the same held-out windows, exactly as
+the arm decides it. Columns are per 1e-3 of relative error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+SEARCHES = ("minmax", "shrink", "shrink+H", "weighted", "weighted+H", "guarded")
+
+
+def layer_hessians(model, linears: dict, windows: torch.Tensor, fit: int):
+    """{name: (H_fit, H_heldout)} of each linear's input, the first ``fit`` windows vs the rest."""
+    from fourbit.quant.hessian import Hessian
+
+    hs = {name: (Hessian(m.in_features), Hessian(m.in_features)) for name, m in linears.items()}
+    current = {"part": 0}
+    hooks = []
+    for name, module in linears.items():
+        def add(_module, args, name=name):
+            hs[name][current["part"]].add_batch(args[0])
+        hooks.append(module.register_forward_pre_hook(add))
+    with torch.no_grad():
+        for i, ids in enumerate(windows):
+            current["part"] = 0 if i < fit else 1
+            model(ids.unsqueeze(0))  # [T] -> [1, T]
+    for hook in hooks:
+        hook.remove()
+    return {name: (a.h, b.h) for name, (a, b) in hs.items()}
+
+
+def errors_of_layer(w, h_fit, h_held, grid, gptq: bool) -> dict[str, float]:
+    from fourbit.quant.grid import quantize_rtn
+    from fourbit.quant.methods import heldout_error
+
+    imp = h_fit.diagonal().float()
+    out = {}
+    plain = quantize_rtn(w, grid, search="minmax")
+    out["minmax"] = heldout_error(w, plain.dequantize(), h_held)
+    out["shrink"] = heldout_error(w, quantize_rtn(w, grid, search="shrink").dequantize(), h_held)
+    out["shrink+H"] = heldout_error(
+        w, quantize_rtn(w, grid, search="shrink", importance=imp).dequantize(), h_held)
+    out["weighted"] = heldout_error(w, quantize_rtn(w, grid).dequantize(), h_held)
+    out["weighted+H"] = heldout_error(w, quantize_rtn(w, grid, importance=imp).dequantize(), h_held)
+    out["guarded"] = min(out["weighted+H"], out["minmax"])
+    if gptq:
+        from fourbit.quant.gptq import gptq_quantize
+
+        for label, search in (("gptq", "minmax"), ("gptq+w", "weighted")):
+            qw, _ = gptq_quantize(w, h_fit, grid, search=search)
+            out[label] = heldout_error(w, qw.dequantize(), h_held)
+        out["gptq guarded"] = min(out["gptq"], out["gptq+w"])
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, required=True, help="an untied model folder")
+    parser.add_argument("--calibration", type=Path, required=True,
+                        help="the corpus's calibration.txt")
+    parser.add_argument("--samples", type=int, default=32)
+    parser.add_argument("--heldout", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--groups", default="32,64,128")
+    parser.add_argument("--sym", default="false,true")
+    parser.add_argument("--gptq", action="store_true")
+    parser.add_argument("--json", type=Path, help="also write every figure here")
+    args = parser.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    from fourbit.checkpoint import quantizable_linears
+    from fourbit.quant.grid import Grid
+    from fourbit.quant.methods import QuantizeJob, calibration_tokens
+
+    torch.set_num_threads(1)
+    calibration = {"samples": args.samples, "seq_len": args.seq_len, "seed": args.seed,
+                   "heldout": args.heldout}
+    job = QuantizeJob(args.model, {}, {"method": "benchmark", "calibration": calibration},
+                      args.calibration, 1)
+    windows = calibration_tokens(job, args.heldout)  # [samples + heldout, T], held-out last
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    linears = quantizable_linears(model)
+    hessians = layer_hessians(model, linears, windows, args.samples)
+    weights = {name: module.weight.detach().float() for name, module in linears.items()}
+    print(f"model {args.model}; {args.samples} x {args.seq_len} calibration tokens to fit, "
+          f"{args.heldout} x {args.seq_len} held out; unquantized inputs; "
+          "relative held-out output error x 1e3\n")
+    results = {}
+    for sym in (s == "true" for s in args.sym.split(",")):
+        for group in map(int, args.groups.split(",")):
+            grid = Grid(group_size=group, sym=sym)
+            tag = f"{'sym' if sym else 'asym'} g{group}"
+            started = time.monotonic()
+            rows = {name: errors_of_layer(w, *hessians[name], grid, args.gptq)
+                    for name, w in weights.items() if w.shape[1] % group == 0}
+            results[tag] = rows
+            cols = list(next(iter(rows.values())))
+            print(f"## {tag} ({time.monotonic() - started:.0f} s)")
+            print(f"{'layer':32s}" + "".join(f"{c:>13s}" for c in cols))
+            for name, row in rows.items():
+                print(f"{name:32s}" + "".join(f"{row[c] * 1e3:13.4f}" for c in cols))
+            mean = {c: sum(r[c] for r in rows.values()) / len(rows) for c in cols}
+            print(f"{'mean over layers':32s}" + "".join(f"{mean[c] * 1e3:13.4f}" for c in cols))
+            base = "minmax"
+            worse = {c: sum(r[c] > r[base] for r in rows.values()) for c in cols}
+            print(f"{'layers worse than minmax':32s}" + "".join(f"{worse[c]:13d}" for c in cols))
+            if args.gptq:
+                worse_g = {c: sum(r[c] > r["gptq"] for r in rows.values()) for c in cols}
+                print(f"{'layers worse than gptq minmax':32s}"
+                      + "".join(f"{worse_g[c]:13d}" for c in cols))
+            print()
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
