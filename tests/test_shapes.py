@@ -145,6 +145,9 @@ def test_llamacpp_arms_are_never_refused_but_their_fallbacks_are_listed():
     assert "model.layers.0.mlp.down_proj" not in fallbacks  # 1536 = 6 x 256
     assert fallbacks["model.layers.1.self_attn.q_proj"] == "K=576 is not a multiple of 256 (Q4_K_M's block)"
     assert shapes.llamacpp_fallbacks(matrices, {"type": "Q4_0"}) == {}  # 576 = 18 x 32
+    named = shapes.llamacpp_fallbacks(matrices, {"type": "Q4_0", "output_tensor_type": "q6_k",
+                                                 "token_embedding_type": "f16"})
+    assert named == {"lm_head": "K=576 is not a multiple of 256 (q6_k's block)"}
 
 
 @pytest.mark.parametrize("method", ["cpu_int4", "rtn"])

@@ -54,6 +54,11 @@ FORMAT_SHAPES = {
 # itself (Q4_K -> Q5_0, Q6_K -> Q8_0, a 32-block type or a row not a multiple of 32 ->
 # F16; src/llama-quant.cpp tensor_type_fallback), never an error.
 LLAMACPP_BLOCK = {"Q4_K_M": 256, "Q4_0": 32, "Q8_0": 32}
+# Blocks of the types --output-tensor-type / --token-embedding-type may name (ggml's
+# QK_K = 256 for the K-quants, QK4_0 ... QK8_0 = 32, one element for plain floats).
+GGML_TYPE_BLOCK = {**{t: 256 for t in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")},
+                   **{t: 32 for t in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")},
+                   **{t: 1 for t in ("f32", "f16", "bf16")}}
 
 
 class ShapeError(ValueError):
@@ -196,10 +201,16 @@ def plan_arm(matrices: Matrices, quant: dict, arm_name: str = "arm") -> ArmPlan:
 def llamacpp_fallbacks(matrices: Matrices, quant: dict) -> dict[str, str]:
     """The tensors llama-quantize will store in another type than the arm's mix asks for
     (by its own per-tensor fallback; not an error), with why."""
-    block = LLAMACPP_BLOCK[quant["type"]]
     every = {**matrices.linears, matrices.embedding: matrices.embedding_shape}
-    return {name: f"K={k} is not a multiple of {block} ({quant['type']}'s block)"
-            for name, (_, k) in every.items() if k % block}
+    chosen = {matrices.head: quant.get("output_tensor_type"),
+              matrices.embedding: quant.get("token_embedding_type")}  # None: the mix decides
+    fallbacks = {}
+    for name, (_, k) in every.items():
+        kind = chosen.get(name) or quant["type"]
+        block = GGML_TYPE_BLOCK.get(kind.lower(), LLAMACPP_BLOCK.get(kind, 1))
+        if k % block:
+            fallbacks[name] = f"K={k} is not a multiple of {block} ({kind}'s block)"
+    return fallbacks
 
 
 def collapse(reasons: Mapping[str, str], shapes: Mapping[str, tuple[int, int]]) -> list[str]:
