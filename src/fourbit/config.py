@@ -198,7 +198,8 @@ class Study:
         model_config = _model_config(config, model_id)
         matrices = _matrices(model_config)
         has_gguf_arms = any(quant.get("method") in GGUF_METHODS for quant in quant_parts)
-        _check_engines_read(config["model"], model_config, engines, has_gguf_arms, Path(config["results"]) / model_id)
+        model_dir = Path(config["results"]) / model_id
+        _check_engines_read(config["model"], model_config, engines, has_gguf_arms, model_dir)
         arms: dict[str, Arm] = {}
         refused: list[dict] = []
         for index, (arm, quant) in enumerate(zip(config["arms"], quant_parts)):
@@ -210,16 +211,11 @@ class Study:
             arm_id = f"{arm['name']}-{short_hash('arm', canonical)}"
             if any(a.quant != canonical and a.id == arm_id for a in arms.values()):
                 raise ConfigError(f"hash collision on {arm_id}; change the arm's name")
-            if canonical["method"] in GGUF_METHODS:
-                fallbacks = shapes.llamacpp_fallbacks(matrices, canonical)
-                plan = {"llamacpp_fallback": shapes.collapse(fallbacks, _all_shapes(matrices))}
-            else:
-                arm_plan = shapes.plan_arm(matrices, canonical, arm["name"])
-                if arm_plan.refusal:
-                    refused.append({"name": arm["name"], "id": arm_id, "method": canonical["method"],
-                                    "reason": arm_plan.refusal})
-                    continue
-                plan = arm_plan.summary()
+            plan, refusal = _arm_plan(matrices, canonical, arm["name"])
+            if refusal:
+                refused.append({"name": arm["name"], "id": arm_id, "method": canonical["method"],
+                                "reason": refusal})
+                continue
             arms[arm_id] = Arm(arm["name"], canonical, arm_id, plan)
         if not arms:
             raise ConfigError("no arm of the config can run on this model:\n  "
@@ -295,8 +291,15 @@ def _matrices(model_config: dict) -> shapes.Matrices:
         raise ConfigError(f"model: {error}") from None
 
 
-def _all_shapes(matrices: shapes.Matrices) -> dict:
-    return {**matrices.linears, matrices.embedding: matrices.embedding_shape}
+def _arm_plan(matrices: shapes.Matrices, quant: dict, name: str) -> tuple[dict, str | None]:
+    """(what the arm does to this model's matrices, why it cannot run on it or None).
+    llama.cpp arms always run: llama-quantize falls back per tensor by itself."""
+    if quant["method"] in GGUF_METHODS:
+        every = {**matrices.linears, matrices.embedding: matrices.embedding_shape}
+        fallbacks = shapes.llamacpp_fallbacks(matrices, quant)
+        return {"llamacpp_fallback": shapes.collapse(fallbacks, every)}, None
+    plan = shapes.plan_arm(matrices, quant, name)
+    return plan.summary(), plan.refusal
 
 
 def _check_engines_read(model: dict, model_config: dict, engines: dict, has_gguf_arms: bool,
