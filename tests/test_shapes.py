@@ -206,9 +206,7 @@ def test_vllm_serves_a_fallback_arm_whose_merged_layers_stay_dense(tmp_path):
         hidden_size=320, intermediate_size=512, num_hidden_layers=2, vocab_size=512, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False, initializer_range=0.1)
     transformers.LlamaForCausalLM(config).float().eval().save_pretrained(tmp_path / "m")
-    # tinygemm: the plugin's kernel that every host has; the dense/quantized split is the plugin's
-    quant = canonical_quant({"method": "rtn", "group_size": 128, "fallback": "dense", "kernel": "tinygemm"},
-                            load_schema())
+    quant = canonical_quant({"method": "rtn", "group_size": 128, "fallback": "dense"}, load_schema())
     manifest = quantize_checkpoint(tmp_path / "m", tmp_path / "q", tmp_path / "arm.json",
                                    {"name": "t", "id": "t-0000000000", "quant": quant})
     assert manifest["quantized_modules"] == [f"model.layers.{i}.mlp.down_proj" for i in (0, 1)]
