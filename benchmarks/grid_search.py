@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/grid_search.py --model results/<model id>/untied \
         --calibration results/corpus/<corpus id>/calibration.txt [--samples 32 --heldout 16]
+    .venv/bin/python benchmarks/grid_search.py --synthetic qwen2.5-0.5b [--rows 256]
 
 For every linear of the untied model (the head included) and every grid (sym and
 asym, groups 32/64/128), the relative output error on held-out activations,
@@ -26,6 +27,12 @@ by. Unlike the arms, every layer sees the *unquantized* model's inputs (one forw
 pass), which isolates each layer's own error, as benchmarks/layer_errors.py does;
 so "guarded" here is decided and scored on the same held-out windows, exactly as
 the arm decides it. Columns are per 1e-3 of relative error.
+
+``--synthetic ARCH`` instead takes one decoder layer's linears and the head at a shipped
+architecture's shapes (src/fourbit/architectures/ARCH.json), rows 0:``--rows`` of each:
+heavy-tailed random weights (randn * 0.02 * u^-0.3) and synthetic activations with
+log-normal channel scales, a few outlier channels and mixed columns, fit and held-out
+tokens drawn independently from one distribution. Real shapes, made-up numbers.
 """
 
 from __future__ import annotations
@@ -60,6 +67,39 @@ def layer_hessians(model, linears: dict, windows: torch.Tensor, fit: int):
     return {name: (a.h, b.h) for name, (a, b) in hs.items()}
 
 
+def synthetic_layers(architecture: str, rows: int, fit_tokens: int, heldout_tokens: int,
+                     seed: int = 0) -> tuple[dict, dict]:
+    """({name: W [rows, K]}, {name: (H_fit, H_heldout)}) at ``architecture``'s shapes."""
+    from fourbit.quant.hessian import Hessian
+    from fourbit.sources import ARCHITECTURES
+
+    config = json.loads((ARCHITECTURES / f"{architecture}.json").read_text())
+    d, ff = config["hidden_size"], config["intermediate_size"]
+    kv = config["num_key_value_heads"] * config.get("head_dim", d // config["num_attention_heads"])
+    gen = torch.Generator().manual_seed(seed)
+
+    def activations(k):  # [fit + heldout, K]: mixed columns, uneven scales, 4 outlier channels
+        scale = torch.exp(torch.randn(k, generator=gen))
+        scale[torch.randperm(k, generator=gen)[:4]] *= 20
+        mix = torch.eye(k) + torch.randn(k, k, generator=gen) * (0.5 / k**0.5)
+        x = torch.randn(fit_tokens + heldout_tokens, k, generator=gen) @ mix * scale
+        fit, held = Hessian(k), Hessian(k)
+        fit.add_batch(x[:fit_tokens])
+        held.add_batch(x[fit_tokens:])
+        return fit.h, held.h
+
+    inputs = {d: activations(d), ff: activations(ff)}  # attention/MLP/head inputs share widths
+    shapes = {"self_attn.q_proj": (d, d), "self_attn.k_proj": (kv, d), "self_attn.v_proj": (kv, d),
+              "self_attn.o_proj": (d, d), "mlp.gate_proj": (ff, d), "mlp.up_proj": (ff, d),
+              "mlp.down_proj": (d, ff), "lm_head": (config["vocab_size"], d)}
+    weights, hessians = {}, {}
+    for name, (n, k) in shapes.items():
+        w = torch.randn(min(n, rows), k, generator=gen) * 0.02
+        weights[name] = w * torch.rand(w.shape, generator=gen).pow(-0.3)
+        hessians[name] = inputs[k]
+    return weights, hessians
+
+
 def errors_of_layer(w, h_fit, h_held, grid, gptq: bool) -> dict[str, float]:
     from fourbit.quant.grid import quantize_rtn
     from fourbit.quant.methods import heldout_error
@@ -84,11 +124,30 @@ def errors_of_layer(w, h_fit, h_held, grid, gptq: bool) -> dict[str, float]:
     return out
 
 
+def model_layers(args) -> tuple[dict, dict]:
+    """({name: W}, {name: (H_fit, H_heldout)}) of every linear of the model, the arm's windows."""
+    from transformers import AutoModelForCausalLM
+
+    from fourbit.checkpoint import quantizable_linears
+    from fourbit.quant.methods import QuantizeJob, calibration_tokens
+
+    calibration = {"samples": args.samples, "seq_len": args.seq_len, "seed": args.seed,
+                   "heldout": args.heldout}
+    job = QuantizeJob(args.model, {}, {"method": "benchmark", "calibration": calibration},
+                      args.calibration, 1)
+    windows = calibration_tokens(job, args.heldout)  # [samples + heldout, T], held-out last
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    linears = quantizable_linears(model)
+    hessians = layer_hessians(model, linears, windows, args.samples)
+    return {name: m.weight.detach().float() for name, m in linears.items()}, hessians
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, required=True, help="an untied model folder")
-    parser.add_argument("--calibration", type=Path, required=True,
-                        help="the corpus's calibration.txt")
+    parser.add_argument("--model", type=Path, help="an untied model folder")
+    parser.add_argument("--calibration", type=Path, help="the corpus's calibration.txt")
+    parser.add_argument("--synthetic", help="a shipped architecture name instead of --model")
+    parser.add_argument("--rows", type=int, default=256, help="rows per matrix (--synthetic)")
     parser.add_argument("--samples", type=int, default=32)
     parser.add_argument("--heldout", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=512)
@@ -99,25 +158,21 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write every figure here")
     args = parser.parse_args()
 
-    from transformers import AutoModelForCausalLM
-
-    from fourbit.checkpoint import quantizable_linears
     from fourbit.quant.grid import Grid
-    from fourbit.quant.methods import QuantizeJob, calibration_tokens
 
     torch.set_num_threads(1)
-    calibration = {"samples": args.samples, "seq_len": args.seq_len, "seed": args.seed,
-                   "heldout": args.heldout}
-    job = QuantizeJob(args.model, {}, {"method": "benchmark", "calibration": calibration},
-                      args.calibration, 1)
-    windows = calibration_tokens(job, args.heldout)  # [samples + heldout, T], held-out last
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-    linears = quantizable_linears(model)
-    hessians = layer_hessians(model, linears, windows, args.samples)
-    weights = {name: module.weight.detach().float() for name, module in linears.items()}
-    print(f"model {args.model}; {args.samples} x {args.seq_len} calibration tokens to fit, "
-          f"{args.heldout} x {args.seq_len} held out; unquantized inputs; "
-          "relative held-out output error x 1e3\n")
+    fit, held = args.samples * args.seq_len, args.heldout * args.seq_len
+    if args.synthetic:
+        weights, hessians = synthetic_layers(args.synthetic, args.rows, fit, held, args.seed)
+        print(f"synthetic {args.synthetic}: one decoder layer and the head, rows 0:{args.rows}; "
+              f"{fit} tokens to fit, {held} held out; relative held-out output error x 1e3\n")
+    else:
+        if not (args.model and args.calibration):
+            parser.error("give --model and --calibration, or --synthetic")
+        weights, hessians = model_layers(args)
+        print(f"model {args.model}; {args.samples} x {args.seq_len} calibration tokens to fit, "
+              f"{args.heldout} x {args.seq_len} held out; unquantized inputs; "
+              "relative held-out output error x 1e3\n")
     results = {}
     for sym in (s == "true" for s in args.sym.split(",")):
         for group in map(int, args.groups.split(",")):
