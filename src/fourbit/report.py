@@ -761,8 +761,11 @@ def arms_refused_or_falling_back(study: dict, manifests: list[dict]) -> list[str
     """Arms the model's shapes refused before any job (fourbit.quant.shapes), arms whose
     ``fallback: dense`` kept linears unquantized (with the bits per weight counting them),
     and llama.cpp arms whose tensors llama-quantize stores in a fallback type."""
-    lines = [f"- **Not run on this model: arm {r['name']}** (`{r['id']}`): "
-             + " ".join(r["reason"].split()) for r in study.get("refused_arms", [])]
+    lines = []
+    for r in study.get("refused_arms", []):
+        head, *rest = r["reason"].splitlines()  # "...do not fit:", one line per layer, the fix
+        lines.append(f"- **Not run on this model: arm {r['name']}** (`{r['id']}`): {head} "
+                     + "; ".join(line.strip() for line in rest) + ".")
     plans = {arm["id"]: arm.get("plan", {}) for arm in study["arms"]}
     for m in manifests:
         storage = m["storage"]

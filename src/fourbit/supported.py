@@ -97,9 +97,10 @@ def check_vllm(config: dict, engines: list[str]) -> None:
 def check_llamacpp(config: dict, tree: Path, model_dir: Path | None) -> None:
     """Raise naming the architecture or the tokenizer unless llama.cpp's converter reads both.
 
-    ``model_dir``: the model's folder when its tokenizer files exist before any job (a
-    local path); None skips the tokenizer check (builtin and synthetic models get
-    fourbit's own SentencePiece tokenizer, which the converter reads from tokenizer.model).
+    ``model_dir``: a folder with the model's tokenizer files before any job (a local
+    path, or a Hub revision's snapshot; fourbit.sources.tokenizer_folder); None skips the
+    tokenizer check (builtin and synthetic models get fourbit's own SentencePiece
+    tokenizer, which the converter reads from tokenizer.model).
     """
     known = llamacpp_architectures(tree)
     unknown = [a for a in config.get("architectures") or [] if a not in known]
