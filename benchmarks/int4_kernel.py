@@ -1,6 +1,7 @@
 """Batch-1 times of every CPU linear kernel fourbit can run, side by side, at a real model's shapes.
 
     .venv/bin/python benchmarks/int4_kernel.py [--threads 2] [--group-size 128] [--json out.json]
+    .venv/bin/python benchmarks/int4_kernel.py --instructions   # callgrind counts instead
 
 For each linear shape of Qwen2.5-0.5B as vLLM runs it (q/k/v merged: 1152 x 896, o: 896 x
 896, gate/up merged: 9728 x 896, down: 896 x 4864, the untied lm_head: 151936 x 896) it
@@ -18,7 +19,14 @@ bandwidth (resident bytes / time) against the triad bandwidth of fourbit.bench.b
 measured in the same run and threads, and the resident bytes of each layout against bf16.
 
 Wall-clock numbers mean something only on idle cores: the load average is printed before
-and after, and the run says when it was above a quarter of the threads.
+and after, and the run says when it was above a quarter of the threads. On a busy host,
+``--instructions`` counts instructions per weight instead (valgrind's callgrind, one
+thread, repeatable under load), at down_proj's shape (896 x 4864: K is a multiple of
+Q4_K's 256), for fourbit's two numerics and for ggml's own AVX2 row dots, Q4_0 x Q8_0,
+Q4_1 x Q8_1 (asymmetric, like fourbit's grids) and Q4_K x Q8_K (Q4_K_M's main type),
+compiled unchanged from the llama.cpp tree `make llamacpp` built
+(src/fourbit/kernels/csrc/ggml_count/harness.c). It counts the vec_dot path; llama.cpp
+can also repack Q4_0/Q4_K weights for its 8x8 GEMV (arch/x86/repack.cpp), not counted here.
 """
 
 from __future__ import annotations
@@ -27,8 +35,13 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -113,6 +126,63 @@ def load_average() -> float:
     return os.getloadavg()[0]
 
 
+COUNT_SHAPE = (896, 4864)  # down_proj: K a multiple of 256 (Q4_K) and of every group size
+HARNESS = Path(__file__).resolve().parents[1] / "src/fourbit/kernels/csrc/ggml_count"
+_ONE_CALL = """
+import sys, torch
+from fourbit.kernels import int4_cpu
+from fourbit.quant.qweight import QuantizedWeight
+torch.set_num_threads(1)
+numerics, n, k, g = sys.argv[1], *map(int, sys.argv[2:])
+qw = QuantizedWeight(torch.randint(0, 16, (n, k), dtype=torch.uint8), torch.rand(n, k // g).half(),
+                     torch.randint(0, 16, (n, k // g), dtype=torch.uint8), g)
+int4_cpu.linear(torch.randn(1, k), int4_cpu.repack(qw), numerics)
+"""
+
+
+def _callgrind(command: list[str], function: str, out: Path) -> int:
+    """Instructions executed inside ``function`` (callees included) by ``command``."""
+    subprocess.run(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
+                    f"--toggle-collect={function}", *command], check=True, capture_output=True)
+    totals = re.search(r"^(?:summary|totals): (\d+)", out.read_text(), re.M)
+    return int(totals.group(1))
+
+
+def count_instructions(group_size: int) -> dict[str, float]:
+    """Instructions per weight of one batch-1 linear at COUNT_SHAPE, one thread."""
+    from fourbit.llamacpp.build import find_llamacpp
+
+    n, k = COUNT_SHAPE
+    per_weight: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        script = tmp / "one_call.py"
+        script.write_text(_ONE_CALL)
+        for numerics in int4_cpu.NUMERICS:
+            count = _callgrind([sys.executable, str(script), numerics, str(n), str(k),
+                                str(group_size)], f"*rows_{numerics}*", tmp / numerics)
+            per_weight[f"fourbit {numerics.upper()} (G={group_size})"] = count / (n * k)
+        built = find_llamacpp()
+        if built is None:
+            print("no llama.cpp build (make llamacpp): ggml's counts left out")
+            return per_weight
+        ggml = built.root / "llama.cpp" / "ggml"
+        includes = [f"-I{ggml / d}" for d in ("include", "src", "src/ggml-cpu")]
+        flags = ["-O3", "-mavx2", "-mfma", "-mf16c", *includes]
+        objects = []
+        for source in (ggml / "src/ggml-cpu/arch/x86/quants.c", HARNESS / "harness.c",
+                       HARNESS / "stubs.c"):
+            objects.append(str(tmp / f"{source.stem}.o"))
+            subprocess.run(["gcc", *flags, "-c", str(source), "-o", objects[-1]], check=True)
+        harness = tmp / "harness"
+        subprocess.run(["gcc", *objects, "-o", str(harness), "-lm"], check=True)
+        for kind, label in (("q4_0", "ggml Q4_0 x Q8_0"), ("q4_1", "ggml Q4_1 x Q8_1"),
+                            ("q4_K", "ggml Q4_K x Q8_K")):
+            count = _callgrind([str(harness), kind, str(n), str(k)], f"run_{kind}", tmp / kind)
+            per_weight[label] = count / (n * k)
+    return per_weight
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -123,7 +193,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--no-bandwidth", action="store_true", help="skip the triad")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--instructions", action="store_true",
+                        help="count instructions per weight under callgrind instead of timing")
     args = parser.parse_args(argv)
+    if args.instructions:
+        n, k = COUNT_SHAPE
+        print(f"instructions per weight, one {n} x {k} linear at batch 1, one thread, "
+              f"callgrind (fourbit kernel ISA {int4_cpu.isa()}; ggml compiled -mavx2 -mfma):")
+        for label, value in count_instructions(args.group_size).items():
+            print(f"  {label:<28} {value:.3f}")
+        return
 
     torch.set_num_threads(args.threads)
     llc = last_level_cache_bytes()
