@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/int4_kernel.py [--threads 2] [--group-size 128] [--json out.json]
     .venv/bin/python benchmarks/int4_kernel.py --instructions   # callgrind counts instead
+    .venv/bin/python benchmarks/int4_kernel.py --activation-error  # W4A8's rounding vs ggml's
 
 For each linear shape of Qwen2.5-0.5B as vLLM runs it (q/k/v merged: 1152 x 896, o: 896 x
 896, gate/up merged: 9728 x 896, down: 896 x 4864, the untied lm_head: 151936 x 896) it
@@ -24,9 +25,9 @@ and after, and the run says when it was above a quarter of the threads. On a bus
 thread, repeatable under load), at down_proj's shape (896 x 4864: K is a multiple of
 Q4_K's 256), for fourbit's two numerics and for ggml's own AVX2 row dots, Q4_0 x Q8_0,
 Q4_1 x Q8_1 (asymmetric, like fourbit's grids) and Q4_K x Q8_K (Q4_K_M's main type),
-compiled unchanged from the llama.cpp tree `make llamacpp` built
-(src/fourbit/kernels/csrc/ggml_count/harness.c). It counts the vec_dot path; llama.cpp
-can also repack Q4_0/Q4_K weights for its 8x8 GEMV (arch/x86/repack.cpp), not counted here.
+and the repacked 8-row GEMVs llama.cpp's CPU backend runs Q4_0 and Q4_K weights with on
+AVX2 (arch/x86/repack.cpp), all compiled unchanged from the llama.cpp tree `make
+llamacpp` built (src/fourbit/kernels/csrc/ggml_count/harness.c).
 """
 
 from __future__ import annotations
@@ -170,17 +171,53 @@ def count_instructions(group_size: int) -> dict[str, float]:
         includes = [f"-I{ggml / d}" for d in ("include", "src", "src/ggml-cpu")]
         flags = ["-O3", "-mavx2", "-mfma", "-mf16c", *includes]
         objects = []
-        for source in (ggml / "src/ggml-cpu/arch/x86/quants.c", HARNESS / "harness.c",
-                       HARNESS / "stubs.c"):
+        for compiler, source in (("gcc", ggml / "src/ggml-cpu/arch/x86/quants.c"),
+                                 ("g++", ggml / "src/ggml-cpu/arch/x86/repack.cpp"),
+                                 ("gcc", HARNESS / "harness.c"), ("gcc", HARNESS / "stubs.c")):
             objects.append(str(tmp / f"{source.stem}.o"))
-            subprocess.run(["gcc", *flags, "-c", str(source), "-o", objects[-1]], check=True)
+            std = ["-std=c++17"] if compiler == "g++" else []
+            subprocess.run([compiler, *std, *flags, "-c", str(source), "-o", objects[-1]],
+                           check=True)
         harness = tmp / "harness"
-        subprocess.run(["gcc", *objects, "-o", str(harness), "-lm"], check=True)
+        subprocess.run(["g++", *objects, "-o", str(harness), "-lm"], check=True)
         for kind, label in (("q4_0", "ggml Q4_0 x Q8_0"), ("q4_1", "ggml Q4_1 x Q8_1"),
-                            ("q4_K", "ggml Q4_K x Q8_K")):
+                            ("q4_K", "ggml Q4_K x Q8_K"), ("q4_0x8", "ggml Q4_0 8x8 GEMV"),
+                            ("q4_Kx8", "ggml Q4_K 8x8 GEMV")):
             count = _callgrind([str(harness), kind, str(n), str(k)], f"run_{kind}", tmp / kind)
             per_weight[label] = count / (n * k)
     return per_weight
+
+
+def activation_error() -> None:
+    """Relative output error ||W x_rounded - W x|| / ||W x|| at down_proj's shape for W4A8's
+    activation rounding (Q8_0 per 32 columns, float32 d, run by the kernel itself) and for
+    the ones llama.cpp applies (Q8_0 with a float16 d; Q8_K per 256 columns, which Q4_K_M's
+    dot products use), on Gaussian and heavy-tailed (Student t, 3 dof) activations."""
+
+    def q8(x: torch.Tensor, block: int, fp16_d: bool) -> torch.Tensor:
+        m, k = x.shape
+        b = x.reshape(m, k // block, block)  # [M, K] -> [M, K/block, block]
+        amax = b.abs().amax(-1, keepdim=True)
+        d = (amax / 127).half().float() if fp16_d else amax / 127
+        q = torch.round(b * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax)))
+        return (q * d).reshape(m, k)
+
+    n, k = COUNT_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    qw = random_qweight(n, k, 128, seed=0)
+    w = qw.dequantize().double()
+    packed = int4_cpu.repack(qw)
+    torch.manual_seed(0)
+    inputs = {"gaussian": torch.randn(64, k, generator=gen),
+              "student t (3 dof)": torch.distributions.StudentT(3.0).sample((64, k))}
+    for name, x in inputs.items():
+        exact = x.double() @ w.T
+        rows = {"fourbit W4A8 (kernel)": int4_cpu.linear(x, packed, "w4a8").double(),
+                "Q8_0, fp16 d (ggml)": q8(x, 32, True).double() @ w.T,
+                "Q8_K, per 256 (ggml)": q8(x, 256, False).double() @ w.T}
+        for label, y in rows.items():
+            err = ((y - exact).norm() / exact.norm()).item()
+            print(f"  {name:<18} {label:<24} relative output error {err:.2e}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -195,7 +232,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--instructions", action="store_true",
                         help="count instructions per weight under callgrind instead of timing")
+    parser.add_argument("--activation-error", action="store_true",
+                        help="W4A8's activation rounding error against llama.cpp's Q8_0/Q8_K")
     args = parser.parse_args(argv)
+    if args.activation_error:
+        n, k = COUNT_SHAPE
+        print(f"activation rounding, one {n} x {k} linear, 64 rows of activations:")
+        activation_error()
+        return
     if args.instructions:
         n, k = COUNT_SHAPE
         print(f"instructions per weight, one {n} x {k} linear at batch 1, one thread, "
