@@ -33,6 +33,24 @@ architecture's shapes (src/fourbit/architectures/ARCH.json), rows 0:``--rows`` o
 heavy-tailed random weights (randn * 0.02 * u^-0.3) and synthetic activations with
 log-normal channel scales, a few outlier channels and mixed columns, fit and held-out
 tokens drawn independently from one distribution. Real shapes, made-up numbers.
+
+Measured 2026-12-01 on a 2-core AVX2 AMD EPYC (one torch thread), the workflow's default
+model (builtin_default-f6b92d46c9: 4 layers, hidden 256, trained by
+`snakemake --cores 1 results/builtin_default-f6b92d46c9/untied`), `--samples 32 --heldout 16
+--gptq`: mean over its 29 linears (x 1e-3) and [layers worse than minmax]:
+
+    grid      minmax  shrink      shrink+H    weighted    weighted+H  gptq    gptq guarded
+    asym g32  0.601   0.592 [9]   0.559 [3]   0.529 [0]   0.495 [0]   0.0355  0.0337
+    asym g64  0.750   0.733 [9]   0.675 [1]   0.690 [0]   0.648 [0]   0.0444  0.0427
+    asym g128 0.921   0.862 [9]   0.800 [1]   0.829 [2]   0.791 [1]   0.0539  0.0513
+    sym g32   0.770   0.720 [6]   0.651 [0]   0.668 [0]   0.610 [0]   0.0455  0.0421
+    sym g64   0.948   0.862 [4]   0.769 [0]   0.812 [0]   0.753 [0]   0.0556  0.0512
+    sym g128  1.123   0.969 [4]   0.869 [0]   0.944 [0]   0.891 [0]   0.0657  0.0585
+
+(guarded, by construction, is worse than minmax on no layer.) With `--synthetic
+qwen2.5-0.5b --rows 128 --samples 8 --heldout 4 --gptq` shrink+H, not weighted+H, is the
+best column (e.g. asym g128: minmax 22.4, shrink+H 9.9, weighted+H 13.0): on random
+heavy-tailed weights the extremes do not matter more than the rest.
 """
 
 from __future__ import annotations
