@@ -49,6 +49,21 @@ Q4_K_M's dot products use: 7.0e-3 and 1.7e-2 (benchmarks/int4_kernel.py
 control: tests/test_vllm_plugin.py holds W4A8 to 0.3 max |logprob difference| on its
 random 2-layer model (measured 0.14-0.20; bfloat16 tinygemm 0.075-0.09; W4A16 <= 3e-5).
 
+Instructions per weight, one 896 x 4864 linear at batch 1, one thread, counted by valgrind's
+callgrind on the 2-core AVX2-only AMD EPYC this was written on (benchmarks/int4_kernel.py
+--instructions; ggml's functions compiled unchanged from the llama.cpp tree fourbit builds,
+-mavx2 -mfma):
+
+    fourbit W4A8 (G=128)   0.253     ggml Q4_K x Q8_K row dot     0.400
+    fourbit W4A16 (G=128)  0.620     ggml Q4_K 8x8 GEMV (repack)  0.422
+                                     ggml Q4_0 8x8 GEMV (repack)  0.411
+                                     ggml Q4_0 x Q8_0 / Q4_1 x Q8_1 row dots  0.698
+
+W4A8 is cheaper than ggml's row dots because a 32-byte load feeds two blocks with no
+lane-crossing unpack, codes stay unsigned (no sign tricks before maddubs), four rows share
+each activation load, and a group's blocks are scaled into one partial before its scale
+(Q4_K's 8x8 GEMV instead spends shuffles on interleaving and on its 6-bit sub-scales).
+
 ISA. One path, AVX2+FMA, chosen at run time (``isa()``); it also runs on AVX-512 hosts.
 There is no AVX-512 code: the host this was written and measured on has no AVX-512, and
 code that was never run does not ship. Where the ISA is missing (or FOURBIT_INT4_ISA=none)
