@@ -62,7 +62,9 @@ callgrind on the 2-core AVX2-only AMD EPYC this was written on (benchmarks/int4_
 W4A8 is cheaper than ggml's row dots because a 32-byte load feeds two blocks with no
 lane-crossing unpack, codes stay unsigned (no sign tricks before maddubs), four rows share
 each activation load, and a group's blocks are scaled into one partial before its scale
-(Q4_K's 8x8 GEMV instead spends shuffles on interleaving and on its 6-bit sub-scales).
+(ggml's Q4_0 8x8 GEMV, read in arch/x86/repack.cpp, spends a sign-extending shuffle per
+code vector and a blend and two shuffles per multiply to pair interleaved rows with
+broadcast activations).
 
 ISA. One path, AVX2+FMA, chosen at run time (``isa()``); it also runs on AVX-512 hosts.
 There is no AVX-512 code: the host this was written and measured on has no AVX-512, and
