@@ -1,10 +1,21 @@
 import json
+import os
+import platform
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fourbit.builtin_model import DEFAULT_SPEC, TINY_SPEC, resolve_spec, train_builtin_model
+from fourbit.builtin_model import (
+    DEFAULT_SPEC,
+    PINNED_KERNELS,
+    TINY_SPEC,
+    _require_cpu_flags,
+    resolve_spec,
+    train_builtin_model,
+    training_environment,
+    training_identity,
+)
 from fourbit.corpus import prepare_corpus
 
 # Smaller than TINY_SPEC so the unit tests stay quick; TINY_SPEC is for workflow tests.
@@ -103,3 +114,107 @@ def test_default_and_tiny_specs_are_valid():
 def test_a_missing_corpus_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="train.txt does not exist; prepare the corpus"):
         train_builtin_model(tmp_path, tmp_path / "model", MICRO_SPEC)
+
+
+# --- the kernels' pin: one set of weights whatever the host's CPU offers -------------------
+
+
+def _cpu_flags() -> set[str]:
+    for line in open("/proc/cpuinfo").read().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+# What ATEN_CPU_CAPABILITY can force on this host: forcing avx512 where the CPU lacks
+# it would stop torch on an illegal instruction, so it is tried only where it runs.
+CAPABILITIES = ["avx2", "default"] + (
+    ["avx512"] if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= _cpu_flags() else []
+)
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+@pytest.fixture(scope="module")
+def tiny_trainings(corpus, tmp_path_factory):
+    """The tiny preset trained with the outer environment's ATEN_CPU_CAPABILITY forced to each
+    capability this host can run, with the pin and without; and once pinned on one core."""
+    root = tmp_path_factory.mktemp("capabilities")
+    runs = [(pinned, capability, None) for pinned in (True, False) for capability in CAPABILITIES]
+    if len(os.sched_getaffinity(0)) > 1:
+        runs.append((True, "avx2", {min(os.sched_getaffinity(0))}))
+    reports = {}
+    for pinned, capability, cores in runs:
+        saved_cores = os.sched_getaffinity(0)
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("ATEN_CPU_CAPABILITY", capability)
+            env.setenv("MKL_CBWR", "AUTO")  # the host's own oneMKL branch, unless pinned
+            if cores:
+                os.sched_setaffinity(0, cores)  # the training process inherits it
+            try:
+                out = root / f"{capability}-{'pinned' if pinned else 'unpinned'}-{len(cores or ())}"
+                reports[pinned, capability, bool(cores)] = train_builtin_model(
+                    corpus, out, TINY_SPEC, pin_kernels=pinned
+                )
+            finally:
+                os.sched_setaffinity(0, saved_cores)
+    return reports
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not X86, reason="the pin is for x86-64 hosts")
+def test_pinned_training_gives_one_weights_hash_whatever_the_capability(tiny_trainings):
+    pinned = {cap: tiny_trainings[True, cap, False] for cap in CAPABILITIES}
+    assert len({report["model_sha256"] for report in pinned.values()}) == 1, {
+        cap: report["model_sha256"] for cap, report in pinned.items()
+    }
+    for report in pinned.values():
+        assert report["kernels"]["pinned"] == PINNED_KERNELS
+        assert report["kernels"]["aten_capability"] == "AVX2"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not X86, reason="the pin is for x86-64 hosts")
+def test_without_the_pin_the_capabilities_train_different_weights(tiny_trainings):
+    """The control: were the weights the same anyway, the test above would prove nothing."""
+    unpinned = {cap: tiny_trainings[False, cap, False] for cap in CAPABILITIES}
+    for cap, report in unpinned.items():
+        assert report["kernels"]["pinned"] is None
+        assert report["kernels"]["aten_capability"] == cap.upper()  # the outer value reached torch
+    assert unpinned["avx2"]["model_sha256"] != unpinned["default"]["model_sha256"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to take one away")
+def test_the_thread_count_and_weights_do_not_follow_the_cores(tiny_trainings):
+    one_core, all_cores = tiny_trainings[True, "avx2", True], tiny_trainings[True, "avx2", False]
+    assert one_core["kernels"]["threads"] == all_cores["kernels"]["threads"] == TINY_SPEC["threads"]
+    assert one_core["model_sha256"] == all_cores["model_sha256"]
+
+
+def test_the_pin_overrides_the_callers_environment():
+    outer = {"ATEN_CPU_CAPABILITY": "avx512", "MKL_CBWR": "AUTO", "OMP_NUM_THREADS": "32"}
+    env = training_environment(outer, 2)
+    if X86:
+        assert {key: env[key] for key in PINNED_KERNELS} == PINNED_KERNELS
+    assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "2"
+    unpinned = training_environment(outer, 2, pin_kernels=False)
+    assert unpinned["ATEN_CPU_CAPABILITY"] == "avx512" and unpinned["MKL_CBWR"] == "AUTO"
+    assert outer["OMP_NUM_THREADS"] == "32"  # the caller's mapping is not changed
+
+
+def test_a_cpu_without_avx2_is_refused_by_name(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx fma\n")
+    with pytest.raises(RuntimeError, match="this CPU lacks avx2: the builtin model trains on AVX2"):
+        _require_cpu_flags(("avx2", "fma"), cpuinfo)
+    cpuinfo.write_text("flags\t\t: fpu sse2 avx avx2 fma\n")
+    _require_cpu_flags(("avx2", "fma"), cpuinfo)
+
+
+def test_training_identity_follows_what_sets_the_weights():
+    identity = training_identity("default", {})
+    assert identity["spec"] == DEFAULT_SPEC and identity["kernels"] == PINNED_KERNELS
+    assert sorted(identity["versions"]) == ["sentencepiece", "torch", "transformers"]
+    assert training_identity("default", {"steps": 151}) != identity
+    assert training_identity("tiny", {}) != identity
+    assert json.dumps(identity, sort_keys=True)  # plain data, for the id's hash

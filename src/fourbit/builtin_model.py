@@ -1,25 +1,34 @@
 """The study's default model: a small Llama trained here, from scratch, on a prepared corpus.
 
 It needs no download, so the whole study runs offline; and because every
-source of randomness is seeded, the thread count fixed and deterministic
-kernels forced, the same corpus and spec give the same weights bit for bit
-(on the same CPU type and library versions: another instruction set may round
-differently).
+source of randomness is seeded, the thread count fixed, deterministic kernels
+forced and the kernels' instruction set pinned (PINNED_KERNELS), the same
+corpus and spec give the same weights bit for bit on every x86-64 host with
+AVX2, whatever else its CPU has (with the same library versions).
+
+The training runs in a child process (``python -m fourbit.builtin_model``)
+whose environment pins the dispatch: torch and oneMKL read those variables
+once, when they load, so the process that trains must have them from its start.
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import logging
 import math
+import os
+import platform
+import subprocess
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
 from fourbit.atomic import atomic_dir
-from fourbit.progress import Progress
+from fourbit.progress import Progress, setup_logging
 from fourbit.tokenizer import BOS_ID, EOS_ID, UNK_ID, check_roundtrip, train_tokenizer
 
 log = logging.getLogger("fourbit")
@@ -39,11 +48,16 @@ DEFAULT_SPEC = {
     "lr": 3e-3,
     "weight_decay": 0.1,
     "seed": 0,
-    # Fixed, not "all cores": CPU kernels split reductions by thread, so the
-    # thread count changes the rounding and with it the weights. One thread,
-    # because beside other busy jobs two threads ran 4x slower here (each
-    # parallel op waits for its descheduled second thread), not 2x faster.
-    "threads": 1,
+    # Fixed, not "all cores": CPU kernels may split reductions by thread, so
+    # the thread count can change the rounding and with it the weights; a host
+    # with fewer cores runs the same threads, only slower. Two: the training
+    # job claims every core of the run (threads: workflow.cores), so on the
+    # 2-core hosts this study is sized for nothing of the study runs beside it.
+    # Beside someone else's busy job two threads are slower than one (each
+    # parallel op waits for its descheduled second thread): measured on a
+    # 2-core AMD EPYC, default preset, 8 steps, 1 thread vs 2: 18 s vs 49 s
+    # unpinned, 45 s vs 82 s pinned (both with the same weights).
+    "threads": 2,
     "eval_windows": 128,
 }
 
@@ -74,6 +88,46 @@ LOSS_AVERAGE_STEPS = 10  # final_train_loss averages the last steps: one batch i
 GRADIENT_CLIP = 1.0
 ROUNDTRIP_SNIPPETS = 8
 ROUNDTRIP_SNIPPET_CHARS = 2000
+PRESETS = {"default": DEFAULT_SPEC, "tiny": TINY_SPEC}
+
+# Bumped whenever the same spec and corpus would train other weights (the kernels'
+# pin, the training loop's arithmetic): part of training_identity().
+# 2: kernels pinned (PINNED_KERNELS), two threads.
+TRAINING_SCHEME = 2
+
+# The environment the training process runs in, on x86-64: what each library
+# dispatches on, pinned to what every x86 host here has (AVX2), so an AVX-512
+# host trains the same weights as an AVX2-only one. Measured with torch
+# 2.13.0+cpu (torch.__config__.show(): BLAS_INFO=mkl, oneMKL 2024.2, oneDNN
+# v3.12.0, "CPU capability usage: AVX2" on an AVX2 host).
+PINNED_KERNELS = {
+    # ATen's own vectorised kernels (elementwise ops, softmax, RMSNorm, the loss,
+    # AdamW): torch picks default, avx2 or avx512 once, at import.
+    "ATEN_CPU_CAPABILITY": "avx2",
+    # oneMKL's SGEMM runs every float32 matmul of the training (MKL_VERBOSE=1
+    # lists only SGEMM calls). On a non-Intel CPU oneMKL honours only the AUTO and
+    # COMPATIBLE branches: MKL_CBWR=AVX2 runs as AUTO there (MKL_VERBOSE prints
+    # CNR:AUTO on an AMD EPYC), and AUTO dispatches on the host's instruction set.
+    # COMPATIBLE is SSE2 without the approximate rcpps/rsqrtps, whose results
+    # differ between Intel and other vendors: the one branch that is the same on
+    # every x86 CPU. With it CNR's "fixed cache sizes, deterministic reductions,
+    # static scheduling" hold for the fixed thread count. Its cost: SSE2 GEMMs,
+    # 2.5-2.8x the training's CPU time (default preset, 8 steps, one thread, AMD
+    # EPYC AVX2: 45-51 s against 18 s unpinned).
+    "MKL_CBWR": "COMPATIBLE",
+    # Exactly the threads asked for: MKL and OpenMP may otherwise use fewer than
+    # requested on a host with fewer cores, which changes how sums are split.
+    "MKL_DYNAMIC": "FALSE",
+    "OMP_DYNAMIC": "FALSE",
+    # oneDNN: float32 training in torch 2.13 does not call it (ONEDNN_VERBOSE=1
+    # prints nothing), capped anyway in case another torch routes matmuls there.
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+}
+# ATen's AVX2 kernels are compiled for AVX2 with FMA: a CPU without both would
+# stop on an illegal instruction, so such a host is refused up front.
+PINNED_CPU_FLAGS = ("avx2", "fma")
+PINNED_ATEN_CAPABILITY = "AVX2"  # what torch.backends.cpu.get_cpu_capability() then reports
+X86_64 = ("x86_64", "amd64")
 
 
 def resolve_spec(spec: dict) -> dict:
@@ -130,43 +184,142 @@ def _check_heads(spec: dict) -> None:
         )
 
 
-def train_builtin_model(corpus_dir: Path, out_dir: Path, spec: dict) -> dict:
+def train_builtin_model(
+    corpus_dir: Path, out_dir: Path, spec: dict, *, pin_kernels: bool = True
+) -> dict:
     """Train tokenizer and model on the corpus's train split; save a Hugging Face folder.
 
     ``out_dir`` gets model.safetensors (float32, tied embeddings), config.json,
     generation_config.json, the tokenizer files and training.json, whose
-    contents (what was trained, how long, how well) are returned.
+    contents (what was trained, how long, how well, on which kernels) are
+    returned. The training runs in a child process with PINNED_KERNELS set;
+    ``pin_kernels=False`` leaves the dispatch to the host (and to the caller's
+    environment), which only measurements of the pin itself want.
     """
     spec = resolve_spec(spec)
     corpus_dir = Path(corpus_dir)
-    train_path, evaluation_path = corpus_dir / "train.txt", corpus_dir / "evaluation.txt"
-    for path in (train_path, evaluation_path):
+    for path in (corpus_dir / "train.txt", corpus_dir / "evaluation.txt"):
         if not path.is_file():
             raise FileNotFoundError(
                 f"{path} does not exist; prepare the corpus into {corpus_dir} first"
             )
-    evaluation_text = evaluation_path.read_text(encoding="utf-8")
-    with atomic_dir(out_dir) as temp, _deterministic_torch(spec["threads"]):
-        _train_tokenizer_into(temp, train_path, evaluation_text, spec)
-        train_stream = _token_stream(temp, train_path.read_text(encoding="utf-8"))
-        evaluation_stream = _token_stream(temp, evaluation_text)
-        _require_enough_tokens(train_stream, evaluation_stream, spec)
-        model = _new_model(spec)
-        started = time.monotonic()
-        final_loss = _train(model, train_stream, spec)
-        wall_seconds = time.monotonic() - started
-        model.save_pretrained(temp)
-        report = _training_report(spec, temp, train_path, train_stream, wall_seconds, final_loss)
-        report.update(_held_out_perplexity(model, evaluation_stream, spec))
-        (temp / "training.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    env = training_environment(os.environ, spec["threads"], pin_kernels=pin_kernels)
+    with atomic_dir(out_dir) as temp:
+        _run_training_process(corpus_dir, temp, spec, env)
+        report = json.loads((temp / "training.json").read_text())
     log.info(
-        "builtin model: held-out perplexity %.2f (uniform %d) after %d steps in %.0f s",
+        "builtin model: held-out perplexity %.2f (uniform %d) after %d steps in %.0f s "
+        "on %d threads, kernels %s",
         report["held_out_perplexity"],
         report["uniform_perplexity"],
         spec["steps"],
-        wall_seconds,
+        report["wall_seconds"],
+        spec["threads"],
+        "pinned" if report["kernels"]["pinned"] else "as the host dispatches",
     )
     return report
+
+
+def training_identity(preset: str, overrides: dict) -> dict:
+    """Everything that determines the builtin model's weights besides the corpus:
+    for the model id to hash, so other weights never share an id."""
+    from importlib.metadata import version
+
+    return {
+        "scheme": TRAINING_SCHEME,
+        "spec": resolve_spec({**PRESETS[preset], **overrides}),
+        "kernels": PINNED_KERNELS,
+        "versions": {name: version(name) for name in ("torch", "transformers", "sentencepiece")},
+    }
+
+
+def training_environment(outer: dict, threads: int, *, pin_kernels: bool = True) -> dict:
+    """The training process's environment: ``outer`` with the thread count fixed and,
+    on x86-64, PINNED_KERNELS over whatever ``outer`` sets for them."""
+    env = {**outer, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    if pin_kernels and _is_x86_64():
+        _require_cpu_flags(PINNED_CPU_FLAGS)
+        env.update(PINNED_KERNELS)
+    # The child imports this package from where the parent found it.
+    package_root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, outer.get("PYTHONPATH")]))
+    return env
+
+
+def _is_x86_64() -> bool:
+    return platform.machine().lower() in X86_64
+
+
+def _require_cpu_flags(flags: tuple[str, ...], cpuinfo: Path = Path("/proc/cpuinfo")) -> None:
+    if not cpuinfo.is_file():
+        return  # not Linux: torch itself then says whether it could run AVX2 kernels
+    present = set()
+    for line in cpuinfo.read_text().splitlines():
+        if line.startswith("flags"):
+            present = set(line.split(":", 1)[1].split())
+            break
+    missing = [flag for flag in flags if flag not in present]
+    if missing:
+        raise RuntimeError(
+            f"this CPU lacks {', '.join(missing)}: the builtin model trains on AVX2 kernels "
+            "on every x86 host, so that every host trains the same weights under one id; "
+            "use a host with AVX2 and FMA (any x86 CPU since 2013-2015), or model.source: "
+            "hf or path"
+        )
+
+
+def _run_training_process(corpus_dir: Path, out_dir: Path, spec: dict, env: dict) -> None:
+    """``python -m fourbit.builtin_model`` in ``env``; its log lines go to this process's
+    stderr (the rule's log) as they come."""
+    command = [sys.executable, "-m", "fourbit.builtin_model", "--corpus", str(corpus_dir),
+               "--out", str(out_dir), "--spec", json.dumps(spec, sort_keys=True)]
+    tail: list[str] = []
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, bufsize=1) as child:
+        for line in child.stdout:
+            sys.stderr.write(line)
+            tail = (tail + [line.rstrip()])[-20:]
+    if child.returncode != 0:
+        raise RuntimeError(
+            f"training the builtin model failed (exit {child.returncode}); its last lines:\n"
+            + "\n".join(tail)
+        )
+
+
+def _train_here(corpus_dir: Path, out_dir: Path, spec: dict) -> None:
+    """The training itself, in this process, into the existing folder ``out_dir``."""
+    import torch
+
+    pinned = all(os.environ.get(key) == value for key, value in PINNED_KERNELS.items())
+    capability = torch.backends.cpu.get_cpu_capability()
+    if pinned and capability != PINNED_ATEN_CAPABILITY:
+        raise RuntimeError(
+            f"ATEN_CPU_CAPABILITY={PINNED_KERNELS['ATEN_CPU_CAPABILITY']} was set, yet torch "
+            f"dispatches to {capability}; the pin did not take"
+        )
+    train_path, evaluation_path = corpus_dir / "train.txt", corpus_dir / "evaluation.txt"
+    evaluation_text = evaluation_path.read_text(encoding="utf-8")
+    with _deterministic_torch(spec["threads"]):
+        _train_tokenizer_into(out_dir, train_path, evaluation_text, spec)
+        train_stream = _token_stream(out_dir, train_path.read_text(encoding="utf-8"))
+        evaluation_stream = _token_stream(out_dir, evaluation_text)
+        _require_enough_tokens(train_stream, evaluation_stream, spec)
+        model = _new_model(spec)
+        started, cpu_started = time.monotonic(), time.process_time()
+        final_loss = _train(model, train_stream, spec)
+        wall_seconds = time.monotonic() - started
+        model.save_pretrained(out_dir)
+        report = _training_report(spec, out_dir, train_path, train_stream, wall_seconds, final_loss)
+        # CPU time of every thread: the kernels' cost, less swayed by a busy host than wall time
+        report["cpu_seconds"] = time.process_time() - cpu_started
+        report.update(_held_out_perplexity(model, evaluation_stream, spec))
+    report["kernels"] = {
+        "pinned": dict(PINNED_KERNELS) if pinned else None,
+        "aten_capability": capability,
+        "threads": spec["threads"],
+        "machine": platform.machine(),
+    }
+    (out_dir / "training.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
 
 
 @contextmanager
@@ -344,3 +497,18 @@ def _training_report(
 
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The training process: ``python -m fourbit.builtin_model --corpus D --out D --spec JSON``."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--corpus", type=Path, required=True, help="a prepared corpus folder")
+    parser.add_argument("--out", type=Path, required=True, help="an existing, empty folder")
+    parser.add_argument("--spec", type=json.loads, required=True, help="a resolved spec, as JSON")
+    args = parser.parse_args(argv)
+    setup_logging()
+    _train_here(args.corpus, args.out, resolve_spec(args.spec))
+
+
+if __name__ == "__main__":
+    main()
