@@ -30,6 +30,8 @@ import yaml
 
 from fourbit.benchmark import BenchPair, bench_study
 from fourbit.config import Study
+from fourbit.hashing import model_weights_sha256
+from fourbit.sources import MANIFEST
 
 METRICS = ("pp512_tok_s", "tg128_tok_s")
 
@@ -51,6 +53,7 @@ def main() -> None:
     untied = args.study_dir / study.results / study.model_id / "untied"
     if not (untied / "config.json").is_file():
         raise SystemExit(f"{untied} does not exist: run the study first (make report)")
+    weights = model_weights_sha256(untied.parent / "source" / MANIFEST)
     engine = study.engines["vllm"]
     copies = []
     for number in range(1, args.copies + 1):
@@ -63,7 +66,8 @@ def main() -> None:
     for job in range(1, args.jobs + 1):
         pairs = [BenchPair(copy, untied, {"name": engine.name, **engine.settings},
                            args.workdir / f"job{job}" / copy.name / "bench.json") for copy in copies]
-        jobs.append(bench_study(pairs, study.config["bench"], threads=args.cores))
+        jobs.append(bench_study(pairs, study.config["bench"], threads=args.cores,
+                                model_weights_sha256=weights))
         print(f"job {job}: {args.workdir / f'job{job}'}", flush=True)
     report(jobs)
 

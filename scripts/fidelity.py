@@ -1,5 +1,9 @@
+from pathlib import Path
+
 from fourbit.fidelity import compare_arm
+from fourbit.hashing import model_weights_sha256
 from fourbit.progress import setup_logging
+from fourbit.sources import MANIFEST
 
 setup_logging(snakemake.log[0])
 compare_arm(
@@ -10,5 +14,6 @@ compare_arm(
     dict(snakemake.params.engine),
     dict(snakemake.params.fidelity),
     threads=snakemake.threads,
+    model_weights_sha256=model_weights_sha256(Path(snakemake.input.source) / MANIFEST),
     text_path=snakemake.input.text,
 )

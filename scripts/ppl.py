@@ -1,5 +1,9 @@
+from pathlib import Path
+
+from fourbit.hashing import model_weights_sha256
 from fourbit.ppl import score_checkpoint
 from fourbit.progress import setup_logging
+from fourbit.sources import MANIFEST
 
 setup_logging(snakemake.log[0])
 score_checkpoint(
@@ -8,4 +12,5 @@ score_checkpoint(
     snakemake.output.ppl,
     dict(snakemake.params.engine),
     threads=snakemake.threads,
+    model_weights_sha256=model_weights_sha256(Path(snakemake.input.source) / MANIFEST),
 )

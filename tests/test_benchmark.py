@@ -28,6 +28,7 @@ ENGINE = {"name": "vllm", "dtype": "float32"}  # its module replaced by a fake b
 RATES = {"arm": {"pp512_tok_s": 400.0, "tg128_tok_s": 40.0},
          "baseline": {"pp512_tok_s": 200.0, "tg128_tok_s": 20.0}}
 BANDWIDTH = {"gbs": 10.0, "threads": 1}
+WEIGHTS = "ab" * 32  # the source model's model_weights_sha256, carried into every record
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,7 @@ def checkpoints(tmp_path_factory):
 def bench_one(arm, baseline, engine, bench, out, threads):
     """A study of one pair: its record."""
     pair = benchmark.BenchPair(arm, baseline, engine, out)
-    return benchmark.bench_study([pair], bench, threads)[0]
+    return benchmark.bench_study([pair], bench, threads, model_weights_sha256=WEIGHTS)[0]
 
 
 def fake_engine(calls: list):
@@ -99,7 +100,7 @@ def test_paired_record_with_fake_engine(checkpoints, fake_host, tmp_path):
     record = bench_one(arm, baseline, ENGINE, {}, out, threads=1)
 
     assert json.loads(out.read_text()) == json.loads(json.dumps(record))
-    assert record["measured"] is True
+    assert record["measured"] is True and record["model_weights_sha256"] == WEIGHTS
     assert record["settings"] == {  # the schema's defaults
         "passes": 9, "warmup": 1, "busy_threshold": 0.25, "allow_busy": False,
         "cores": sorted(os.sched_getaffinity(0))[:1], "prompt_tokens": 512, "decode_tokens": 128}
@@ -167,7 +168,7 @@ def test_a_study_interleaves_its_arms_and_opens_a_shared_baseline_once(
     shutil.copytree(arm, second)
     pairs = [benchmark.BenchPair(arm, baseline, ENGINE, tmp_path / "a" / "bench.json"),
              benchmark.BenchPair(second, baseline, ENGINE, tmp_path / "b" / "bench.json")]
-    records = benchmark.bench_study(pairs, {"passes": 3}, threads=1)
+    records = benchmark.bench_study(pairs, {"passes": 3}, threads=1, model_weights_sha256=WEIGHTS)
 
     assert opened == ["arm", "baseline", "second"] and sorted(closed) == sorted(opened)
     timed = [c["checkpoint"] for c in calls][4:]  # after each pair's warm-up of both sides
@@ -183,11 +184,18 @@ def test_a_study_interleaves_its_arms_and_opens_a_shared_baseline_once(
     assert records[0]["job"] == records[1]["job"]
 
 
+def test_a_weights_hash_that_is_not_one_is_refused_before_any_pass(checkpoints, tmp_path):
+    pair = benchmark.BenchPair(*checkpoints, ENGINE, tmp_path / "a" / "bench.json")
+    with pytest.raises(ValueError, match="model_weights_sha256 must be a sha256 in lowercase hex"):
+        benchmark.bench_study([pair], {}, threads=1, model_weights_sha256="results/m/source")
+    assert not (tmp_path / "a").exists()
+
+
 def test_two_records_in_one_folder_are_refused(checkpoints, fake_host, tmp_path):
     pairs = [benchmark.BenchPair(*checkpoints, ENGINE, tmp_path / "a" / name)
              for name in ("bench.json", "other.json")]
     with pytest.raises(ValueError, match="repeat a name; each record needs a folder"):
-        benchmark.bench_study(pairs, {}, threads=1)
+        benchmark.bench_study(pairs, {}, threads=1, model_weights_sha256=WEIGHTS)
 
 
 def test_engines_that_would_not_fit_in_memory_are_refused_before_any_starts(
@@ -300,8 +308,9 @@ def test_reference_engine_is_not_benchmarked(checkpoints, tmp_path):
     out = tmp_path / "bench.json"
     settings = {"name": "reference", "dtype": "float32", "threads": 2}
     record = bench_one(*checkpoints, settings, {}, out, threads=1)
-    assert set(record) == {"measured", "engine", "reason"}
+    assert set(record) == {"measured", "engine", "reason", "model_weights_sha256"}
     assert record["measured"] is False and record["engine"] == settings
+    assert record["model_weights_sha256"] == WEIGHTS
     assert record["reason"].startswith("not a deployment engine; not benchmarked")
     assert json.loads(out.read_text()) == record
 

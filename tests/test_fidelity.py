@@ -26,6 +26,7 @@ from fourbit.fidelity import (
 REFERENCE = {"name": "reference", "dtype": "float32", "threads": 2}
 VLLM = {"name": "vllm", "dtype": "float32", "enforce_eager": True, "kv_cache_bytes": 32 << 20}
 SMALL = {"windows": 4, "prompts": 4, "prompt_tokens": 8, "new_tokens": 8, "top_k": 20}
+WEIGHTS = "ab" * 32  # the source model's model_weights_sha256, carried into every record
 WINDOWS = torch.randint(0, 512, (5, 64), generator=torch.Generator().manual_seed(1)).tolist()
 
 
@@ -157,9 +158,11 @@ def models(tmp_path_factory):
 
 def test_reference_copy_is_identical(models, tmp_path):
     out = compare_arm(models / "copy", models / "baseline", models / "windows.json",
-                      tmp_path / "fidelity.json", REFERENCE, SMALL, threads=2)
+                      tmp_path / "fidelity.json", REFERENCE, SMALL, threads=2,
+                      model_weights_sha256=WEIGHTS)
     assert json.loads((tmp_path / "fidelity.json").read_text()) == json.loads(json.dumps(out))
     assert out["method"] == FULL and out["bound"] == "exact" and out["computed"]
+    assert out["model_weights_sha256"] == WEIGHTS
     assert out["positions"] == 4 * 63
     assert out["kl_mean"] == out["kl_p99"] == out["kl_max"] == 0.0
     assert out["top1_agreement"] == 1.0
@@ -171,7 +174,8 @@ def test_reference_perturbed_copy_diverges(models, tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = compare_arm(models / "perturbed", models / "baseline", models / "windows.json",
-                      tmp_path / "fidelity.json", REFERENCE, SMALL, threads=2)
+                      tmp_path / "fidelity.json", REFERENCE, SMALL, threads=2,
+                      model_weights_sha256=WEIGHTS)
     assert out["kl_mean"] > 1e-3 and out["kl_p99"] >= out["kl_median"]
     assert out["top1_agreement"] < 1.0
     # The same numbers, computed independently from transformers' logits.
@@ -210,7 +214,8 @@ def test_reference_quantized_arm(models, tmp_path):
            "quant": canonical_quant({"method": "cpu_int4", "group_size": 64}, load_schema())}
     quantize_checkpoint(models / "baseline", tmp_path / "q", tmp_path / "arm.json", arm)
     out = compare_arm(tmp_path / "q", models / "baseline", models / "windows.json",
-                      tmp_path / "fidelity.json", REFERENCE, SMALL, threads=2)
+                      tmp_path / "fidelity.json", REFERENCE, SMALL, threads=2,
+                      model_weights_sha256=WEIGHTS)
     assert 0 < out["kl_mean"] < 1
     assert 0.5 < out["top1_agreement"] <= 1
     assert "tinygemm" in out["runtime"] and out["baseline_runtime"].endswith("dense")
@@ -219,16 +224,26 @@ def test_reference_quantized_arm(models, tmp_path):
 def test_engine_without_it_writes_a_record_saying_so(models, tmp_path, monkeypatch):
     monkeypatch.setitem(ENGINE_MODULES, "plain", "fourbit.engines")  # a module with neither
     out = compare_arm(tmp_path / "absent", tmp_path / "absent-base", models / "windows.json",
-                      tmp_path / "fidelity.json", {"name": "plain"}, {}, threads=2)
+                      tmp_path / "fidelity.json", {"name": "plain"}, {}, threads=2,
+                      model_weights_sha256=WEIGHTS)
     assert out["computed"] is False and out["method"] is None
-    assert "not computed" in out["reason"]
+    assert "not computed" in out["reason"] and out["model_weights_sha256"] == WEIGHTS
     assert json.loads((tmp_path / "fidelity.json").read_text())["computed"] is False
+
+
+def test_a_weights_hash_that_is_not_one_is_refused(models, tmp_path):
+    with pytest.raises(ValueError, match="model_weights_sha256 must be a sha256 in lowercase hex"):
+        compare_arm(models / "copy", models / "baseline", models / "windows.json",
+                    tmp_path / "fidelity.json", REFERENCE, SMALL, threads=2,
+                    model_weights_sha256="AB" * 32)
+    assert not (tmp_path / "fidelity.json").exists()
 
 
 def test_engine_with_its_own_kl_mode_needs_the_text(models, tmp_path):
     with pytest.raises(ValueError, match="text_path"):
         compare_arm(tmp_path / "absent.gguf", tmp_path / "absent-base.gguf", models / "windows.json",
-                    tmp_path / "fidelity.json", {"name": "llamacpp", "threads": 2}, {}, threads=2)
+                    tmp_path / "fidelity.json", {"name": "llamacpp", "threads": 2}, {}, threads=2,
+                    model_weights_sha256=WEIGHTS)
 
 
 # --- vLLM: top-k lower bound ------------------------------------------------------------------
@@ -239,7 +254,7 @@ def test_vllm_copy_is_identical(models, tmp_path, caplog):
     caplog.set_level("INFO")
     record = tmp_path / "vllm-x" / "arm-x" / "fidelity.json"  # the rule's <engine>/<arm>/ layout
     out = compare_arm(models / "copy", models / "baseline", models / "windows.json", record,
-                      VLLM, SMALL, threads=2)
+                      VLLM, SMALL, threads=2, model_weights_sha256=WEIGHTS)
     assert out["method"] == TOPK and out["bound"] == "lower bound"
     assert out["positions"] == 4 * 63
     assert out["kl_max"] == pytest.approx(0, abs=1e-6)
@@ -252,7 +267,8 @@ def test_vllm_copy_is_identical(models, tmp_path, caplog):
     kept = list((tmp_path / "vllm-x" / "baseline" / "fidelity.cache").glob("side-*.json"))
     assert len(kept) == 1
     second = compare_arm(models / "perturbed", models / "baseline", models / "windows.json",
-                         tmp_path / "vllm-x" / "arm-y" / "fidelity.json", VLLM, SMALL, threads=2)
+                         tmp_path / "vllm-x" / "arm-y" / "fidelity.json", VLLM, SMALL, threads=2,
+                         model_weights_sha256=WEIGHTS)
     assert second["kl_mean"] > 0 and "baseline side read from" in caplog.text
     assert kept == list((tmp_path / "vllm-x" / "baseline" / "fidelity.cache").glob("side-*.json"))
 

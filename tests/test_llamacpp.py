@@ -626,8 +626,9 @@ def test_fidelity_of_a_gguf_arm_comes_from_llama_perplexitys_kl_mode(ggufs, tool
     out = compare_arm(ggufs["Q4_K_M"], ggufs["F16"], windows_file, tmp_path / "fidelity.json",
                       {"name": "llamacpp", "threads": 2},
                       {"windows": 3, "prompts": 4, "new_tokens": 8}, threads=2,
-                      text_path=corpus / "evaluation.txt")
+                      model_weights_sha256="ab" * 32, text_path=corpus / "evaluation.txt")
     assert out["computed"] and out["method"] == OWN_KL_MODE
+    assert out["model_weights_sha256"] == "ab" * 32
     assert out["llama_perplexity"]["chunks"] == 3 and f"chunks of {WINDOW} tokens" in out["bound"]
     assert 0 < out["kl_mean"] <= out["kl_p99"] and 0.5 < out["top1_agreement"] < 1
     assert out["greedy"]["prompts"] == 4 and 0 <= out["greedy"]["identical"] <= 4

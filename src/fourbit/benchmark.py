@@ -65,6 +65,7 @@ from fourbit.bench.residency import warm_and_check
 from fourbit.checkpoint import quantizable_linears, skeleton, weight_files
 from fourbit.config import load_schema
 from fourbit.engines import ENGINE_READS, get_engine
+from fourbit.hashing import require_sha256
 
 log = logging.getLogger("fourbit")
 
@@ -205,14 +206,18 @@ class BenchPair:
         return f"{self.out.parent.parent.name}/{self.out.parent.name}"
 
 
-def bench_study(pairs: list[BenchPair], bench_settings: dict, threads: int) -> list[dict]:
+def bench_study(pairs: list[BenchPair], bench_settings: dict, threads: int, *,
+                model_weights_sha256: str) -> list[dict]:
     """Time every pair in one job, interleaved in rounds (bench.passes.run_rounds); write
-    and return each pair's record, in ``pairs``' order.
+    and return each pair's record, in ``pairs``' order. Every record, timed or not, carries
+    ``model_weights_sha256``: the source model's weights every checkpoint of the study was
+    made from (fourbit.hashing.model_weights_sha256).
 
     Every checkpoint is opened once for the job: an arm by its pair, a baseline once for
     all its engine's arms. Nothing is written until every pass has run, so a refusal or a
     failure leaves no record that looks finished.
     """
+    require_sha256(model_weights_sha256)
     pairs = [replace(p, arm=Path(p.arm), baseline=Path(p.baseline), out=Path(p.out)) for p in pairs]
     names = [pair.name for pair in pairs]
     if len(set(names)) < len(names):
@@ -225,6 +230,7 @@ def bench_study(pairs: list[BenchPair], bench_settings: dict, threads: int) -> l
     if timed:
         records |= _time_pairs(timed, engines, resolve_settings(bench_settings, threads))
     for pair in pairs:
+        records[pair.name]["model_weights_sha256"] = model_weights_sha256
         write_json(pair.out, records[pair.name])
     for pair in timed:
         _log_summary(pair, records[pair.name])

@@ -101,6 +101,7 @@ from pathlib import Path
 
 from fourbit.atomic import write_json
 from fourbit.engines import get_engine
+from fourbit.hashing import require_sha256
 
 log = logging.getLogger("fourbit")
 
@@ -303,11 +304,15 @@ def compare_arm(
     fidelity_settings: Mapping,
     *,
     threads: int,
+    model_weights_sha256: str,
     text_path: str | os.PathLike | None = None,
 ) -> dict:
     """Compare one arm with the same engine's baseline; write ``out_path`` (JSON, atomically).
 
+    ``model_weights_sha256``: the source model's weights both were made from
+    (fourbit.hashing.model_weights_sha256), carried into the record, computed or not.
     ``text_path``, the evaluation text, is read only by engines with their own KL mode."""
+    require_sha256(model_weights_sha256)
     settings = resolve_settings(fidelity_settings)
     windows_file = json.loads(Path(windows_path).read_text())
     compared_windows, prompts = select(windows_file["windows"], settings)
@@ -319,6 +324,7 @@ def compare_arm(
             new_tokens=settings["new_tokens"],
         ),
         "token_ids_sha256": windows_file["token_ids_sha256"],
+        "model_weights_sha256": model_weights_sha256,
         "engine": dict(engine_settings),
         "settings": settings,
         "checkpoint": str(arm_checkpoint),

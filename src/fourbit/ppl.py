@@ -25,7 +25,7 @@ from pathlib import Path
 
 from fourbit.atomic import write_json
 from fourbit.engines import get_engine
-from fourbit.hashing import canonical_json, file_sha256
+from fourbit.hashing import canonical_json, file_sha256, require_sha256
 
 log = logging.getLogger("fourbit")
 
@@ -79,7 +79,12 @@ def score_checkpoint(
     engine_settings: dict,
     *,
     threads: int,
+    model_weights_sha256: str,
 ) -> dict:
+    """Score ``checkpoint`` on the windows; write ``out_path``. ``model_weights_sha256``: the
+    source model's weights this checkpoint was made from (fourbit.hashing.model_weights_sha256),
+    carried into the record so the report never mixes records of other weights."""
+    require_sha256(model_weights_sha256)
     windows_file = json.loads(Path(windows_path).read_text())
     engine = get_engine(engine_settings["name"])
     # Compile and inductor caches per scored checkpoint: a cache shared between
@@ -92,6 +97,7 @@ def score_checkpoint(
     result = {
         "definition": windows_file["definition"],
         "token_ids_sha256": windows_file["token_ids_sha256"],
+        "model_weights_sha256": model_weights_sha256,
         "engine": engine_settings,
         "checkpoint": str(checkpoint),
         "runtime": engine.runtime(Path(checkpoint), engine_settings),

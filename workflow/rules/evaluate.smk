@@ -2,6 +2,8 @@ rule ppl:
     input:
         checkpoint=get_scored_checkpoint,
         windows=f"{EVAL_DIR}/windows.json",
+        # its fourbit-source.json: the weights' hash every record carries
+        source=f"{MODEL_DIR}/source",
     output:
         ppl=f"{EVAL_DIR}/{{engine}}/{{arm}}/{{form}}.ppl.json",
     log:
@@ -33,6 +35,7 @@ if BENCH_PAIRS:
     rule bench:
         input:
             checkpoints=sorted({pair[side] for pair in BENCH_PAIRS for side in ("arm", "baseline")}),
+            source=f"{MODEL_DIR}/source",
         output:
             [pair["out"] for pair in BENCH_PAIRS],
         log:

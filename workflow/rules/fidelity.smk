@@ -9,6 +9,8 @@
 rule fidelity:
     input:
         unpack(get_fidelity_input),
+        # its fourbit-source.json: the weights' hash every record carries
+        source=f"{MODEL_DIR}/source",
     output:
         fidelity=f"{EVAL_DIR}/{{engine}}/{{arm}}/fidelity.json",
     log:
