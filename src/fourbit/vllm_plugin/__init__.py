@@ -125,7 +125,7 @@ def describe(knobs: dict[str, Any], model_dtype: str) -> str:
         small = f"tinygemm {str(dtype).removeprefix('torch.')}"
         small += "" if tinygemm.vectorized(dtype) else " (scalar)"
         if kernel != "tinygemm":
-            small += f", fourbit {kernel} unavailable (no AVX2+FMA)"
+            small += f", fourbit {kernel} unavailable (not built, or no AVX2+FMA)"
         # bfloat16 scales are not exact: the float32 dense path then reads a kept copy
         exact = dtype in (getattr(torch, compute), torch.float32)
         source = "the packed layout" if knobs["direct_dequant"] and exact else "a kept copy"
