@@ -495,7 +495,10 @@ class FourbitLinearMethod(_StoredTensors, LinearMethodBase):
     ) -> torch.Tensor:
         k = layer.fourbit_in_features
         n = layer.fourbit_out_features
-        y = torch.ops.fourbit.int4_linear(
+        # Traced (compiled mode): the opaque op; eager: its implementation, without the
+        # dispatcher's round trip (ops.py, int4_linear).
+        op = torch.ops.fourbit.int4_linear if torch.compiler.is_compiling() else ops.int4_linear_impl
+        y = op(
             x.reshape(-1, k),
             layer.fourbit_packed,
             layer.fourbit_sz,
