@@ -330,6 +330,23 @@ def test_plugin_matches_dense_control(root, cache_root, fmt_name, arch, quantize
 
 
 @pytest.mark.slow
+def test_compiled_mode_runs_the_op(root, cache_root):
+    """Eager forwards call the op's implementation directly (config.py apply); a compiled
+    model (Dynamo traces apply, which then takes the custom op) must still run every
+    linear on the kernel and agree with the dense control."""
+    from fourbit.kernels import int4_cpu
+    from fourbit.vllm_plugin import ops
+
+    quant_dir, dense_dir = build_pair(root, "cpu_int4")
+    kernel = "w4a16" if int4_cpu.isa() != "none" else "tinygemm"
+    ops.calls.clear()
+    quant = _score(quant_dir, cache_root, enforce_eager=False,
+                   quant_overrides={"kernel": kernel, "prefill_dequant": False})
+    assert set(ops.calls) == {kernel} and ops.calls[kernel] >= 8, dict(ops.calls)
+    assert _max_diff(quant, _score(dense_dir, cache_root)) <= KERNEL_TOL[kernel]
+
+
+@pytest.mark.slow
 def test_kernels_and_dequant_paths_agree(root, cache_root):
     """Every exact path through the op gives the same logprobs to float32 summation order:
     fourbit's W4A16 kernel, tinygemm in float32 (asked for by name), and the dense paths
