@@ -135,8 +135,8 @@ def int4_linear_impl(
             xc, packed, group_size, scales_and_zeros
         )  # [M, K] -> [M, N']
     if y.shape[1] != out_features:
-        y = y[:, :out_features]  # drop the rows padded to tinygemm's multiple of 16
-    return y.to(x.dtype).contiguous()
+        y = y[:, :out_features].contiguous()  # drop the rows padded to tinygemm's multiple of 16
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 # The op the traced graph holds. Eager callers (vLLM's default here, enforce_eager) call
