@@ -170,3 +170,22 @@ def test_fallback_when_the_isa_is_missing(monkeypatch):
     if int4_cpu._ext() is not None:
         with pytest.raises(RuntimeError, match="AVX2"):
             int4_cpu.linear(torch.randn(1, 128), w, "w4a8")
+
+
+@needs_kernel
+@pytest.mark.parametrize("numerics", int4_cpu.NUMERICS)
+def test_threads_split_rows_not_sums(numerics):
+    """Rows are split over torch's threads, each row's sum stays on one thread: any thread
+    count gives the same bits."""
+    qw = random_qweight(1030, 256, 64, False, seed=5)  # many row blocks, a short last one
+    w = int4_cpu.repack(qw)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(6))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = int4_cpu.linear(x, w, numerics)
+        torch.set_num_threads(2)
+        two = int4_cpu.linear(x, w, numerics)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
