@@ -54,10 +54,10 @@ callgrind on the 2-core AVX2-only AMD EPYC this was written on (benchmarks/int4_
 --instructions; ggml's functions compiled unchanged from the llama.cpp tree fourbit builds,
 -mavx2 -mfma):
 
-    fourbit W4A8 (G=128)   0.253     ggml Q4_K x Q8_K row dot     0.400
-    fourbit W4A16 (G=128)  0.620     ggml Q4_K 8x8 GEMV (repack)  0.422
-                                     ggml Q4_0 8x8 GEMV (repack)  0.411
-                                     ggml Q4_0 x Q8_0 / Q4_1 x Q8_1 row dots  0.698
+    fourbit W4A8   G=128 0.253, G=64 0.298, G=32 0.373
+    fourbit W4A16  G=128 0.620, G=64 0.591, G=32 0.630
+    ggml Q4_K x Q8_K row dot 0.400, Q4_K 8x8 GEMV (repacked) 0.422,
+    Q4_0 8x8 GEMV (repacked) 0.411, Q4_0 x Q8_0 and Q4_1 x Q8_1 row dots 0.698
 
 W4A8 is cheaper than ggml's row dots because a 32-byte load feeds two blocks with no
 lane-crossing unpack, codes stay unsigned (no sign tricks before maddubs), four rows share
