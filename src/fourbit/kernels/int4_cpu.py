@@ -55,7 +55,7 @@ callgrind on the 2-core AVX2-only AMD EPYC this was written on (benchmarks/int4_
 -mavx2 -mfma):
 
     fourbit W4A8   G=128 0.253, G=64 0.298, G=32 0.373
-    fourbit W4A16  G=128 0.620, G=64 0.591, G=32 0.630
+    fourbit W4A16  G=128 0.532, G=64 0.591, G=32 0.630
     ggml Q4_K x Q8_K row dot 0.400, Q4_K 8x8 GEMV (repacked) 0.422,
     Q4_0 8x8 GEMV (repacked) 0.411, Q4_0 x Q8_0 and Q4_1 x Q8_1 row dots 0.698
 
