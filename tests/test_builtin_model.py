@@ -197,6 +197,7 @@ def test_the_pin_overrides_the_callers_environment():
     if X86:
         assert {key: env[key] for key in PINNED_KERNELS} == PINNED_KERNELS
     assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "2"
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE"
     unpinned = training_environment(outer, 2, pin_kernels=False)
     assert unpinned["ATEN_CPU_CAPABILITY"] == "avx512" and unpinned["MKL_CBWR"] == "AUTO"
     assert outer["OMP_NUM_THREADS"] == "32"  # the caller's mapping is not changed

@@ -53,10 +53,9 @@ DEFAULT_SPEC = {
     # with fewer cores runs the same threads, only slower. Two: the training
     # job claims every core of the run (threads: workflow.cores), so on the
     # 2-core hosts this study is sized for nothing of the study runs beside it.
-    # Beside someone else's busy job two threads are slower than one (each
-    # parallel op waits for its descheduled second thread): measured on a
-    # 2-core AMD EPYC, default preset, 8 steps, 1 thread vs 2: 18 s vs 49 s
-    # unpinned, 45 s vs 82 s pinned (both with the same weights).
+    # Beside someone else's busy job, two threads that spin while they wait
+    # (OpenMP's default) are slower than one: each parallel op waits for its
+    # descheduled second thread. WAIT_POLICY removes that.
     "threads": 2,
     "eval_windows": 128,
 }
@@ -89,6 +88,12 @@ GRADIENT_CLIP = 1.0
 ROUNDTRIP_SNIPPETS = 8
 ROUNDTRIP_SNIPPET_CHARS = 2000
 PRESETS = {"default": DEFAULT_SPEC, "tiny": TINY_SPEC}
+# Waiting threads sleep instead of spinning: no effect on the numbers, but on a
+# host where another job holds a core, two spinning threads trained slower than
+# one. Measured on a 2-core AMD EPYC (AVX2) beside one other busy process,
+# default preset, 8 steps, pinned: 1 thread 45-49 s; 2 threads spinning 69-82 s,
+# sleeping 47-49 s; the same weights in every case.
+WAIT_POLICY = "PASSIVE"
 
 # Bumped whenever the same spec and corpus would train other weights (the kernels'
 # pin, the training loop's arithmetic): part of training_identity().
@@ -236,7 +241,8 @@ def training_identity(preset: str, overrides: dict) -> dict:
 def training_environment(outer: dict, threads: int, *, pin_kernels: bool = True) -> dict:
     """The training process's environment: ``outer`` with the thread count fixed and,
     on x86-64, PINNED_KERNELS over whatever ``outer`` sets for them."""
-    env = {**outer, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    env = {**outer, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+           "OMP_WAIT_POLICY": WAIT_POLICY}
     if pin_kernels and _is_x86_64():
         _require_cpu_flags(PINNED_CPU_FLAGS)
         env.update(PINNED_KERNELS)
