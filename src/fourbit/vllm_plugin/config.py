@@ -447,7 +447,7 @@ class FourbitLinearMethod(_StoredTensors, LinearMethodBase):
         packed, sz, scales, zeros = empty_u8, torch.empty(0, dtype=compute), empty_f, empty_u8
         codes, offsets = empty_u8, empty_f
         if kernel != "tinygemm":
-            w = int4_cpu.repack(qw)  # [N, K/2] nibbles + [N, K/G] scales/zeros; qw is dropped
+            w = int4_cpu.repack(qw)  # [N, K/2] nibbles, [N/4, K/G, 4] scales and zeros; qw dropped
             packed, scales, zeros = w.packed, w.scales, w.zeros
             mode = ops.MODE_DIRECT if cfg.prefill_dequant else ops.MODE_NEVER
             threshold = cfg.dequant_threshold if cfg.prefill_dequant else ops.NO_THRESHOLD
