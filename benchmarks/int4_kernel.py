@@ -303,7 +303,8 @@ def main(argv: list[str] | None = None) -> None:
         triad = measure_bandwidth(threads=args.threads)["gbs"]
         print(f"{'of triad':<26}" + "".join(
             f"{token_bytes[m] / token[m] / 1e9 / triad:>{width}.0%}" for m in args.methods))
-        print(f"triad bandwidth (fourbit.bench.bandwidth, {args.threads} threads): {triad:.1f} GB/s")
+        print(f"triad bandwidth (fourbit.bench.bandwidth, {args.threads} threads): "
+              f"{triad:.1f} GB/s")
     load_after = load_average()
     print(f"load average after: {load_after:.2f}")
     if max(load_before, load_after) > 0.25 * args.threads:

@@ -161,7 +161,8 @@ def block_rows(t: torch.Tensor) -> torch.Tensor:
     n, groups = t.shape
     padded = torch.zeros(-(-n // ROWS) * ROWS, groups, dtype=t.dtype)
     padded[:n] = t
-    return padded.view(-1, ROWS, groups).transpose(1, 2).contiguous()  # [N/4, 4, K/G] -> [N/4, K/G, 4]
+    blocks = padded.view(-1, ROWS, groups)  # [N', K/G] -> [N'/4, 4, K/G]
+    return blocks.transpose(1, 2).contiguous()  # -> [N'/4, K/G, 4]
 
 
 def repack(qw: QuantizedWeight) -> PackedInt4:

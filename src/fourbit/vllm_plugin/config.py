@@ -497,7 +497,8 @@ class FourbitLinearMethod(_StoredTensors, LinearMethodBase):
         n = layer.fourbit_out_features
         # Traced (compiled mode): the opaque op; eager: its implementation, without the
         # dispatcher's round trip (ops.py, int4_linear).
-        op = torch.ops.fourbit.int4_linear if torch.compiler.is_compiling() else ops.int4_linear_impl
+        compiling = torch.compiler.is_compiling()
+        op = torch.ops.fourbit.int4_linear if compiling else ops.int4_linear_impl
         y = op(
             x.reshape(-1, k),
             layer.fourbit_packed,
