@@ -219,3 +219,10 @@ def test_training_identity_follows_what_sets_the_weights():
     assert training_identity("default", {"steps": 151}) != identity
     assert training_identity("tiny", {}) != identity
     assert json.dumps(identity, sort_keys=True)  # plain data, for the id's hash
+
+
+def test_a_failure_in_the_training_process_is_raised_with_its_reason(corpus, tmp_path):
+    with pytest.raises(RuntimeError, match=r"(?s)training the builtin model failed.*fewer than one "
+                                           r"window of seq_len=1000000"):
+        train_builtin_model(corpus, tmp_path / "model", {**MICRO_SPEC, "seq_len": 1_000_000})
+    assert not (tmp_path / "model").exists()
