@@ -348,8 +348,14 @@ def corpus_identity(corpus: dict) -> str:
 def model_identity(model: dict, corpus_id: str) -> str:
     source = model["source"]
     if source == "builtin":
-        # Trained on the corpus's train split: the corpus is part of the model.
-        return f"builtin_{model['preset']}-{short_hash('model', {**model, 'corpus': corpus_id})}"
+        # Trained on the corpus's train split: the corpus is part of the model, and so is
+        # how it is trained (scheme, pinned kernels, library versions), so other weights
+        # never share an id.
+        from fourbit.builtin_model import training_identity
+
+        training = training_identity(model["preset"], model.get("train", {}))
+        identity = {**model, "corpus": corpus_id, "training": training}
+        return f"builtin_{model['preset']}-{short_hash('model', identity)}"
     if source == "hf":
         org, name = model["repo_id"].split("/")
         return f"hf_{_slug(org)}__{_slug(name)}-{short_hash('model', model)}"
