@@ -353,7 +353,10 @@ def model_identity(model: dict, corpus_id: str) -> str:
         # never share an id.
         from fourbit.builtin_model import training_identity
 
-        training = training_identity(model["preset"], model.get("train", {}))
+        try:
+            training = training_identity(model["preset"], model.get("train", {}))
+        except ValueError as error:
+            raise ConfigError(f"model.train: {error}") from None
         identity = {**model, "corpus": corpus_id, "training": training}
         return f"builtin_{model['preset']}-{short_hash('model', identity)}"
     if source == "hf":
