@@ -10,20 +10,24 @@ import csv
 import io
 import json
 import logging
-import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from statistics import NormalDist
 
-import torch
 
 from fourbit.atomic import write_text
 from fourbit.bench.bandwidth import decode_roofline
 from fourbit.bench.passes import summarize
 from fourbit.quantized_checkpoint import storage_stats
 from fourbit.stats import CONFIDENCE, delta_ppl_interval, overlapping
+from fourbit.verdicts import (
+    below_baseline,
+    distribution_measures,
+    fmt_value,
+    recommend,
+    recommendation_rules,
+    throughput_span,
+)
 
 log = logging.getLogger("fourbit")
 
@@ -289,12 +293,6 @@ def _row(engine_id, arm_id, manifest, scored, baseline, dense, tolerance) -> dic
     return row
 
 
-def _fmt(value) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}" if abs(value) < 1e-3 and value != 0 else f"{value:.4f}".rstrip("0").rstrip(".")
-    return str(value)
-
-
 def separability(rows: list[dict]) -> list[str]:
     """Say which differences the evaluation split resolves, instead of ranking noise."""
     notes = []
@@ -317,20 +315,13 @@ def separability(rows: list[dict]) -> list[str]:
     return notes or ["- Every arm's interval excludes 0 and no two arms' intervals overlap."]
 
 
-def _span(r: dict, short: str) -> str:
-    if r[f"{short}_median"] == "":
-        return "—"
-    return (f"{r[f'{short}_median']:.1f} [{r[f'{short}_min']:.1f}–{r[f'{short}_max']:.1f}] "
-            f"×{r[f'{short}_ratio']:.2f}")
-
-
 def throughput_table(rows: list[dict]) -> list[str]:
     headers = ["engine", "arm", "pp512 tok/s [min–max] ×base", "tg128 tok/s [min–max] ×base",
                "decode BW", "busy", "resident", "note"]
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for r in rows:
         measured = r["pp512_median"] != ""
-        cells = [r["engine"], f"`{r['arm_id']}`", _span(r, "pp512"), _span(r, "tg128"),
+        cells = [r["engine"], f"`{r['arm_id']}`", throughput_span(r, "pp512"), throughput_span(r, "tg128"),
                  _bandwidth(r["decode_bandwidth_fraction"]) if measured else "—",
                  f"{r['max_busy_before_pass']:.0%}" if measured else "—",
                  f"{r['min_resident_fraction']:.0%}" if measured else "—", r["throughput_note"]]
@@ -341,312 +332,6 @@ def throughput_table(rows: list[dict]) -> list[str]:
 def _bandwidth(fraction: float) -> str:
     # Above the DRAM triad, the weights are being read from the CPU's caches.
     return f"{fraction:.0%}" + (" (in cache)" if fraction > 1 else "")
-
-
-# --- verdicts -------------------------------------------------------------------------------
-#
-# The recommendation reads what each number means. Perplexity is a score of text, so a 4-bit
-# arm can lower it by changing the model; how close an arm stays to the model it copies is
-# what the distribution measures (KL, top-1, greedy) say, so "for fidelity" is chosen by
-# them. "For speed" compares decode across engines (one bench job, one host), so its quality
-# condition uses the one quality number every engine measures the same way: Δppl in percent
-# of its own baseline, on the same token ids.
-
-# Normal quantile of the two-sided interval used when two measures cannot be paired.
-_Z = NormalDist().inv_cdf(0.5 + CONFIDENCE / 2)
-_DIFFERENCE_RESAMPLES = 2000
-
-
-@dataclass(frozen=True)
-class Measure:
-    """One distribution measure of one arm, with what comparing it with another arm's needs."""
-
-    name: str  # "KL", "top-1", "greedy"
-    value: float
-    higher_is_better: bool
-    # KL from vLLM's top-k logprobs is a proven lower bound: the true KL is at least value.
-    lower_bound: bool = False
-    # Bounds compare as numbers only when computed the same way (same logprobs per position).
-    bound_method: tuple = ()
-    # Per window (KL, top-1) or per prompt (greedy): (sum, count), in a fixed order ...
-    units: tuple[tuple[float, float], ...] | None = None
-    # ... which pairs with another arm's units only when these keys are equal.
-    pairing: tuple | None = None
-    unit_name: str = "windows"
-    # Standard error when no units were recorded (llama-perplexity's own ± values).
-    se: float | None = None
-
-    def standard_error(self) -> float | None:
-        if self.se is not None:
-            return self.se
-        if not self.units or len(self.units) < 2:
-            return None
-        # Ratio estimator sum(s) / sum(n) over units: its delta-method standard error.
-        total = sum(n for _, n in self.units)
-        residuals = [s - self.value * n for s, n in self.units]
-        count = len(self.units)
-        return math.sqrt(count / (count - 1) * math.fsum(r * r for r in residuals)) / total
-
-    def shown(self) -> str:
-        if self.name == "KL":
-            return f"{'≥ ' if self.lower_bound else ''}{self.value:.4g}"
-        if self.name == "top-1":
-            return f"{self.value:.1%}"
-        identical = sum(s for s, _ in self.units) if self.units else self.value
-        return f"{identical:.0f}/{len(self.units)}" if self.units else f"{self.value:.0%}"
-
-
-def distribution_measures(record: dict | None) -> dict[str, Measure] | None:
-    """KL, top-1 and greedy of a fidelity record, or None when none was computed."""
-    if record is None or not record.get("computed", True) or "kl_mean" not in record:
-        return None
-    bound = record.get("bound") == "lower bound"
-    top_k = record.get("settings", {}).get("top_k")
-    windows = record.get("window_positions")
-    window_key = (record.get("token_ids_sha256"), tuple(windows)) if windows else None
-    kl_units = top1_units = None
-    if windows and "window_kl_sum" in record:
-        kl_units = tuple(zip(record["window_kl_sum"], windows))
-    if windows and "window_top1" in record:
-        top1_units = tuple(zip(record["window_top1"], windows))
-    own = record.get("llama_perplexity", {})
-    top1_se = own.get("same_top_p_percent_uncertainty")
-    greedy = record["greedy"]
-    prefix = greedy.get("matching_prefix")
-    settings = record.get("settings", {})
-    greedy_units = (tuple((float(p == greedy["new_tokens"]), 1.0) for p in prefix)
-                    if prefix and "new_tokens" in greedy else None)
-    return {
-        "KL": Measure("KL", record["kl_mean"], False, lower_bound=bound,
-                      bound_method=(record.get("method"), top_k) if bound else (),
-                      units=kl_units, pairing=window_key, se=record.get("kl_mean_uncertainty")),
-        "top-1": Measure("top-1", record["top1_agreement"], True, units=top1_units,
-                         pairing=window_key, se=top1_se / 100 if top1_se is not None else None),
-        "greedy": Measure(
-            "greedy", greedy["identical"] / greedy["prompts"], True, units=greedy_units,
-            pairing=(record.get("token_ids_sha256"), settings.get("prompts"),
-                     settings.get("prompt_tokens"), greedy.get("new_tokens")),
-            unit_name="prompts",
-        ),
-    }
-
-
-def _paired_difference_interval(a: Measure, b: Measure) -> tuple[float, float]:
-    """Percentile bootstrap over the shared units of mean(a) - mean(b), both ratio means
-    (sum of sums over sum of counts) of the same resampled units, like Δppl's interval."""
-    a_sums = torch.tensor([s for s, _ in a.units], dtype=torch.float64)
-    b_sums = torch.tensor([s for s, _ in b.units], dtype=torch.float64)
-    counts = torch.tensor([n for _, n in a.units], dtype=torch.float64)
-    generator = torch.Generator().manual_seed(0)
-    picks = torch.randint(len(counts), (_DIFFERENCE_RESAMPLES, len(counts)), generator=generator)
-    scored = counts[picks].sum(1)  # [R]
-    deltas = (a_sums[picks].sum(1) - b_sums[picks].sum(1)) / scored  # [R]
-    tail = (1 - CONFIDENCE) / 2
-    low, high = torch.quantile(deltas, torch.tensor([tail, 1 - tail], dtype=torch.float64)).tolist()
-    return low, high
-
-
-def compare_measure(a: Measure, b: Measure) -> tuple[int, str]:
-    """+1 when a is separably better, -1 when b is, 0 when neither; with the reason.
-
-    Paired (a bootstrap over the windows or prompts both scored) when both recorded the
-    same units, else unpaired from standard errors; a difference counts when its
-    CONFIDENCE interval excludes 0. A lower bound can prove an arm farther, never closer:
-    exact a below bound b proves a closer (b's KL is at least its bound), bound a below
-    exact b proves nothing."""
-    if a.lower_bound and b.lower_bound and a.bound_method != b.bound_method:
-        return 0, (f"{a.name} {a.shown()} vs {b.shown()}: lower bounds computed differently "
-                   f"({a.bound_method} vs {b.bound_method})")
-    if a.units and b.units and a.pairing is not None and a.pairing == b.pairing \
-            and len(a.units) == len(b.units):
-        low, high = _paired_difference_interval(a, b)
-        where = f"the paired {CONFIDENCE:.0%} interval of the difference over {len(a.units)} {a.unit_name}"
-    else:
-        se_a, se_b = a.standard_error(), b.standard_error()
-        if se_a is None or se_b is None:
-            return 0, (f"{a.name} {a.shown()} vs {b.shown()}: measured on other positions and no "
-                       "uncertainty recorded for one of them")
-        spread = _Z * math.hypot(se_a, se_b)
-        low, high = a.value - b.value - spread, a.value - b.value + spread
-        where = f"the unpaired {CONFIDENCE:.0%} interval of the difference (other positions)"
-    pair = f"{a.name} {a.shown()} vs {b.shown()}"
-    if low <= 0 <= high:
-        return 0, f"{pair}: {where}, [{low:.3g}, {high:.3g}], includes 0"
-    a_better = (low > 0) == a.higher_is_better
-    # The arm that looks closer must not rest on a bound alone: its true KL may be larger.
-    if (a_better and a.lower_bound and not b.lower_bound) or (
-            not a_better and b.lower_bound and not a.lower_bound):
-        return 0, f"{pair}: a lower bound below an exact value does not show which is closer"
-    return (1 if a_better else -1), f"{pair}: separably {'better' if a_better else 'worse'}"
-
-
-def compare_arms(a: dict, b: dict) -> tuple[int, list[str]]:
-    """+1 when arm a is closer to its baseline than b: separably better on at least one
-    distribution measure and separably worse on none; -1 the other way; 0 otherwise, with
-    each measure's reason."""
-    outcomes = [compare_measure(a["_measures"][name], b["_measures"][name])
-                for name in ("KL", "top-1", "greedy")]
-    signs = {sign for sign, _ in outcomes}
-    if 1 in signs and -1 not in signs:
-        return 1, [reason for _, reason in outcomes]
-    if -1 in signs and 1 not in signs:
-        return -1, [reason for _, reason in outcomes]
-    return 0, [reason for _, reason in outcomes]
-
-
-def _label(r: dict) -> str:
-    return f"`{r['arm_id']}` on {r['engine']}"
-
-
-def _delta(r: dict) -> str:
-    return (f"Δppl {_fmt(r['delta_ppl'])} [{_fmt(r['delta_ppl_ci_low'])}, "
-            f"{_fmt(r['delta_ppl_ci_high'])}] ({r['delta_ppl_pct']:+.2f}%)")
-
-
-def below_baseline(r: dict) -> bool:
-    """Its whole Δppl interval lies below 0: the arm scores better than its own baseline."""
-    return r["arm_id"] != "baseline" and r["delta_ppl_ci_high"] < 0
-
-
-def _why_not_judged(r: dict) -> str:
-    if r["control"] == "NOT faithful":
-        return "control NOT faithful"
-    return f"fidelity not computed: {r['kl_bound'] or 'no reason recorded'}"
-
-
-def fidelity_verdict(rows: list[dict]) -> str:
-    arms = [r for r in rows if r["arm_id"] != "baseline"]
-    judged = [r for r in arms if r["control"] != "NOT faithful" and r["_measures"]]
-    judged_ids = {id(r) for r in judged}
-    skipped = [f"{_label(r)} ({_why_not_judged(r)})" for r in arms if id(r) not in judged_ids]
-    left_out = f" Not judged: {'; '.join(skipped)}." if skipped else ""
-    if not judged:
-        return ("- For fidelity: no arm's next-token distribution was compared with its "
-                "baseline, so none is recommended (perplexity alone cannot say which arm "
-                f"stays closest).{left_out}")
-    # Each pair once (a comparison is symmetric up to its sign); the reasons are recomputed,
-    # from the chosen arm's side, only for the arms it cannot be separated from.
-    sign = {}
-    for i, a in enumerate(judged):
-        for j in range(i + 1, len(judged)):
-            sign[(i, j)] = compare_arms(a, judged[j])[0]
-            sign[(j, i)] = -sign[(i, j)]
-    dominated = {j for (i, j), s in sign.items() if s == 1}
-    front = [i for i in range(len(judged)) if i not in dominated] or list(range(len(judged)))
-    measures = [r["_measures"] for r in judged]
-    chosen = min(front, key=lambda i: (measures[i]["KL"].value, -measures[i]["top-1"].value,
-                                       -measures[i]["greedy"].value))
-    best = judged[chosen]
-    m = measures[chosen]
-    support = _delta(best)
-    if best["delta_ppl_ci_low"] <= 0 <= best["delta_ppl_ci_high"]:
-        support += ", 0 inside its interval"
-    if below_baseline(best):
-        support += ", its whole interval below 0 (a finding, below)"
-    tied = [(judged[j], compare_arms(best, judged[j])[1]) for j in range(len(judged))
-            if j != chosen and sign[(chosen, j)] != 1]
-    line = (f"- **For fidelity: {_label(best)}**: the closest to its engine's baseline by the "
-            f"distribution measures: KL {m['KL'].shown()} nats"
-            f"{' (a lower bound)' if m['KL'].lower_bound else ''}, top-1 {m['top-1'].shown()}, "
-            f"greedy {m['greedy'].shown()} identical; in support, {support}.")
-    farther = len(judged) - 1 - len(tied)
-    if farther:
-        line += (f" {farther} other arm(s) are separably farther from their baselines on KL, "
-                 "top-1 or greedy and closer on none.")
-    if tied:
-        line += " Not separable from it: " + "; ".join(
-            f"{_label(r)} ({'; '.join(reasons)})" for r, reasons in tied) + "."
-    return line + left_out
-
-
-def speed_verdict(rows: list[dict], bound_pct: float) -> str:
-    arms = [r for r in rows if r["arm_id"] != "baseline"]
-    faithful = [r for r in arms if r["control"] == "faithful"]
-    if not faithful:
-        return "- For speed: no arm's control passed, so none is recommended."
-    cheapest = min(faithful, key=lambda r: abs(r["delta_ppl_pct"]))
-    limit = abs(cheapest["delta_ppl_pct"]) + bound_pct
-    within = [r for r in faithful if abs(r["delta_ppl_pct"]) <= limit]
-    condition = (f"arms whose control passed and whose |Δppl| is within {bound_pct:g} percentage "
-                 f"points (report.speed_quality_bound_pct) of the smallest "
-                 f"({abs(cheapest['delta_ppl_pct']):.2f}%, {_label(cheapest)}), so at most {limit:.2f}%")
-    timed = [r for r in within if r["tg128_median"] != ""]
-    if not timed:
-        return f"- For speed: no throughput was measured on this host for {condition}; none is recommended."
-    fast = max(timed, key=lambda r: r["tg128_median"])
-    line = (f"- **For speed: {_label(fast)}**: the fastest decode, {fast['tg128_median']:.1f} tok/s "
-            f"[{fast['tg128_min']:.1f}–{fast['tg128_max']:.1f}] (×{fast['tg128_ratio']:.2f} its "
-            f"baseline), among {condition}; its {_delta(fast)}.")
-    tied = [r for r in timed if r is not fast
-            and overlapping((fast["tg128_min"], fast["tg128_max"]), (r["tg128_min"], r["tg128_max"]))]
-    if tied:
-        line += (" Not separable from it on speed (their tg128 [min–max] overlap its "
-                 f"{fast['tg128_min']:.1f}–{fast['tg128_max']:.1f}): "
-                 + ", ".join(f"{_label(r)} ({_span(r, 'tg128')})" for r in tied) + ".")
-    faster = [r for r in arms if r["tg128_median"] != "" and r["tg128_median"] > fast["tg128_median"]]
-    faithful_ids = {id(r) for r in faithful}
-    outside = [r for r in faster if id(r) in faithful_ids]
-    if outside:
-        line += " Faster but outside the quality bound: " + ", ".join(
-            f"{_label(r)} ({r['tg128_median']:.1f} tok/s, |Δppl| {abs(r['delta_ppl_pct']):.2f}%)"
-            for r in outside) + "."
-    unproven = [r for r in faster if id(r) not in faithful_ids]
-    if unproven:
-        line += " Faster but its control did not pass: " + ", ".join(
-            f"{_label(r)} ({r['tg128_median']:.1f} tok/s, control {r['control'] or 'not run'})"
-            for r in unproven) + "."
-    return line
-
-
-def findings(rows: list[dict]) -> list[str]:
-    """Arms that score better than their own baseline: a finding about the study, not a win."""
-    return [
-        f"- **A finding, not a win: {_label(r)} scores better than its unquantized baseline**: "
-        f"{_delta(r)}, the whole interval below 0. A 4-bit copy of a model should not predict "
-        "held-out text better than the model it copies; on a well-trained model and a large "
-        "enough corpus it does not. The usual causes: an undertrained model (the rounding "
-        "noise acts as a regularizer), an evaluation split too small, or a corpus unlike the "
-        "model's training data. How far the arm moved from its baseline is what its KL and "
-        "top-1 say, not this drop."
-        for r in rows if below_baseline(r)
-    ]
-
-
-def recommendation_rules(settings: Mapping) -> list[str]:
-    """The rules the verdicts follow, for the report's definitions."""
-    return [
-        "- **For fidelity**: among arms whose control did not fail and whose fidelity was "
-        "computed, each compared with its own engine's baseline, an arm is closer than another "
-        "when it is separably better on at least one of KL, top-1 and greedy and separably "
-        "worse on none. Separably: the difference's "
-        f"{CONFIDENCE:.0%} interval excludes 0 (a paired bootstrap over the windows or prompts "
-        "both scored; across engines that scored other positions, from each measure's standard "
-        "error). A lower bound (≥, vLLM) can show an arm farther, never closer: an exact KL "
-        "below a bound is closer (the bound's true KL is at least the bound), a bound below an "
-        "exact KL decides nothing, and two bounds compare as numbers only when computed the "
-        "same way (same engine method and top-k). The arm named is the one no other arm is "
-        "closer than (the lowest KL of them when several); every arm it is not closer than is "
-        "named with the reason. Δppl is support, never the criterion: an arm can lower "
-        "perplexity by changing the model.",
-        "- **For speed**: the fastest decode (tg128 median, absolute tok/s, comparable across "
-        "engines because one bench job timed every row) among arms whose control passed and "
-        "whose |Δppl| (in percent of its own engine's baseline: the quality number every engine "
-        "measures alike, on the same token ids; KL is not, being exact on some engines and a "
-        "bound on others) is at most the smallest such |Δppl| of any faithful arm plus "
-        f"{settings['speed_quality_bound_pct']:g} percentage points "
-        "(report.speed_quality_bound_pct); arms whose tg128 [min–max] overlaps the chosen "
-        "one's are named as not separable from it.",
-        "- **Below its baseline**: an arm whose whole Δppl interval lies below 0 scores better "
-        "than the unquantized model; the report flags it as a finding about the model or the "
-        "corpus, not as a better build.",
-    ]
-
-
-def recommend(rows: list[dict], settings: Mapping) -> list[str]:
-    """The arm to ship for speed and the one for fidelity, each with its reason in numbers,
-    then the arms whose perplexity fell below their baseline's."""
-    return [speed_verdict(rows, settings["speed_quality_bound_pct"]), fidelity_verdict(rows),
-            *findings(rows)]
 
 
 def host_block(study: dict, facts: dict, rows: list[dict]) -> list[str]:
@@ -813,16 +498,16 @@ def render_markdown(study: dict, rows: list[dict], facts: dict, settings: Mappin
         "|" + "---|" * len(headers),
     ]
     for r in rows:
-        control = f"{r['control']} ({_fmt(r['control_delta_nll'])})" if r["control"] else "—"
+        control = f"{r['control']} ({fmt_value(r['control_delta_nll'])})" if r["control"] else "—"
         delta = "—" if r["arm_id"] == "baseline" else (
-            f"{_fmt(r['delta_ppl'])} [{_fmt(r['delta_ppl_ci_low'])}, {_fmt(r['delta_ppl_ci_high'])}] "
+            f"{fmt_value(r['delta_ppl'])} [{fmt_value(r['delta_ppl_ci_low'])}, {fmt_value(r['delta_ppl_ci_high'])}] "
             f"({r['delta_ppl_pct']:+.2f}%)"
         )
         if below_baseline(r):
             delta += " **below its baseline: a finding, not a win** (see Recommendation)"
         cells = [r["engine"], f"`{r['arm_id']}`", r["method"], r["group_size"], r["sym"],
-                 _fmt(r["bits_per_weight"]), _fmt(r["file_bits_per_param"]), _fmt(r["size_mib"]),
-                 _fmt(r["ppl"]), delta, control]
+                 fmt_value(r["bits_per_weight"]), fmt_value(r["file_bits_per_param"]), fmt_value(r["size_mib"]),
+                 fmt_value(r["ppl"]), delta, control]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     lines += unavailable_engines(study)
     lines += arms_refused_or_falling_back(study, facts.get("quantization", []))
