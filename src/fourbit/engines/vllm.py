@@ -648,6 +648,23 @@ def throughput(
     return wall
 
 
+def _wait_until_stopped(pid: int, timeout_s: float = 10.0) -> None:
+    """Return once ``pid`` is stopped (or gone): kill() only queues SIGSTOP, and on a
+    loaded host the worker may run on for a while before it takes it, during the next
+    engine's timed pass."""
+    stat = Path(f"/proc/{pid}/stat")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            state = stat.read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        if state in ("T", "t", "Z", "X"):
+            return
+        time.sleep(0.001)
+    log.warning("bench worker %d did not stop within %.0f s of SIGSTOP", pid, timeout_s)
+
+
 @contextlib.contextmanager
 def throughput_session(
     checkpoint: str | os.PathLike,
@@ -708,6 +725,7 @@ def throughput_session(
             raise gone() from e
         rates = reply("rates")
         worker.send_signal(signal.SIGSTOP)  # it has answered: it waits for the next line
+        _wait_until_stopped(worker.pid)
         return rates
 
     try:
