@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from fourbit.quant.qweight import QuantizedWeight
+
 
 def hub_cache(root: Path, repo_folder: str, revision: str, files: dict[str, bytes]) -> Path:
     """A Hugging Face hub cache holding ``files`` at ``revision``, laid out as a download leaves it.
@@ -56,3 +58,18 @@ def tiny_untied(tmp_path):
     folder = tmp_path / "untied-source"
     save_tiny_llama(folder, tied=False)
     return folder
+
+
+def random_qweight(n: int, k: int, g: int, *, sym: bool, gen: torch.Generator,
+                   zeros: tuple[int, int] = (0, 16),
+                   scales: tuple[float, float] = (0.002, 0.032)) -> QuantizedWeight:
+    """Random 4-bit codes [N, K], zero points drawn from ``zeros`` (8 when symmetric) and
+    float16 scales uniform in ``scales``, per group of ``g`` columns [N, K/G]."""
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    if sym:
+        zero_points = torch.full((n, k // g), 8, dtype=torch.uint8)
+    else:
+        zero_points = torch.randint(*zeros, (n, k // g), generator=gen, dtype=torch.uint8)
+    low, high = scales
+    group_scales = (low + (high - low) * torch.rand(n, k // g, generator=gen)).half()
+    return QuantizedWeight(codes, group_scales, zero_points, g)

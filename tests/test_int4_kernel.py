@@ -24,14 +24,9 @@ SHAPES = [(1, 32, 32), (7, 96, 32), (33, 160, 32), (5, 64, 64), (13, 192, 64), (
 
 
 def random_qweight(n: int, k: int, g: int, sym: bool, seed: int) -> QuantizedWeight:
-    gen = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
-    if sym:
-        zeros = torch.full((n, k // g), 8, dtype=torch.uint8)
-    else:
-        zeros = torch.randint(0, 16, (n, k // g), generator=gen, dtype=torch.uint8)
-    scales = (0.002 + 0.03 * torch.rand(n, k // g, generator=gen)).half()
-    return QuantizedWeight(codes, scales, zeros, g)
+    from conftest import random_qweight as draw
+
+    return draw(n, k, g, sym=sym, gen=torch.Generator().manual_seed(seed))
 
 
 def q8_reference(x: torch.Tensor) -> torch.Tensor:

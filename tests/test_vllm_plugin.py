@@ -26,13 +26,9 @@ DIMS = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, vocab_s
 
 
 def _random_qweight(n: int, k: int, sym: bool, gen: torch.Generator) -> QuantizedWeight:
-    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
-    if sym:
-        zeros = torch.full((n, k // GROUP), 8, dtype=torch.uint8)
-    else:
-        zeros = torch.randint(4, 12, (n, k // GROUP), generator=gen, dtype=torch.uint8)
-    scales = (0.01 + 0.02 * torch.rand(n, k // GROUP, generator=gen)).half()
-    return QuantizedWeight(codes, scales, zeros, GROUP)
+    from conftest import random_qweight
+
+    return random_qweight(n, k, GROUP, sym=sym, gen=gen, zeros=(4, 12), scales=(0.01, 0.03))
 
 
 def _save_model(folder, arch: str, seed: int, vocab: int):
