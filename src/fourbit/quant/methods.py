@@ -149,8 +149,7 @@ def quantize_walking(
     ``heldout``, calibration.heldout more windows (disjoint from the calibration ones) go
     through the same walk, and each linear also gets their Hessian H_heldout, the same
     layer's inputs on text the quantizer never fitted; otherwise H_heldout is None.
-    The walk builds its Hessians with walk.Hessian: while it runs, that name is a
-    factory of _HeldOutHessian (walk.py takes no held-out samples of its own).
+    The walk builds its Hessians with the factory given to it: _HeldOutHessian here.
     """
     from fourbit.quant import walk
 
@@ -172,19 +171,15 @@ def quantize_walking(
         if heldout:
             if not latest or latest[0].h is not hessian:
                 raise RuntimeError(f"{name}: walk.quantize_sequential did not build this "
-                                   "Hessian with walk.Hessian; the held-out split needs it")
+                                   "Hessian with make_hessian; the held-out split needs it")
             h_heldout = latest[0].heldout.h
         qweights[name] = quantize_one(name, weight, hessian, h_heldout)
         return qweights[name].dequantize()
 
-    original = walk.Hessian
-    walk.Hessian = make_hessian if heldout else original
-    try:
-        info = walk.quantize_sequential(
-            job.model_dir, samples, quantize_linear, head=walk.HEAD in job.linears
-        )
-    finally:
-        walk.Hessian = original
+    info = walk.quantize_sequential(
+        job.model_dir, samples, quantize_linear, head=walk.HEAD in job.linears,
+        make_hessian=make_hessian if heldout else Hessian,
+    )
     return qweights, {**info, "tokens": fit_tokens, "heldout_tokens": n_held * samples.shape[1]}
 
 

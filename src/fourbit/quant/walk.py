@@ -39,11 +39,18 @@ class _Stop(Exception):
 
 
 def quantize_sequential(
-    model_dir: Path, samples: torch.Tensor, quantize_linear: QuantizeLinear, *, head: bool = True
+    model_dir: Path,
+    samples: torch.Tensor,
+    quantize_linear: QuantizeLinear,
+    *,
+    head: bool = True,
+    make_hessian: Callable[[int], Hessian] = Hessian,
 ) -> dict:
     """Call ``quantize_linear`` once per decoder linear (and the head) with its Hessian.
 
     samples: int64 token ids [S, T], e.g. from calibration.calibration_samples.
+    make_hessian(K) builds each accumulator; a caller that splits the samples (held-out
+    windows, fourbit.quant.methods) passes its own Hessian subclass.
     The returned W_hat replaces W for every later measurement; keeping what was
     stored (the QuantizedWeight) is the caller's business. Runs in float32.
     """
@@ -64,7 +71,7 @@ def quantize_sequential(
             _load(layer, prefix, reader)
             for group in GROUPS:
                 modules = [layer.get_submodule(name) for name in group]
-                h = _input_hessian(layer, modules[0], inputs, layer_kwargs[i])
+                h = _input_hessian(layer, modules[0], inputs, layer_kwargs[i], make_hessian)
                 for name, module in zip(group, modules, strict=True):
                     w = module.weight.detach()
                     w_hat = _checked(quantize_linear(prefix + name, w, h), w.shape, prefix + name)
@@ -77,7 +84,7 @@ def quantize_sequential(
             progress.update(note=f"layer {i}")
         if head:
             _load(base.norm, "model.norm.", reader)
-            h = Hessian(base.config.hidden_size)
+            h = make_hessian(base.config.hidden_size)
             for x in inputs:
                 h.add_batch(base.norm(x))
             w = reader.get(f"{HEAD}.weight").float()
@@ -151,9 +158,9 @@ def _capture_inputs(base, reader, samples):
     return inputs, layer_kwargs
 
 
-def _input_hessian(layer, module, inputs, kwargs) -> torch.Tensor:
+def _input_hessian(layer, module, inputs, kwargs, make_hessian) -> torch.Tensor:
     """H [K, K] of ``module``'s input over all samples, stopping each forward there."""
-    h = Hessian(module.in_features)
+    h = make_hessian(module.in_features)
 
     def hook(_module, args):
         h.add_batch(args[0])
