@@ -20,6 +20,7 @@ include: "workflow/rules/prepare.smk"
 include: "workflow/rules/quantize.smk"
 include: "workflow/rules/llamacpp.smk"
 include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/bench.smk"
 include: "workflow/rules/fidelity.smk"
 include: "workflow/rules/report.smk"
 

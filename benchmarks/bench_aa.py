@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_aa.py --study-dir . --copies 3 --jobs 2
 
-Runs the bench step's own code (fourbit.benchmark.bench_study, with the study's vllm
+Runs the bench step's own code (fourbit.steps.bench.bench_study, with the study's vllm
 engine and bench settings) on ``--copies`` byte-identical copies of the study's untied
 model as arms, each paired with the untied model as the baseline, all interleaved in
 one job, ``--jobs`` times in a row. Nothing differs between the checkpoints, so
@@ -28,10 +28,10 @@ from pathlib import Path
 
 import yaml
 
-from fourbit.benchmark import BenchPair, bench_study
+from fourbit.steps.bench import BenchPair, bench_study
 from fourbit.config import Study
 from fourbit.hashing import model_weights_sha256
-from fourbit.sources import MANIFEST
+from fourbit.inputs.sources import MANIFEST
 
 METRICS = ("pp512_tok_s", "tg128_tok_s")
 

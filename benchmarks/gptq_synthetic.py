@@ -22,8 +22,8 @@ import torch
 def build_model(architecture: str, tmp: str) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from fourbit.sources import ARCHITECTURES
-    from fourbit.untie import untie_head
+    from fourbit.inputs.sources import ARCHITECTURES
+    from fourbit.steps.prepare import untie_head
 
     torch.manual_seed(0)
     config = AutoConfig.from_pretrained(ARCHITECTURES / f"{architecture}.json")
@@ -46,7 +46,7 @@ def main() -> None:
     from fourbit.quant.gptq import gptq_quantize
     from fourbit.quant.grid import Grid
     from fourbit.quant.walk import quantize_sequential
-    from fourbit.sources import ARCHITECTURES
+    from fourbit.inputs.sources import ARCHITECTURES
 
     config = AutoConfig.from_pretrained(ARCHITECTURES / f"{args.architecture}.json")
     with tempfile.TemporaryDirectory() as tmp:

@@ -29,7 +29,7 @@ so "guarded" here is decided and scored on the same held-out windows, exactly as
 the arm decides it. Columns are per 1e-3 of relative error.
 
 ``--synthetic ARCH`` instead takes one decoder layer's linears and the head at a shipped
-architecture's shapes (src/fourbit/architectures/ARCH.json), rows 0:``--rows`` of each:
+architecture's shapes (src/fourbit/inputs/architectures/ARCH.json), rows 0:``--rows`` of each:
 heavy-tailed random weights (randn * 0.02 * u^-0.3) and synthetic activations with
 log-normal channel scales, a few outlier channels and mixed columns, fit and held-out
 tokens drawn independently from one distribution. Real shapes, made-up numbers.
@@ -89,7 +89,7 @@ def synthetic_layers(architecture: str, rows: int, fit_tokens: int, heldout_toke
                      seed: int = 0) -> tuple[dict, dict]:
     """({name: W [rows, K]}, {name: (H_fit, H_heldout)}) at ``architecture``'s shapes."""
     from fourbit.quant.hessian import Hessian
-    from fourbit.sources import ARCHITECTURES
+    from fourbit.inputs.sources import ARCHITECTURES
 
     config = json.loads((ARCHITECTURES / f"{architecture}.json").read_text())
     d, ff = config["hidden_size"], config["intermediate_size"]
@@ -146,7 +146,7 @@ def model_layers(args) -> tuple[dict, dict]:
     """({name: W}, {name: (H_fit, H_heldout)}) of every linear of the model, the arm's windows."""
     from transformers import AutoModelForCausalLM
 
-    from fourbit.checkpoint import quantizable_linears
+    from fourbit.checkpoints.hf import quantizable_linears
     from fourbit.quant.methods import QuantizeJob, calibration_tokens
 
     calibration = {"samples": args.samples, "seq_len": args.seq_len, "seed": args.seed,

@@ -58,7 +58,7 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fourbit.checkpoint import load_tensors, quantizable_linears
+    from fourbit.checkpoints.hf import load_tensors, quantizable_linears
 
     paths = study_paths(args.study)
     tokenizer = AutoTokenizer.from_pretrained(paths["untied"])

@@ -68,9 +68,9 @@ def build_checkpoints(workdir: Path, architecture: str) -> dict[str, Path]:
     from fourbit.atomic import atomic_dir
     from fourbit.config import canonical_quant, load_schema
     from fourbit.hashing import short_hash
-    from fourbit.quantize import quantize_checkpoint
-    from fourbit.sources import ARCHITECTURES
-    from fourbit.untie import untie_head
+    from fourbit.steps.quantize import quantize_checkpoint
+    from fourbit.inputs.sources import ARCHITECTURES
+    from fourbit.steps.prepare import untie_head
 
     quant = canonical_quant(QUANT, load_schema())
     int4 = workdir / f"int4-{short_hash('quant', quant)}"
@@ -187,7 +187,7 @@ def median(values: list[float]) -> float:
 def speed_report(rates: dict, clock: str, checkpoints: dict, bandwidth: dict) -> list[str]:
     """Print the table, the roofline and the speed targets; return the targets TARGET_ARM missed."""
     from fourbit.bench.bandwidth import decode_roofline
-    from fourbit.benchmark import linear_weight_bytes
+    from fourbit.steps.bench import linear_weight_bytes
 
     print(f"\n[{clock} clock] {'variant':28s} {'pp512 tok/s median [min-max]':>36s} "
           f"{'tg128 tok/s':>36s}   decode GB/s (of triad)")
@@ -254,7 +254,7 @@ def main() -> None:
 
     from fourbit.bench.bandwidth import measure_bandwidth
     from fourbit.bench.provenance import provenance
-    from fourbit.benchmark import pinned
+    from fourbit.steps.bench import pinned
     from fourbit.engines.vllm import profile_step
 
     cores = sorted(args.cores)

@@ -79,14 +79,14 @@ def qwen_shaped_model(workdir: Path, threads: int) -> dict:
     """Random Qwen2.5-0.5B-shaped weights, cpu_int4 g128 and Q4_K_M; reused when present
     (the quantized folders are named by a hash of their quant)."""
     from fourbit.config import canonical_quant, load_schema
-    from fourbit.corpus import prepare_corpus
+    from fourbit.steps.prepare import prepare_corpus
     from fourbit.hashing import short_hash
     from fourbit.llamacpp.build import ensure_llamacpp
     from fourbit.llamacpp.convert import convert_to_gguf
     from fourbit.llamacpp.quantize import quantize_gguf
-    from fourbit.quantize import quantize_checkpoint
-    from fourbit.sources import fetch_model
-    from fourbit.untie import untie_head
+    from fourbit.steps.quantize import quantize_checkpoint
+    from fourbit.steps.prepare import fetch_model
+    from fourbit.steps.prepare import untie_head
 
     paths = {name: workdir / name for name in ("corpus", "tied", "untied")}
     if not (paths["corpus"] / "manifest.json").is_file():
@@ -128,7 +128,7 @@ def variants(model: dict) -> list[str]:
 
 def one_run(variant: str, model: dict, cores: list[int], workdir: Path) -> dict:
     """pp512 and tg128 of one variant, tok/s."""
-    from fourbit.benchmark import pinned
+    from fourbit.steps.bench import pinned
     from fourbit.engines.vllm import throughput
     from fourbit.llamacpp.bench import llama_bench
     from fourbit.llamacpp.build import ensure_llamacpp
@@ -190,7 +190,7 @@ def report(label: str, timed: dict, model: dict, cores: list[int], workdir: Path
                         for v, q in zip(rates[best], rates[LLAMA], strict=True)])["median"]
     print(f"{label}: decode ratio, best vLLM 4-bit arm ({best}) / {LLAMA}: {decode:.2f}")
     if decode < 1:
-        from fourbit.benchmark import pinned
+        from fourbit.steps.bench import pinned
         from fourbit.engines.vllm import profile_step
 
         print(f"\nprofile of one decode step of {best} (top ops by self CPU time):", flush=True)

@@ -1,9 +1,9 @@
 from pathlib import Path
 
-from fourbit.benchmark import BenchPair, bench_study
+from fourbit.steps.bench import BenchPair, bench_study
 from fourbit.hashing import model_weights_sha256
 from fourbit.progress import setup_logging
-from fourbit.sources import MANIFEST
+from fourbit.inputs.sources import MANIFEST
 
 setup_logging(snakemake.log[0])
 bench_study(

@@ -1,4 +1,4 @@
-from fourbit.gguf_arms import build_tools
+from fourbit.steps.llamacpp import build_tools
 from fourbit.progress import setup_logging
 
 setup_logging(snakemake.log[0])

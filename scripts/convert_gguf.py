@@ -1,4 +1,4 @@
-from fourbit.gguf_arms import convert_base
+from fourbit.steps.llamacpp import convert_base
 from fourbit.progress import setup_logging
 
 setup_logging(snakemake.log[0])

@@ -1,4 +1,4 @@
-from fourbit.dequantize import dequantize_checkpoint
+from fourbit.steps.quantize import dequantize_checkpoint
 from fourbit.progress import setup_logging
 
 setup_logging(snakemake.log[0])

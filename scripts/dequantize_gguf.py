@@ -1,4 +1,4 @@
-from fourbit.gguf_arms import dequantize_arm
+from fourbit.steps.llamacpp import dequantize_arm
 from fourbit.progress import setup_logging
 
 setup_logging(snakemake.log[0])

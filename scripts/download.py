@@ -1,5 +1,5 @@
 from fourbit.progress import setup_logging
-from fourbit.sources import fetch_model
+from fourbit.steps.prepare import fetch_model
 
 setup_logging(snakemake.log[0])
 fetch_model(dict(snakemake.params.spec), snakemake.output.model, snakemake.params.corpus_dir, snakemake.threads)

@@ -1,9 +1,9 @@
 from pathlib import Path
 
 from fourbit.hashing import model_weights_sha256
-from fourbit.ppl import score_checkpoint
+from fourbit.steps.evaluate import score_checkpoint
 from fourbit.progress import setup_logging
-from fourbit.sources import MANIFEST
+from fourbit.inputs.sources import MANIFEST
 
 setup_logging(snakemake.log[0])
 score_checkpoint(

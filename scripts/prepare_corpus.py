@@ -1,6 +1,6 @@
 from pathlib import Path
 
-from fourbit.corpus import prepare_corpus
+from fourbit.steps.prepare import prepare_corpus
 from fourbit.progress import setup_logging
 
 setup_logging(snakemake.log[0])

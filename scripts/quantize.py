@@ -1,5 +1,5 @@
 from fourbit.progress import setup_logging
-from fourbit.quantize import quantize_checkpoint
+from fourbit.steps.quantize import quantize_checkpoint
 
 setup_logging(snakemake.log[0])
 quantize_checkpoint(

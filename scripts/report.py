@@ -1,5 +1,5 @@
 from fourbit.progress import setup_logging
-from fourbit.report import write_report
+from fourbit.steps.report import write_report
 
 setup_logging(snakemake.log[0])
 write_report(

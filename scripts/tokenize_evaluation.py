@@ -1,4 +1,4 @@
-from fourbit.ppl import tokenize_windows
+from fourbit.steps.evaluate import tokenize_windows
 from fourbit.progress import setup_logging
 
 setup_logging(snakemake.log[0])

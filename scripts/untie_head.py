@@ -1,5 +1,5 @@
 from fourbit.progress import setup_logging
-from fourbit.untie import untie_head
+from fourbit.steps.prepare import untie_head
 
 setup_logging(snakemake.log[0])
 untie_head(snakemake.input.model, snakemake.output.model)

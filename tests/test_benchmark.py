@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from fourbit import benchmark
 from fourbit.bench.contention import ContentionError, check_quiet
 from fourbit.config import canonical_quant, load_schema
-from fourbit.quantize import quantize_checkpoint
+from fourbit.steps import bench as benchmark
+from fourbit.steps.quantize import quantize_checkpoint
 
 ENGINE = {"name": "vllm", "dtype": "float32"}  # its module replaced by a fake below
 RATES = {"arm": {"pp512_tok_s": 400.0, "tg128_tok_s": 40.0},

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fourbit.builtin_model import (
+from fourbit.inputs.builtin_model import (
     DEFAULT_SPEC,
     PINNED_KERNELS,
     TINY_SPEC,
@@ -16,7 +16,7 @@ from fourbit.builtin_model import (
     training_environment,
     training_identity,
 )
-from fourbit.corpus import prepare_corpus
+from fourbit.steps.prepare import prepare_corpus
 
 # Smaller than TINY_SPEC so the unit tests stay quick; TINY_SPEC is for workflow tests.
 MICRO_SPEC = {**TINY_SPEC, "seq_len": 64, "batch_size": 4, "steps": 4, "eval_windows": 4}

@@ -339,7 +339,7 @@ def test_building_the_study_imports_neither_torch_nor_transformers(tmp_path):
 
 
 def test_the_report_names_refused_arms_dense_fallbacks_and_llamacpp_fallbacks(tmp_path):
-    from fourbit.report import arms_refused_or_falling_back
+    from fourbit.steps.report import arms_refused_or_falling_back
 
     dense = {"name": "g128d", "quant": {"method": "rtn", "group_size": 128, "fallback": "dense"}}
     s = study({**BASE, "model": synthetic_576(tmp_path), "engines": {"vllm": {}, "llamacpp": {}},
@@ -369,7 +369,7 @@ def fake_converter(tree: Path, registers: str, chkhsh: str = "0" * 64) -> Path:
 
 
 def test_the_converters_architectures_and_pre_tokenizers_are_read_from_its_source(tmp_path):
-    from fourbit import supported
+    from fourbit.inputs import supported
 
     tree = fake_converter(tmp_path / "tree", '"LlamaForCausalLM",\n    "MistralForCausalLM"', "ab" * 32)
     assert supported.llamacpp_architectures(tree) == {"LlamaForCausalLM", "MistralForCausalLM"}
@@ -414,7 +414,7 @@ def bpe_tokenizer(folder: Path) -> None:
 def test_a_tokenizer_the_converter_does_not_know_stops_before_any_job(tmp_path):
     from conftest import save_tiny_llama
 
-    from fourbit import supported
+    from fourbit.inputs import supported
 
     tree = built_llamacpp_tree()
     save_tiny_llama(tmp_path / "m", tied=True, vocab=512)
@@ -438,7 +438,7 @@ def test_a_tokenizer_the_converter_does_not_know_stops_before_any_job(tmp_path):
 def test_an_hf_tokenizer_the_converter_does_not_know_stops_before_the_download(tmp_path):
     from conftest import hub_cache, save_tiny_llama
 
-    from fourbit.sources import HUB_TOKENIZER_FILES
+    from fourbit.inputs.sources import HUB_TOKENIZER_FILES
 
     built_llamacpp_tree()
     revision = "0123456789abcdef0123456789abcdef01234567"

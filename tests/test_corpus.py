@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import hub_cache
 
-from fourbit.corpus import CORPUS_KINDS, SPLITS, prepare_corpus, register_corpus
+from fourbit.inputs.corpus import CORPUS_KINDS, SPLITS, register_corpus
+from fourbit.steps.prepare import prepare_corpus
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 REVISION = "0123456789abcdef0123456789abcdef01234567"
@@ -142,7 +143,7 @@ def _prepare_offline(hub: Path, spec: dict, out: Path) -> subprocess.CompletedPr
         "HF_HUB_OFFLINE": "1",
     }
     env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
-    code = "import json, sys; from pathlib import Path; from fourbit.corpus import prepare_corpus; "
+    code = "import json, sys; from pathlib import Path; from fourbit.steps.prepare import prepare_corpus; "
     code += "print(json.dumps(prepare_corpus(json.loads(sys.argv[1]), Path(sys.argv[2]))))"
     return subprocess.run(
         [sys.executable, "-c", code, json.dumps(spec), str(out)],

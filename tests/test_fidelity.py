@@ -1,4 +1,4 @@
-"""fourbit.fidelity: next-token KL, top-1 agreement and greedy fidelity against the baseline."""
+"""fourbit.steps.fidelity: next-token KL, top-1 agreement and greedy fidelity against the baseline."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from conftest import save_tiny_llama
 
 from fourbit.engines import ENGINE_MODULES, reference
-from fourbit.fidelity import (
+from fourbit.steps.fidelity import (
     FULL,
     TOPK,
     compare_arm,
@@ -208,7 +208,7 @@ def test_reference_greedy_matches_a_loop_without_cache(models):
 def test_reference_quantized_arm(models, tmp_path):
     """A real 4-bit arm: loads through the int4 kernel, close to but not equal to its baseline."""
     from fourbit.config import canonical_quant, load_schema
-    from fourbit.quantize import quantize_checkpoint
+    from fourbit.steps.quantize import quantize_checkpoint
 
     arm = {"name": "t", "id": "t-0000000000",
            "quant": canonical_quant({"method": "cpu_int4", "group_size": 64}, load_schema())}

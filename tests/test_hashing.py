@@ -12,7 +12,7 @@ from fourbit.hashing import file_sha256, model_weights_sha256
 
 
 def _manifest(folder, files: dict[str, bytes]):
-    """A source folder as fourbit.sources.fetch_model leaves it: weight files plus the manifest."""
+    """A source folder as fourbit.steps.prepare.fetch_model leaves it: weight files plus the manifest."""
     folder.mkdir()
     for name, content in files.items():
         (folder / name).write_bytes(content)

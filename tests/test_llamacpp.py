@@ -433,7 +433,7 @@ VOCAB, WINDOW = 512, 96
 
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
-    from fourbit.corpus import prepare_corpus
+    from fourbit.steps.prepare import prepare_corpus
 
     folder = tmp_path_factory.mktemp("corpus") / "corpus"
     prepare_corpus(
@@ -458,7 +458,7 @@ def tiny_model(corpus, tmp_path_factory):
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fourbit.tokenizer import train_tokenizer
+    from fourbit.inputs.tokenizer import train_tokenizer
 
     folder = tmp_path_factory.mktemp("model") / "tiny-llama"
     torch.manual_seed(0)
@@ -619,7 +619,7 @@ def test_kl_divergence_of_quantized_models_from_f16(ggufs, tools, corpus, tmp_pa
 @pytest.mark.slow
 def test_fidelity_of_a_gguf_arm_comes_from_llama_perplexitys_kl_mode(ggufs, tools, corpus,
                                                                      windows, tmp_path):
-    from fourbit.fidelity import OWN_KL_MODE, compare_arm
+    from fourbit.steps.fidelity import OWN_KL_MODE, compare_arm
 
     windows_file = tmp_path / "windows.json"
     windows_file.write_text(json.dumps({"windows": windows[:4], "token_ids_sha256": "test"}))

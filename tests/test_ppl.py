@@ -1,4 +1,4 @@
-"""The perplexity step's record (fourbit.ppl.score_checkpoint), on the reference engine."""
+"""The perplexity step's record (fourbit.steps.evaluate.score_checkpoint), on the reference engine."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import save_tiny_llama
 
-from fourbit.ppl import score_checkpoint
+from fourbit.steps.evaluate import score_checkpoint
 
 REFERENCE = {"name": "reference", "dtype": "float32", "threads": 1}
 WEIGHTS = "ab" * 32  # the source model's model_weights_sha256, carried into the record

@@ -5,12 +5,11 @@ import json
 import pytest
 import torch
 
-from fourbit.checkpoint import load_tensors, read_config
+from fourbit.checkpoints.hf import load_tensors, read_config
+from fourbit.checkpoints.quantized import read_quantized
 from fourbit.config import canonical_quant, load_schema
-from fourbit.dequantize import dequantize_checkpoint
 from fourbit.engines import reference
-from fourbit.quantize import GroupSizeError, quantize_checkpoint
-from fourbit.quantized_checkpoint import read_quantized
+from fourbit.steps.quantize import GroupSizeError, dequantize_checkpoint, quantize_checkpoint
 
 SETTINGS = {"name": "reference", "dtype": "float32", "threads": 2}
 WINDOWS = torch.randint(0, 512, (3, 48), generator=torch.Generator().manual_seed(0)).tolist()
@@ -128,8 +127,8 @@ def calibrated(tmp_path_factory):
     """A tiny untied Llama with a real SentencePiece tokenizer, and a calibration split."""
     from conftest import save_tiny_llama
 
-    from fourbit.corpus import prepare_corpus
-    from fourbit.tokenizer import train_tokenizer
+    from fourbit.inputs.tokenizer import train_tokenizer
+    from fourbit.steps.prepare import prepare_corpus
 
     root = tmp_path_factory.mktemp("calibrated")
     prepare_corpus({"source": "builtin", "max_bytes": 300_000, "calibration_fraction": 0.2,

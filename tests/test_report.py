@@ -6,8 +6,8 @@ import math
 import pytest
 
 from fourbit.config import load_schema
-from fourbit.report import ReportInputError, write_report
-from fourbit.verdicts import Measure, compare_measure
+from fourbit.report.verdicts import Measure, compare_measure
+from fourbit.steps.report import ReportInputError, write_report
 
 ENGINE = "reference-0000000000"
 ARM = "a-0000000000"

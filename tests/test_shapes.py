@@ -60,12 +60,12 @@ def test_format_of_agrees_with_the_method(method, sym):
 ])
 def test_matrices_from_config_are_the_skeletons(model_type, extra):
     """The DAG-time arithmetic against the module tree transformers builds (what
-    fourbit.quantize.select_modules reads)."""
+    fourbit.steps.quantize.select_modules reads)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from fourbit.checkpoint import module_name, quantizable_linears
-    from fourbit.quantized_checkpoint import matrix_shape
+    from fourbit.checkpoints.hf import module_name, quantizable_linears
+    from fourbit.checkpoints.quantized import matrix_shape
 
     config = {"model_type": model_type, "hidden_size": 192, "intermediate_size": 320,
               "num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 2,
@@ -160,11 +160,10 @@ def test_fallback_dense_writes_a_checkpoint_the_control_and_the_reference_engine
     import torch
     from conftest import save_tiny_llama
 
-    from fourbit.checkpoint import load_tensors
+    from fourbit.checkpoints.hf import load_tensors
     from fourbit.config import canonical_quant, load_schema
-    from fourbit.dequantize import dequantize_checkpoint
     from fourbit.engines import reference
-    from fourbit.quantize import quantize_checkpoint
+    from fourbit.steps.quantize import dequantize_checkpoint, quantize_checkpoint
 
     save_tiny_llama(tmp_path / "m", tied=False, hidden=256, intermediate=320)
     quant = canonical_quant({"method": method, "group_size": 128, "fallback": "dense"}, load_schema())
@@ -197,9 +196,8 @@ def test_vllm_serves_a_fallback_arm_whose_merged_layers_stay_dense(tmp_path):
     import transformers
 
     from fourbit.config import canonical_quant, load_schema
-    from fourbit.dequantize import dequantize_checkpoint
     from fourbit.engines import vllm
-    from fourbit.quantize import quantize_checkpoint
+    from fourbit.steps.quantize import dequantize_checkpoint, quantize_checkpoint
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 from conftest import hub_cache, save_tiny_llama
 
-from fourbit.checkpoint import read_config
-from fourbit.sources import MANIFEST, fetch_model
+from fourbit.checkpoints.hf import read_config
+from fourbit.inputs.sources import MANIFEST
+from fourbit.steps.prepare import fetch_model
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -19,7 +20,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 def fetch_offline(hub: Path, spec: dict, out: Path) -> subprocess.CompletedProcess:
     """fetch_model in a fresh interpreter: huggingface_hub reads HF_* variables at import."""
     env = {**os.environ, "HF_HUB_CACHE": str(hub), "HF_HOME": str(hub.parent), "HF_HUB_OFFLINE": "1"}
-    code = "import json, sys; from fourbit.sources import fetch_model; "
+    code = "import json, sys; from fourbit.steps.prepare import fetch_model; "
     code += "fetch_model(json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], 1)"
     return subprocess.run([sys.executable, "-c", code, json.dumps(spec), str(out), str(out.parent)],
                           env=env, capture_output=True, text=True)
@@ -76,7 +77,9 @@ def test_synthetic_source_builds_random_weights_at_given_shapes(tmp_path):
     }
     (tmp_path / "arch.json").write_text(json.dumps(config))
     # Enough varied text for a 4096-piece tokenizer: a few standard-library modules.
-    import argparse, inspect, typing
+    import argparse
+    import inspect
+    import typing
 
     (tmp_path / "train.txt").write_text("".join(inspect.getsource(m) for m in (argparse, inspect, typing)))
     fetch_model({"source": "synthetic", "architecture": str(tmp_path / "arch.json"), "seed": 0},
@@ -92,8 +95,8 @@ def test_unknown_architecture_names_the_shipped_ones(tmp_path):
 
 
 def test_builtin_config_before_any_job_is_the_one_training_builds(tmp_path):
-    from fourbit.builtin_model import TINY_SPEC, _new_model, resolve_spec
-    from fourbit.sources import model_config
+    from fourbit.inputs.builtin_model import TINY_SPEC, _new_model, resolve_spec
+    from fourbit.inputs.sources import model_config
 
     planned = model_config({"source": "builtin", "preset": "tiny"}, Path("/nonexistent"))
     _new_model(resolve_spec(TINY_SPEC)).save_pretrained(tmp_path)  # as training saves it
@@ -103,7 +106,7 @@ def test_builtin_config_before_any_job_is_the_one_training_builds(tmp_path):
 
 
 def test_path_config_is_the_folders_and_a_folder_without_one_is_named(tmp_path):
-    from fourbit.sources import model_config
+    from fourbit.inputs.sources import model_config
 
     save_tiny_llama(tmp_path / "m", tied=False, hidden=256)
     assert model_config({"source": "path", "path": str(tmp_path / "m")}, tmp_path)["hidden_size"] == 256
@@ -112,7 +115,7 @@ def test_path_config_is_the_folders_and_a_folder_without_one_is_named(tmp_path):
 
 
 def test_synthetic_config_of_a_shipped_name_and_of_an_unknown_one():
-    from fourbit.sources import model_config
+    from fourbit.inputs.sources import model_config
 
     assert model_config({"source": "synthetic", "architecture": "qwen2.5-0.5b"}, Path("."))["hidden_size"] == 896
     with pytest.raises(ValueError, match="'nope': not a shipped name \\(qwen2.5-0.5b"):
@@ -126,7 +129,7 @@ def test_hf_config_before_any_job_comes_from_the_pinned_revision_and_refuses_rem
     hub = hub_cache(tmp_path, "models--org--tiny", REVISION, {"config.json": files["config.json"]})
     hub_cache(tmp_path, "models--org--remote", REVISION, {"config.json": remote})
     env = {**os.environ, "HF_HUB_CACHE": str(hub), "HF_HOME": str(hub.parent), "HF_HUB_OFFLINE": "1"}
-    code = ("import json, sys; from pathlib import Path; from fourbit.sources import model_config; "
+    code = ("import json, sys; from pathlib import Path; from fourbit.inputs.sources import model_config; "
             "print(json.dumps(model_config(json.loads(sys.argv[1]), Path(sys.argv[2]))))")
 
     def config_of(repo):

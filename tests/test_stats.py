@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from fourbit.stats import delta_ppl_interval, overlapping
+from fourbit.metrics.stats import delta_ppl_interval, overlapping
 
 
 def test_interval_contains_the_point_and_is_deterministic():

@@ -4,8 +4,8 @@ import pytest
 import sentencepiece as spm
 from transformers import AutoTokenizer
 
-from fourbit.corpus import prepare_corpus
-from fourbit.tokenizer import BOS_ID, EOS_ID, UNK_ID, check_roundtrip, train_tokenizer
+from fourbit.inputs.tokenizer import BOS_ID, EOS_ID, UNK_ID, check_roundtrip, train_tokenizer
+from fourbit.steps.prepare import prepare_corpus
 
 VOCAB_SIZE = 512
 SAMPLES = {

@@ -1,8 +1,8 @@
 import torch
 from transformers import AutoModelForCausalLM
 
-from fourbit.checkpoint import load_tensors, read_config
-from fourbit.untie import untie_head
+from fourbit.checkpoints.hf import load_tensors, read_config
+from fourbit.steps.prepare import untie_head
 
 
 def logits(folder, ids):
@@ -27,7 +27,7 @@ def test_untied_source_is_linked_not_copied(tiny_untied, tmp_path):
 
 
 def test_interrupted_untie_leaves_nothing_that_looks_finished(tiny_tied, tmp_path, monkeypatch):
-    import fourbit.untie as untie
+    import fourbit.steps.prepare as untie
 
     def fail(*args, **kwargs):
         raise KeyboardInterrupt

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from fourbit.checkpoint import CheckpointError
+from fourbit.checkpoints.hf import CheckpointError
 from fourbit.quant.calibration import calibration_samples
 from fourbit.quant.grid import Grid, quantize_rtn
 from fourbit.quant.hessian import Hessian

@@ -19,9 +19,9 @@ from typing import Any
 import jsonschema
 import yaml
 
-from fourbit import sources, supported
 from fourbit.engines import ENGINE_READS, ENGINE_RUNS_ARM, unavailable_here
 from fourbit.hashing import canonical_json, file_sha256, short_hash
+from fourbit.inputs import sources, supported
 from fourbit.quant import shapes
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
@@ -277,7 +277,7 @@ def _check_unique_names(arms: list[dict]) -> None:
 
 
 def _model_config(config: dict, model_id: str) -> dict:
-    """The model's config.json before any job (fourbit.sources.model_config)."""
+    """The model's config.json before any job (fourbit.inputs.sources.model_config)."""
     try:
         return sources.model_config(config["model"], Path(config["results"]) / model_id / "source")
     except ValueError as error:
@@ -351,7 +351,7 @@ def model_identity(model: dict, corpus_id: str) -> str:
         # Trained on the corpus's train split: the corpus is part of the model, and so is
         # how it is trained (scheme, pinned kernels, library versions), so other weights
         # never share an id.
-        from fourbit.builtin_model import training_identity
+        from fourbit.inputs.builtin_model import training_identity
 
         try:
             training = training_identity(model["preset"], model.get("train", {}))

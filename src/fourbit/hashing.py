@@ -41,7 +41,7 @@ SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 def model_weights_sha256(manifest_path) -> str:
     """The one sha256 of a model's weights that every downstream record carries.
 
-    Read from a source folder's fourbit-source.json (fourbit.sources.fetch_model writes
+    Read from a source folder's fourbit-source.json (fourbit.steps.prepare.fetch_model writes
     it for every model source), whose ``weights_sha256`` maps each weight file to its
     sha256. One file (the builtin model's model.safetensors): that file's sha256, as
     ``sha256sum model.safetensors`` prints it. Several (a sharded checkpoint): the

@@ -1,5 +1,5 @@
 # How closely each arm follows the same engine's unquantized baseline, on the same
-# token ids (fourbit.fidelity): next-token KL and top-1 agreement over the first
+# token ids (fourbit.steps.fidelity): next-token KL and top-1 agreement over the first
 # windows of windows.json, and how many fixed prompts keep the baseline's greedy
 # continuation exactly. Engines with full logits (the reference) give the KL exactly;
 # vLLM gives top-k logprobs, so its KL is a lower bound and labelled so; engines with

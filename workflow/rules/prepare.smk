@@ -44,20 +44,3 @@ rule untie_head:
         "../../envs/fourbit.yaml"
     script:
         "../../scripts/untie_head.py"
-
-
-rule tokenize_evaluation:
-    input:
-        model=rules.untie_head.output.model,
-        evaluation=rules.prepare_corpus.output.evaluation,
-    output:
-        windows=f"{RESULTS}/{{model}}/eval/{{corpus}}/windows.json",
-    log:
-        f"{RESULTS}/logs/tokenize_evaluation/{{model}}/{{corpus}}.log",
-    conda:
-        "../../envs/fourbit.yaml"
-    params:
-        window=STUDY.config["evaluation"]["window"],
-        max_windows=STUDY.config["evaluation"]["max_windows"],
-    script:
-        "../../scripts/tokenize_evaluation.py"

@@ -3,15 +3,15 @@
 An engine module provides:
 
     score_windows(checkpoint: Path, windows: list[list[int]], settings: dict, threads: int)
-        -> list[{"nll_sum": float, "tokens": int}]   (see fourbit.ppl for the definition)
+        -> list[{"nll_sum": float, "tokens": int}]   (see fourbit.steps.evaluate for the definition)
     runtime(checkpoint: Path, settings: dict) -> str  (what actually executes the weights)
 
-and, for the bench step (fourbit.benchmark), either
+and, for the bench step (fourbit.steps.bench), either
     throughput(checkpoint, settings, threads, *, prompt_tokens, decode_tokens) -> one pass's rates
     (optionally also throughput_session(...) with the same arguments: a context manager
     yielding a function that times one pass in an engine kept open for the whole job)
 or a module-level NOT_BENCHMARKED = "<why its speed means nothing for a shipped build>";
-and, for the fidelity step (fourbit.fidelity), optionally compare_with_baseline(...)
+and, for the fidelity step (fourbit.steps.fidelity), optionally compare_with_baseline(...)
 (per-position results on the study's windows) or divergence_from_baseline(...) (the
 engine's own aggregate KL statistics on the evaluation text).
 

@@ -14,16 +14,16 @@ from pathlib import Path
 
 import torch
 
-from fourbit.checkpoint import skeleton
+from fourbit.checkpoints.hf import skeleton
+from fourbit.checkpoints.quantized import is_quantized, read_quantized
 from fourbit.kernels import tinygemm
 from fourbit.progress import Progress
 from fourbit.quant.qweight import QuantizedWeight
-from fourbit.quantized_checkpoint import is_quantized, read_quantized
 
 log = logging.getLogger("fourbit")
 BATCH_WINDOWS = 4
 DEQUANT_ROWS = 32  # rows from which the packed weight is expanded instead (see Int4Linear)
-# Read by fourbit.benchmark: this engine has no throughput(), on purpose.
+# Read by fourbit.steps.bench: this engine has no throughput(), on purpose.
 NOT_BENCHMARKED = (
     "not a deployment engine; not benchmarked: transformers is the scoring reference, "
     "and nobody ships a model on it, so its speed says nothing about a 4-bit build"
@@ -170,9 +170,9 @@ def compare_with_baseline(
     top_k: int | None = None,
 ) -> dict:
     """KL(P_base || P_arm) from full logits and top-1 agreement at positions 1..W-1 of each
-    window, and both models' greedy continuations (see fourbit.fidelity). Both models are
+    window, and both models' greedy continuations (see fourbit.steps.fidelity). Both models are
     held at once. ``top_k`` is unused: this engine has the full distributions."""
-    from fourbit.fidelity import FULL, kl_full
+    from fourbit.steps.fidelity import FULL, kl_full
 
     torch.set_num_threads(settings["threads"])
     dtype = DTYPES[settings["dtype"]]

@@ -810,7 +810,7 @@ def compare_with_baseline(
     new_tokens: int,
     top_k: int = 20,
 ) -> dict[str, Any]:
-    """fourbit.fidelity's entry: the arm against the same engine's baseline, from top-k logprobs.
+    """fourbit.steps.fidelity's entry: the arm against the same engine's baseline, from top-k logprobs.
 
     Each side is its own in-process engine, one after the other (baseline first), each
     with its own cache folder: settings["cache_root"]/arm, and
@@ -819,7 +819,7 @@ def compare_with_baseline(
     logprobs of each model's own top k and of the actual token, not of ids of our
     choosing: SamplingParams.prompt_logprob_token_ids would, but it needs the V2 model
     runner (v1/engine/input_processor.py:163-169), which needs Triton, absent on CPU. So
-    KL is a lower bound (fourbit.fidelity explains which and why); top-1 agreement
+    KL is a lower bound (fourbit.steps.fidelity explains which and why); top-1 agreement
     compares the rank-1 ids. quant overrides apply to the arm only.
 
     The baseline's side is the same for every arm of an engine, so it is kept in
@@ -829,7 +829,7 @@ def compare_with_baseline(
     """
     import torch
 
-    from fourbit.fidelity import TOPK, kl_topk_bounds
+    from fourbit.steps.fidelity import TOPK, kl_topk_bounds
 
     k = int(top_k)
     if k < 1:

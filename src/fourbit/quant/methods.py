@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from fourbit.checkpoint import TensorReader
+from fourbit.checkpoints.hf import TensorReader
 from fourbit.progress import Progress
 from fourbit.quant.grid import Grid, quantize_rtn
 from fourbit.quant.hessian import Hessian

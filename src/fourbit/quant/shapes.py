@@ -3,7 +3,7 @@
 Decided from config.json alone while the workflow builds its DAG (fourbit.config), so
 an arm that cannot apply to the model is dropped, with its reason, before any job
 runs; and decided again by the same ``plan_arm`` on the model's real module tree when
-the arm's quantize job starts (fourbit.quantize.select_modules), so the job never
+the arm's quantize job starts (fourbit.steps.quantize.select_modules), so the job never
 disagrees with the plan. Nothing here imports torch or transformers: the dry run
 stays fast.
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from fourbit.checkpoint import CheckpointError, TensorReader, skeleton
+from fourbit.checkpoints.hf import CheckpointError, TensorReader, skeleton
 from fourbit.progress import Progress
 from fourbit.quant.hessian import Hessian
 from fourbit.quant.shapes import HEAD, LAYER_GROUPS

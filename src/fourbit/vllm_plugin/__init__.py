@@ -142,7 +142,7 @@ def write_arm_knobs(folder: str | os.PathLike, quant: dict[str, Any]) -> None:
     """Copy the arm's plugin knobs from its quant block into the checkpoint's
     quantization_config (config.json), where vLLM hands them to the plugin."""
     from fourbit.atomic import write_json
-    from fourbit.checkpoint import read_config
+    from fourbit.checkpoints.hf import read_config
 
     knobs = {k: quant[k] for k in ARM_KNOBS if k in quant}
     if not knobs:

@@ -1,5 +1,6 @@
-"""The workflow's llama.cpp steps: tools, the f16 GGUF base, quantized GGUF arms and
-their F32 expansions (the control).
+"""workflow/rules/llamacpp.smk: the workflow's llama.cpp steps, one function per rule:
+build_llamacpp (build_tools), convert_gguf (convert_base), quantize_gguf (quantize_arm)
+and dequantize_gguf (dequantize_arm, the F32 expansion: the control).
 
 llama.cpp arms are arms like any other (an id from the hash of their settings),
 but their checkpoint is one GGUF file quantized by llama-quantize from an f16
@@ -33,7 +34,7 @@ def load_tools(tools_json: str | os.PathLike) -> LlamaCpp:
 
 
 def gguf_storage(gguf: Path, tools: LlamaCpp) -> dict:
-    """The same storage keys as fourbit.quantized_checkpoint.storage_stats, from a GGUF."""
+    """The same storage keys as fourbit.checkpoints.quantized.storage_stats, from a GGUF."""
     bits = gguf_bits_per_weight(gguf, tools.gguf_py)
     return {
         "quantized_bits_per_weight": bits["matmul_2d"]["bits_per_weight"],

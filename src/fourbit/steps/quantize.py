@@ -1,4 +1,13 @@
-"""The `quantize` step: one arm's config applied to the untied checkpoint."""
+"""workflow/rules/quantize.smk: the `quantize` rule (quantize_checkpoint: one arm's
+config applied to the untied checkpoint) and the `dequantize` rule
+(dequantize_checkpoint: the control).
+
+The control expands a quantized checkpoint back into a plain dense one. Scoring the
+arm (4-bit weights run by a 4-bit kernel) and its dense expansion (the same W_hat as
+ordinary float32 matrices) on one engine isolates the runtime: if they disagree by
+more than rounding, the kernel or the packing is wrong, not the quantizer. float32
+because (q - z) * s is exact there and not in bfloat16 (see fourbit.quant.qweight).
+"""
 
 from __future__ import annotations
 
@@ -8,11 +17,24 @@ import resource
 import time
 from pathlib import Path
 
+import torch
+
 from fourbit.atomic import atomic_dir, write_json
-from fourbit.checkpoint import TensorReader, module_name, quantizable_linears, skeleton
+from fourbit.checkpoints.hf import (
+    TensorReader,
+    module_name,
+    quantizable_linears,
+    skeleton,
+    write_checkpoint,
+)
+from fourbit.checkpoints.quantized import (
+    matrix_shape,
+    read_quantized,
+    storage_stats,
+    write_quantized,
+)
 from fourbit.quant.methods import QuantizeJob, get_method
 from fourbit.quant.shapes import Matrices, plan_arm
-from fourbit.quantized_checkpoint import matrix_shape, storage_stats, write_quantized
 from fourbit.vllm_plugin import write_arm_knobs
 
 log = logging.getLogger("fourbit")
@@ -98,3 +120,15 @@ def quantize_checkpoint(
     log.info("%s: %d modules, %.3f bits/weight in quantized layers, %.1fs",
              arm["id"], len(qweights), stats["quantized_bits_per_weight"], seconds)
     return manifest
+
+
+def dequantize_checkpoint(source: str | os.PathLike, target: str | os.PathLike) -> None:
+    config, dense, qweights = read_quantized(source)
+    tensors = {name: t.float() if t.is_floating_point() else t for name, t in dense.items()}
+    for name, qweight in qweights.items():
+        tensors[f"{name}.weight"] = qweight.dequantize(torch.float32)  # [N, K], exact in float32
+    config = {k: v for k, v in config.items() if k != "quantization_config"}
+    config["torch_dtype"] = config["dtype"] = "float32"  # transformers 5 reads dtype, older torch_dtype
+    with atomic_dir(target) as folder:
+        write_checkpoint(folder, tensors, config, copy_from=source)
+    log.info("%s: %d modules expanded to float32", source, len(qweights))

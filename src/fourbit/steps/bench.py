@@ -1,4 +1,5 @@
-"""The `bench` step: every arm's prefill and decode speed against its engine's baseline.
+"""workflow/rules/bench.smk: rule bench (bench_study). Every arm's prefill and decode
+speed against its engine's baseline.
 
 One job times the whole study: every arm of every engine, each paired with its
 engine's unquantized baseline, interleaved in rounds (fourbit.bench.passes says
@@ -62,7 +63,7 @@ from fourbit.bench.contention import check_quiet
 from fourbit.bench.passes import run_rounds
 from fourbit.bench.provenance import provenance
 from fourbit.bench.residency import warm_and_check
-from fourbit.checkpoint import quantizable_linears, skeleton, weight_files
+from fourbit.checkpoints.hf import quantizable_linears, skeleton, weight_files
 from fourbit.config import load_schema
 from fourbit.engines import ENGINE_READS, get_engine
 from fourbit.hashing import require_sha256
@@ -243,7 +244,7 @@ def _engine(engine_settings: dict):
     if not hasattr(engine, "throughput") and getattr(engine, "NOT_BENCHMARKED", None) is None:
         raise TypeError(
             f"engine {engine_settings['name']!r} has neither throughput() nor NOT_BENCHMARKED; "
-            "give it one of them (see fourbit.benchmark)"
+            "give it one of them (see fourbit.steps.bench)"
         )
     return engine
 

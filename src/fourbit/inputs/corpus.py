@@ -2,7 +2,7 @@
 
 Every kind turns a spec (the workflow config's ``corpus`` block, whose
 ``source`` names the kind) into three lists of documents (train, calibration,
-evaluation); :func:`prepare_corpus` writes them as plain text plus a manifest
+evaluation); fourbit.steps.prepare.prepare_corpus writes them as plain text plus a manifest
 that says exactly what was taken, so a corpus can be checked and reproduced.
 
 A new kind is a function ``spec -> Selection`` decorated with
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import logging
 import re
 import sys
@@ -21,8 +20,6 @@ import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
-
-from fourbit.atomic import atomic_dir
 
 log = logging.getLogger("fourbit")
 
@@ -61,8 +58,8 @@ def register_corpus(
     return register
 
 
-def prepare_corpus(spec: dict, out_dir: Path) -> dict:
-    """Write the three split files and manifest.json into ``out_dir``; return the manifest."""
+def select(spec: dict) -> Selection:
+    """The documents of each split for ``spec``, none of them empty."""
     kind = spec.get("source")
     if kind not in CORPUS_KINDS:
         raise ValueError(
@@ -71,9 +68,13 @@ def prepare_corpus(spec: dict, out_dir: Path) -> dict:
         )
     selection = CORPUS_KINDS[kind](spec)
     _require_non_empty_splits(selection)
-    split_texts = {split: join_documents(selection.splits[split]) for split in SPLITS}
-    manifest = {
-        "kind": kind,
+    return selection
+
+
+def manifest(spec: dict, selection: Selection, split_texts: dict[str, str]) -> dict:
+    """What was taken: the spec, the selection's hash, and each split's size and hash."""
+    return {
+        "kind": spec["source"],
         "spec": spec,
         "selection_sha256": selection.sha256,
         "splits": {
@@ -86,18 +87,6 @@ def prepare_corpus(spec: dict, out_dir: Path) -> dict:
         },
         **selection.details,
     }
-    with atomic_dir(out_dir) as temp:
-        for split, text in split_texts.items():
-            # newline="" keeps the documents' own line endings byte for byte.
-            with open(temp / f"{split}.txt", "w", encoding="utf-8", newline="") as f:
-                f.write(text)
-        (temp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    log.info(
-        "corpus %s: %s",
-        kind,
-        ", ".join(f"{s} {manifest['splits'][s]['bytes']:,} bytes" for s in SPLITS),
-    )
-    return manifest
 
 
 def join_documents(documents: list[Document]) -> str:

@@ -1,4 +1,5 @@
-"""Fidelity of an arm to its engine's unquantized baseline: next-token KL, top-1, greedy.
+"""workflow/rules/fidelity.smk: rule fidelity (compare_arm). Fidelity of an arm to its
+engine's unquantized baseline: next-token KL, top-1, greedy.
 
 Definition (written next to every number this module produces):
 

@@ -1,8 +1,8 @@
 """Where a study's model comes from: one fetcher per ``model.source``.
 
 Each source registers two things: a fetcher, which fills a temporary folder with a
-Hugging Face model (config.json, *.safetensors, tokenizer files) that ``fetch_model``
-renames into place, adding ``fourbit-source.json`` with the content hash of every
+Hugging Face model (config.json, *.safetensors, tokenizer files) that the download
+step (fourbit.steps.prepare.fetch_model) renames into place, adding ``fourbit-source.json`` with the content hash of every
 weight file; and a config reader, which gives the model's config.json before any job
 runs (``model_config``), so the workflow checks every arm's shapes against the model
 while it builds the DAG. Config readers import neither torch nor transformers.
@@ -16,9 +16,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
-
-from fourbit.atomic import atomic_dir
-from fourbit.hashing import file_sha256
 
 log = logging.getLogger("fourbit")
 ARCHITECTURES = Path(__file__).parent / "architectures"
@@ -52,7 +49,8 @@ def register_source(
     return add
 
 
-def _source(spec: dict) -> Source:
+def source_of(spec: dict) -> Source:
+    """The registered source ``spec['source']`` names."""
     if spec["source"] not in SOURCES:
         raise ValueError(f"model.source {spec['source']!r} is not known; allowed: {', '.join(sorted(SOURCES))}")
     return SOURCES[spec["source"]]
@@ -65,37 +63,26 @@ def model_config(spec: dict, source_dir: str | os.PathLike) -> dict:
     reader uses it when the model is already there. Raises ValueError naming what is
     wrong (an unknown architecture, a folder without config.json, a Hub revision that
     cannot be read)."""
-    return _source(spec).config(spec, Path(source_dir))
+    return source_of(spec).config(spec, Path(source_dir))
 
 
 def tokenizer_folder(spec: dict, source_dir: str | os.PathLike) -> Path | None:
     """A folder holding the model's own tokenizer files (and config.json) before any job,
     for checks such as llama.cpp's converter's; None when there is none to check yet."""
-    return _source(spec).tokenizer(spec, Path(source_dir))
-
-
-def fetch_model(spec: dict, target: str | os.PathLike, corpus_dir: str | os.PathLike, threads: int) -> None:
-    from fourbit.checkpoint import weight_files  # imports torch: not at DAG time
-
-    source = _source(spec)
-    with atomic_dir(target) as folder:
-        source.fetch(spec, folder, Path(corpus_dir), threads)
-        weights = {p.name: file_sha256(p) for p in weight_files(folder)}
-        manifest = {"spec": spec, "weights_sha256": weights}
-        (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return source_of(spec).tokenizer(spec, Path(source_dir))
 
 
 def _builtin_spec(spec: dict) -> dict:
-    from fourbit.builtin_model import DEFAULT_SPEC, TINY_SPEC
+    from fourbit.inputs.builtin_model import DEFAULT_SPEC, TINY_SPEC
 
     presets = {"default": DEFAULT_SPEC, "tiny": TINY_SPEC}
     return {**presets[spec["preset"]], **spec.get("train", {})}
 
 
 def _builtin_config(spec: dict, source_dir: Path) -> dict:
-    """The LlamaConfig fourbit.builtin_model._new_model builds, as config.json has it
+    """The LlamaConfig fourbit.inputs.builtin_model._new_model builds, as config.json has it
     (tests/test_sources.py compares the two)."""
-    from fourbit.builtin_model import resolve_spec
+    from fourbit.inputs.builtin_model import resolve_spec
 
     try:
         resolved = resolve_spec(_builtin_spec(spec))
@@ -117,7 +104,7 @@ def _builtin_config(spec: dict, source_dir: Path) -> dict:
 
 @register_source("builtin", config=_builtin_config)
 def _builtin(spec: dict, folder: Path, corpus_dir: Path, threads: int) -> None:
-    from fourbit.builtin_model import train_builtin_model
+    from fourbit.inputs.builtin_model import train_builtin_model
 
     train_builtin_model(corpus_dir, folder, _builtin_spec(spec))
 
@@ -180,7 +167,7 @@ def _hub_tokenizer(spec: dict, source_dir: Path) -> Path | None:
 def _hugging_face(spec: dict, folder: Path, corpus_dir: Path, threads: int) -> None:
     from huggingface_hub import snapshot_download
 
-    from fourbit.checkpoint import CheckpointError, read_config
+    from fourbit.checkpoints.hf import CheckpointError, read_config
 
     snapshot = Path(
         snapshot_download(
@@ -203,7 +190,7 @@ def _path_config(spec: dict, source_dir: Path) -> dict:
 
 
 def _read_config(folder: Path) -> dict:
-    """fourbit.checkpoint.read_config's check, without importing torch."""
+    """fourbit.checkpoints.hf.read_config's check, without importing torch."""
     path = folder / "config.json"
     if not path.is_file():
         raise ValueError(f"{folder}: no config.json; expected a Hugging Face model folder")
@@ -216,7 +203,7 @@ def _local_path(spec: dict, folder: Path, corpus_dir: Path, threads: int) -> Non
 
 
 def _architecture_file(spec: dict) -> Path:
-    """A shipped architecture's config.json (src/fourbit/architectures/<name>.json), or
+    """A shipped architecture's config.json (src/fourbit/inputs/architectures/<name>.json), or
     the path the spec gives."""
     architecture = spec["architecture"]
     shipped = ARCHITECTURES / f"{architecture}.json"
@@ -239,7 +226,7 @@ def _synthetic(spec: dict, folder: Path, corpus_dir: Path, threads: int) -> None
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from fourbit.tokenizer import train_tokenizer
+    from fourbit.inputs.tokenizer import train_tokenizer
 
     config = AutoConfig.from_pretrained(_architecture_file(spec))
     config.torch_dtype = "float32"
@@ -253,7 +240,7 @@ def _synthetic(spec: dict, folder: Path, corpus_dir: Path, threads: int) -> None
 
 def _link_folder(source: Path, folder: Path) -> None:
     """Link a model folder's files instead of copying gigabytes."""
-    from fourbit.checkpoint import weight_files
+    from fourbit.checkpoints.hf import weight_files
 
     weight_files(source)  # fails early, naming the folder, when there are no safetensors
     for path in source.iterdir():

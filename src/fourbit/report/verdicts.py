@@ -13,7 +13,8 @@ from statistics import NormalDist
 
 import torch
 
-from fourbit.stats import CONFIDENCE, overlapping
+from fourbit.metrics.stats import CONFIDENCE, overlapping
+
 
 def fmt_value(value) -> str:
     if isinstance(value, float):

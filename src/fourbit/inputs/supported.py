@@ -98,7 +98,7 @@ def check_llamacpp(config: dict, tree: Path, model_dir: Path | None) -> None:
     """Raise naming the architecture or the tokenizer unless llama.cpp's converter reads both.
 
     ``model_dir``: a folder with the model's tokenizer files before any job (a local
-    path, or a Hub revision's snapshot; fourbit.sources.tokenizer_folder); None skips the
+    path, or a Hub revision's snapshot; fourbit.inputs.sources.tokenizer_folder); None skips the
     tokenizer check (builtin and synthetic models get fourbit's own SentencePiece
     tokenizer, which the converter reads from tokenizer.model).
     """

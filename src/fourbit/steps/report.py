@@ -1,4 +1,5 @@
-"""`results/report.md` and `results/report.tsv`: one row per arm and engine.
+"""workflow/rules/report.smk: rule report (write_report). `results/report.md` and
+`results/report.tsv`: one row per arm and engine.
 
 Every number comes from a result file of this run; a missing or unreadable file
 stops the report and names the file, instead of leaving a hole in the table.
@@ -14,13 +15,12 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-
 from fourbit.atomic import write_text
 from fourbit.bench.bandwidth import decode_roofline
 from fourbit.bench.passes import summarize
-from fourbit.quantized_checkpoint import storage_stats
-from fourbit.stats import CONFIDENCE, delta_ppl_interval, overlapping
-from fourbit.verdicts import (
+from fourbit.checkpoints.quantized import storage_stats
+from fourbit.metrics.stats import CONFIDENCE, delta_ppl_interval, overlapping
+from fourbit.report.verdicts import (
     below_baseline,
     distribution_measures,
     fmt_value,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from fourbit.checkpoint import (
+from fourbit.checkpoints.hf import (
     load_tensors,
     module_name,
     quantizable_linears,

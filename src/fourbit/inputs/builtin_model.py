@@ -6,7 +6,7 @@ forced and the kernels' instruction set pinned (PINNED_KERNELS), the same
 corpus and spec give the same weights bit for bit on every x86-64 host with
 AVX2, whatever else its CPU has (with the same library versions).
 
-The training runs in a child process (``python -m fourbit.builtin_model``)
+The training runs in a child process (``python -m fourbit.inputs.builtin_model``)
 whose environment pins the dispatch: torch and oneMKL read those variables
 once, when they load, so the process that trains must have them from its start.
 """
@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Iterator
 
 from fourbit.atomic import atomic_dir
+from fourbit.inputs.tokenizer import BOS_ID, EOS_ID, UNK_ID, check_roundtrip, train_tokenizer
 from fourbit.progress import Progress, setup_logging
-from fourbit.tokenizer import BOS_ID, EOS_ID, UNK_ID, check_roundtrip, train_tokenizer
 
 log = logging.getLogger("fourbit")
 
@@ -247,7 +247,7 @@ def training_environment(outer: dict, threads: int, *, pin_kernels: bool = True)
         _require_cpu_flags(PINNED_CPU_FLAGS)
         env.update(PINNED_KERNELS)
     # The child imports this package from where the parent found it.
-    package_root = str(Path(__file__).resolve().parents[1])
+    package_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, outer.get("PYTHONPATH")]))
     return env
 
@@ -275,9 +275,9 @@ def _require_cpu_flags(flags: tuple[str, ...], cpuinfo: Path = Path("/proc/cpuin
 
 
 def _run_training_process(corpus_dir: Path, out_dir: Path, spec: dict, env: dict) -> None:
-    """``python -m fourbit.builtin_model`` in ``env``; its log lines go to this process's
+    """``python -m fourbit.inputs.builtin_model`` in ``env``; its log lines go to this process's
     stderr (the rule's log) as they come."""
-    command = [sys.executable, "-m", "fourbit.builtin_model", "--corpus", str(corpus_dir),
+    command = [sys.executable, "-m", "fourbit.inputs.builtin_model", "--corpus", str(corpus_dir),
                "--out", str(out_dir), "--spec", json.dumps(spec, sort_keys=True)]
     tail: list[str] = []
     with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -506,7 +506,7 @@ def _sha256(path: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The training process: ``python -m fourbit.builtin_model --corpus D --out D --spec JSON``."""
+    """The training process: ``python -m fourbit.inputs.builtin_model --corpus D --out D --spec JSON``."""
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--corpus", type=Path, required=True, help="a prepared corpus folder")
     parser.add_argument("--out", type=Path, required=True, help="an existing, empty folder")

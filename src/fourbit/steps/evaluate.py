@@ -1,4 +1,6 @@
-"""Teacher-forced perplexity, defined once and applied identically to every engine.
+"""workflow/rules/evaluate.smk: rules tokenize_evaluation (tokenize_windows) and ppl
+(score_checkpoint). Teacher-forced perplexity, defined once and applied identically
+to every engine.
 
 Definition (written next to every number this module produces):
 the evaluation split is tokenized once, as one stream, without BOS or other

@@ -1,0 +1,1 @@
+"""Arithmetic on measured numbers: intervals, paired differences, separability."""

@@ -1,0 +1,1 @@
+"""What the report concludes from the records (verdicts) and how it says it."""

@@ -1,0 +1,85 @@
+"""workflow/rules/prepare.smk: the study's inputs, one function per rule.
+
+- prepare_corpus: the corpus's train / calibration / evaluation splits plus a manifest
+  that says exactly what was taken (fourbit.inputs.corpus selects the documents).
+- fetch_model (rule download): the model into results/<model id>/source, with
+  fourbit-source.json holding the content hash of every weight file (the weights'
+  identity every downstream record carries; fourbit.inputs.sources fetches).
+- untie_head: the output head given its own tensor, so it can be quantized on its own.
+  A tied model shares one matrix between the input embedding (a lookup: a few
+  hundred bytes per token) and the output head (a GEMM that reads the whole matrix
+  every decoded token). Leaving the head dense because it is "the embedding"
+  invalidated a whole round of the reference study; untying first makes the head
+  an ordinary linear layer for every quantizer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from fourbit.atomic import atomic_dir
+from fourbit.checkpoints.hf import (
+    load_tensors,
+    module_name,
+    read_config,
+    skeleton,
+    weight_files,
+    write_checkpoint,
+)
+from fourbit.hashing import file_sha256
+from fourbit.inputs import corpus, sources
+
+log = logging.getLogger("fourbit")
+
+
+def prepare_corpus(spec: dict, out_dir: Path) -> dict:
+    """Write the three split files and manifest.json into ``out_dir``; return the manifest."""
+    selection = corpus.select(spec)
+    split_texts = {split: corpus.join_documents(selection.splits[split]) for split in corpus.SPLITS}
+    manifest = corpus.manifest(spec, selection, split_texts)
+    with atomic_dir(out_dir) as temp:
+        for split, text in split_texts.items():
+            # newline="" keeps the documents' own line endings byte for byte.
+            with open(temp / f"{split}.txt", "w", encoding="utf-8", newline="") as f:
+                f.write(text)
+        (temp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    log.info(
+        "corpus %s: %s",
+        spec["source"],
+        ", ".join(f"{s} {manifest['splits'][s]['bytes']:,} bytes" for s in corpus.SPLITS),
+    )
+    return manifest
+
+
+def fetch_model(spec: dict, target: str | os.PathLike, corpus_dir: str | os.PathLike, threads: int) -> None:
+    source = sources.source_of(spec)
+    with atomic_dir(target) as folder:
+        source.fetch(spec, folder, Path(corpus_dir), threads)
+        weights = {p.name: file_sha256(p) for p in weight_files(folder)}
+        manifest = {"spec": spec, "weights_sha256": weights}
+        (folder / sources.MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+def untie_head(source: str | os.PathLike, target: str | os.PathLike) -> None:
+    model = skeleton(source)
+    embed_name = module_name(model, model.get_input_embeddings()) + ".weight"
+    head_name = module_name(model, model.get_output_embeddings()) + ".weight"
+    config = read_config(source)
+    tied = model.config.tie_word_embeddings
+    with atomic_dir(target) as folder:
+        if not tied:
+            log.info("%s: head already untied (%s); linking files, not copying", source, head_name)
+            for path in Path(source).iterdir():
+                os.symlink(path.resolve(), folder / path.name)
+            return
+        tensors = load_tensors(source)
+        if embed_name not in tensors:
+            raise ValueError(f"{source}: tied model without its embedding tensor {embed_name}")
+        # [vocab, hidden] -> a separate copy with the same values, bit for bit.
+        tensors[head_name] = tensors[embed_name].clone()
+        config["tie_word_embeddings"] = False
+        write_checkpoint(folder, tensors, config, copy_from=source)
+        log.info("%s: untied %s from %s %s", source, head_name, embed_name, tuple(tensors[head_name].shape))

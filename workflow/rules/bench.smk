@@ -1,0 +1,29 @@
+# Prefill and decode speed of every arm against its engine's unquantized baseline
+# (fourbit.steps.bench), in one job for the whole study: the arms' passes interleaved
+# in rounds, so each arm's passes span the whole step and every arm, of every engine,
+# is timed on the same host (a shared host's speed drifts over minutes; numbers from
+# separate jobs are not comparable). Asking for one arm's bench.json therefore
+# re-times them all. The job claims every core of the run, so Snakemake schedules
+# nothing beside it. Engines that are not deployed (the reference) get a record
+# saying they were not benchmarked. No benchmark: directive: Snakemake's resource
+# sampler would run beside the timed passes.
+BENCH_PAIRS = bench_pairs()
+
+if BENCH_PAIRS:
+
+    rule bench:
+        input:
+            checkpoints=sorted({pair[side] for pair in BENCH_PAIRS for side in ("arm", "baseline")}),
+            source=f"{MODEL_DIR}/source",
+        output:
+            [pair["out"] for pair in BENCH_PAIRS],
+        log:
+            f"{RESULTS}/logs/bench/{MODEL}/{CORPUS}/bench.log",
+        conda:
+            "../../envs/fourbit.yaml"
+        threads: workflow.cores
+        params:
+            pairs=BENCH_PAIRS,
+            bench=STUDY.config["bench"],
+        script:
+            "../../scripts/bench.py"
