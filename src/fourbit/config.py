@@ -9,9 +9,11 @@ canonical JSON of exactly the settings that change that thing's outputs.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,8 @@ from fourbit.hashing import canonical_json, file_sha256, short_hash
 from fourbit.inputs import sources, supported
 from fourbit.quant import shapes
 
-SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
+# Inside the package, so an installed fourbit (not only this checkout) validates configs.
+SCHEMA_PATH = Path(__file__).resolve().parent / "schemas" / "config.schema.yaml"
 ID_PATTERN = r"[a-z0-9][a-z0-9_.]*-[0-9a-f]{10}"
 GGUF_METHODS = {"llamacpp"}  # methods whose checkpoints only llama.cpp reads
 VLLM_ENGINES = ("vllm", "vllm_native")  # engines that need vLLM's registry to list the architecture
@@ -39,8 +42,31 @@ class ConfigError(ValueError):
     """A config problem, reported before any job runs."""
 
 
+@functools.cache
+def _schema_text(path: Path) -> str:
+    return Path(path).read_text()
+
+
 def load_schema(path: Path = SCHEMA_PATH) -> dict:
-    return yaml.safe_load(Path(path).read_text())
+    """The config schema, a fresh copy each call (validation fills defaults into what it
+    checks, never into the schema, but callers may edit what they get)."""
+    return yaml.safe_load(_schema_text(path))
+
+
+def block(name: str, given: Mapping[str, Any] | None = None) -> dict:
+    """One block of the config (``name`` a dotted path of the schema's properties, e.g.
+    "bench", "fidelity", "engines.vllm"), validated and with the schema's defaults filled:
+    the one way a library function gets settings a caller may have left out, so the schema
+    stays the only source of defaults. Raises ConfigError naming the key and the fix."""
+    schema = load_schema()
+    node = schema
+    for part in name.split("."):
+        node = node["properties"][part]
+        if "$ref" in node:
+            node = _resolve(schema, node["$ref"])
+    filled = copy.deepcopy(dict(given or {}))
+    _validate(filled, {**node, "$defs": schema["$defs"]}, name)
+    return _sorted(filled)
 
 
 def _with_defaults(validator_class):
@@ -256,10 +282,6 @@ class Study:
             "arms": [{**arm.manifest(), "kind": arm.kind, "plan": arm.plan} for arm in self.arms.values()],
             "refused_arms": self.refused_arms,
         }
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> "Study":
-        return cls.from_config(yaml.safe_load(Path(path).read_text()))
 
 
 def _check_unique_names(arms: list[dict]) -> None:

@@ -1,5 +1,5 @@
 # Validate first, then derive: fourbit.config checks the config against
-# workflow/schemas/config.schema.yaml (filling defaults) and computes every id
+# src/fourbit/schemas/config.schema.yaml (filling defaults) and computes every id
 # before any rule is defined.
 import sys
 

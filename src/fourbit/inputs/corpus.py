@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from fourbit import config
+
 log = logging.getLogger("fourbit")
 
 SPLITS = ("train", "calibration", "evaluation")
-DEFAULT_CALIBRATION_FRACTION = 0.05
-DEFAULT_EVALUATION_FRACTION = 0.05
 
 
 @dataclass
@@ -104,32 +104,6 @@ def _require_non_empty_splits(selection: Selection) -> None:
             )
 
 
-def _options(spec: dict, defaults: dict[str, Any], required: tuple[str, ...] = ()) -> dict:
-    """The spec's options with defaults filled in; unknown or missing keys are errors."""
-    allowed = {"source", *defaults, *required}
-    unknown = sorted(set(spec) - allowed)
-    if unknown:
-        raise ValueError(
-            f"corpus source {spec['source']!r} does not take {unknown}; "
-            f"allowed keys are {sorted(allowed)}"
-        )
-    missing = [key for key in required if key not in spec]
-    if missing:
-        raise ValueError(f"corpus source {spec['source']!r} needs the key(s) {missing}")
-    return {**defaults, **spec}
-
-
-def _fractions(options: dict) -> tuple[float, float]:
-    calibration = float(options["calibration_fraction"])
-    evaluation = float(options["evaluation_fraction"])
-    if not (0 < calibration < 1 and 0 < evaluation < 1 and calibration + evaluation < 1):
-        raise ValueError(
-            f"calibration_fraction={calibration} and evaluation_fraction={evaluation} must each "
-            "lie in (0, 1) and sum to less than 1, leaving text for training"
-        )
-    return calibration, evaluation
-
-
 def _sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
@@ -161,15 +135,9 @@ def builtin_corpus(spec: dict) -> Selection:
     until the next one would exceed ``max_bytes``. Each file is one document,
     so a file never straddles two splits; see :func:`_split_by_path_hash`.
     """
-    options = _options(
-        spec,
-        {
-            "max_bytes": 8_000_000,
-            "calibration_fraction": DEFAULT_CALIBRATION_FRACTION,
-            "evaluation_fraction": DEFAULT_EVALUATION_FRACTION,
-        },
-    )
-    calibration, evaluation = _fractions(options)
+    options = config.block("corpus", spec)
+    # The schema keeps each fraction below 0.5, so train always keeps some text.
+    calibration, evaluation = options["calibration_fraction"], options["evaluation_fraction"]
     root = Path(sysconfig.get_paths()["stdlib"])
     documents = _take_until(_stdlib_sources(root), int(options["max_bytes"]))
     splits = _split_by_path_hash(documents, calibration, evaluation)
@@ -249,15 +217,9 @@ def file_corpus(spec: dict) -> Selection:
     ``evaluation_fraction`` of them is evaluation, the ``calibration_fraction``
     before that is calibration, the rest (the beginning) is train.
     """
-    options = _options(
-        spec,
-        {
-            "calibration_fraction": DEFAULT_CALIBRATION_FRACTION,
-            "evaluation_fraction": DEFAULT_EVALUATION_FRACTION,
-        },
-        required=("path",),
-    )
-    calibration, evaluation = _fractions(options)
+    options = config.block("corpus", spec)
+    # The schema keeps each fraction below 0.5, so train always keeps some text.
+    calibration, evaluation = options["calibration_fraction"], options["evaluation_fraction"]
     path = Path(options["path"])
     text = _read_utf8(path)
     paragraphs = split_paragraphs(text)
@@ -312,8 +274,6 @@ def _read_utf8(path: Path) -> str:
 
 # --- hf: files of a Hugging Face dataset repository at a pinned commit -------------------------
 
-COMMIT_HASH = re.compile(r"[0-9a-f]{40}")
-
 
 @register_corpus("hf")
 def hf_corpus(spec: dict) -> Selection:
@@ -324,19 +284,9 @@ def hf_corpus(spec: dict) -> Selection:
     per row). Files come through ``huggingface_hub.hf_hub_download``, so the
     usual cache and HF_HUB_OFFLINE apply.
     """
-    options = _options(spec, {}, required=("repo_id", "revision", "files"))
-    revision = str(options["revision"])
-    if not COMMIT_HASH.fullmatch(revision):
-        raise ValueError(
-            f"hf corpus revision {revision!r} is not pinned: give the full 40-hex-digit "
-            "commit hash, not a branch or tag, so the corpus cannot change under the same spec"
-        )
-    files = options["files"]
-    if not isinstance(files, dict) or sorted(files) != sorted(SPLITS):
-        raise ValueError(
-            f"hf corpus 'files' must map exactly the splits {list(SPLITS)} to file names; "
-            f"got {files!r}"
-        )
+    options = config.block("corpus", spec)
+    revision = options["revision"]
+    files = options["files"]  # the schema requires exactly the three splits
     splits, fingerprint_lines = {}, []
     for split in SPLITS:
         path = _download(options["repo_id"], files[split], revision)

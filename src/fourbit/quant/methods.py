@@ -3,7 +3,7 @@
 A method turns the untied checkpoint's linear weights into QuantizedWeights and
 names the on-disk format they are written in. Adding one: a class here (or in
 its own module) decorated with @register_method, and its block under
-$defs.methods in workflow/schemas/config.schema.yaml.
+$defs.methods in src/fourbit/schemas/config.schema.yaml.
 """
 
 from __future__ import annotations
