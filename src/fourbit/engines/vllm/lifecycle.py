@@ -676,7 +676,7 @@ def throughput_session(
 ) -> Iterator[Callable[[], dict[str, float]]]:
     """One engine held open for a whole bench job; each call times one pass in it.
 
-    The engine lives in a worker process (fourbit.engines.vllm_bench_worker, which says
+    The engine lives in a worker process (fourbit.engines.vllm.bench_worker, which says
     why), started here with this process's CPU affinity and stopped on exit. Entering
     returns as soon as the worker is launched; the first call waits until its engine is
     open, so all the engines of a job start side by side.
@@ -693,7 +693,7 @@ def throughput_session(
     request = {"checkpoint": str(checkpoint), "settings": dict(settings), "threads": int(threads),
                "prompt_tokens": prompt_tokens, "decode_tokens": decode_tokens}
     worker = subprocess.Popen(
-        [sys.executable, "-m", "fourbit.engines.vllm_bench_worker", json.dumps(request)],
+        [sys.executable, "-m", "fourbit.engines.vllm.bench_worker", json.dumps(request)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )
     waiting_for_ready = True
