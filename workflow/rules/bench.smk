@@ -22,6 +22,9 @@ if BENCH_PAIRS:
         conda:
             "../../envs/fourbit.yaml"
         threads: workflow.cores
+        resources:  # one engine per checkpoint held open at once
+            mem_mb=held("checkpoints", 3, 4000, per_checkpoint_mb=1024),
+            runtime=per_attempt(120),
         params:
             pairs=BENCH_PAIRS,
             bench=STUDY.config["bench"],

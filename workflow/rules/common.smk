@@ -2,6 +2,7 @@
 # src/fourbit/schemas/config.schema.yaml (filling defaults) and computes every id
 # before any rule is defined.
 import sys
+from pathlib import Path
 
 from fourbit.config import ID_PATTERN, Study
 
@@ -18,6 +19,38 @@ EVAL_DIR = f"{MODEL_DIR}/eval/{CORPUS}"
 GGUF_BASE = f"{MODEL_DIR}/gguf/f16.gguf"
 GGUF_BASE_STORAGE = f"{MODEL_DIR}/gguf/f16.storage.json"
 LLAMACPP_TOOLS = f"{RESULTS}/tools/llamacpp.json"
+
+
+# ---- resources: what each rule asks of the machine or the cluster ----------------
+# In the rules, so every profile (profiles/local, profiles/slurm, a site's own) gets
+# the same requests; profiles hold only site settings. `attempt` is 1, then 2 on a
+# retry: a job killed for memory or time gets twice as much the second time.
+
+
+def held(inputs, copies, base_mb, per_checkpoint_mb=0):
+    """mem_mb of a job that holds `copies` times its input `inputs` in memory (a
+    checkpoint folder or file, or a list of them), plus `base_mb`, plus
+    `per_checkpoint_mb` for each (the bench holds one engine per checkpoint): measured
+    on disk when the job is ready to run, so a 0.5B model asks for little and an 8B one
+    for enough (0 bytes while the inputs do not exist yet, as in a dry run)."""
+
+    def mem_mb(wildcards, input, attempt):
+        named = getattr(input, inputs)
+        paths = [Path(p) for p in ([named] if isinstance(named, str) else named)]
+        files = (f for p in paths for f in ([p] if p.is_file() else p.rglob("*")))
+        size = sum(f.stat().st_size for f in files if f.is_file())
+        return (base_mb + per_checkpoint_mb * len(paths) + copies * size // 2**20) * attempt
+
+    return mem_mb
+
+
+def per_attempt(amount):
+    """`amount` on the first attempt, twice it on the retry."""
+
+    def scaled(wildcards, attempt):
+        return amount * attempt
+
+    return scaled
 
 
 wildcard_constraints:

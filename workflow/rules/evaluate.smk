@@ -8,6 +8,9 @@ rule tokenize_evaluation:
         f"{RESULTS}/logs/tokenize_evaluation/{{model}}/{{corpus}}.log",
     conda:
         "../../envs/fourbit.yaml"
+    resources:
+        mem_mb=4000,
+        runtime=30,
     params:
         window=STUDY.config["evaluation"]["window"],
         max_windows=STUDY.config["evaluation"]["max_windows"],
@@ -30,6 +33,9 @@ rule ppl:
     conda:
         "../../envs/fourbit.yaml"
     threads: workflow.cores
+    resources:  # the checkpoint held in float32 + logits of one window
+        mem_mb=held("checkpoint", 3, 4000),
+        runtime=per_attempt(240),
     params:
         engine=get_engine_settings,
     script:

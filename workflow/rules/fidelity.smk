@@ -20,6 +20,9 @@ rule fidelity:
     conda:
         "../../envs/fourbit.yaml"
     threads: workflow.cores
+    resources:  # the reference engine holds the arm and its baseline at once
+        mem_mb=held("baseline", 4, 4000),
+        runtime=per_attempt(120),
     params:
         engine=get_engine_settings,
         fidelity=STUDY.config["fidelity"],

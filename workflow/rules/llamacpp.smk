@@ -13,6 +13,9 @@ rule build_llamacpp:
     conda:
         "../../envs/fourbit.yaml"
     threads: workflow.cores
+    resources:
+        mem_mb=4000,
+        runtime=per_attempt(60),
     script:
         "../../scripts/build_llamacpp.py"
 
@@ -28,6 +31,9 @@ rule convert_gguf:
         f"{RESULTS}/logs/convert_gguf/{MODEL}.log",
     conda:
         "../../envs/fourbit.yaml"
+    resources:
+        mem_mb=held("model", 2, 2000),
+        runtime=per_attempt(60),
     script:
         "../../scripts/convert_gguf.py"
 
@@ -46,6 +52,9 @@ rule quantize_gguf:
     conda:
         "../../envs/fourbit.yaml"
     threads: workflow.cores
+    resources:  # llama-quantize streams tensors; the f16 GGUF is memory-mapped
+        mem_mb=per_attempt(8000),
+        runtime=per_attempt(120),
     params:
         arm=get_arm_manifest,
     script:
@@ -65,5 +74,8 @@ rule dequantize_gguf:
     conda:
         "../../envs/fourbit.yaml"
     threads: workflow.cores
+    resources:  # llama-quantize to F32, streamed the same way
+        mem_mb=per_attempt(8000),
+        runtime=per_attempt(120),
     script:
         "../../scripts/dequantize_gguf.py"

@@ -8,6 +8,9 @@ rule prepare_corpus:
         f"{RESULTS}/logs/prepare_corpus/{{corpus}}.log",
     conda:
         "../../envs/fourbit.yaml"
+    resources:
+        mem_mb=4000,
+        runtime=30,
     params:
         spec=STUDY.config["corpus"],
     script:
@@ -26,6 +29,9 @@ rule download:
     conda:
         "../../envs/fourbit.yaml"
     threads: workflow.cores
+    resources:  # fetch + hash the weights, or train the builtin model
+        mem_mb=per_attempt(8000),
+        runtime=per_attempt(240),
     params:
         spec=STUDY.config["model"],
         corpus_dir=f"{RESULTS}/corpus/{CORPUS}",
@@ -42,5 +48,8 @@ rule untie_head:
         f"{RESULTS}/logs/untie_head/{{model}}.log",
     conda:
         "../../envs/fourbit.yaml"
+    resources:  # all tensors in memory, written back with their own lm_head
+        mem_mb=held("model", 2, 2000),
+        runtime=per_attempt(60),
     script:
         "../../scripts/untie_head.py"

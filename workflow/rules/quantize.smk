@@ -13,6 +13,9 @@ rule quantize:
     conda:
         "../../envs/fourbit.yaml"
     threads: workflow.cores
+    resources:  # GPTQ: float32 weights + calibration activations + Hessians; runtime for 7-8B
+        mem_mb=held("model", 3, 8000),
+        runtime=per_attempt(720),
     params:
         arm=get_arm_manifest,
     script:
@@ -28,5 +31,8 @@ rule dequantize:
         f"{RESULTS}/logs/dequantize/{MODEL}/{{arm}}.log",
     conda:
         "../../envs/fourbit.yaml"
+    resources:  # 4-bit in, float32 out: ~8x the input
+        mem_mb=held("checkpoint", 10, 2000),
+        runtime=per_attempt(60),
     script:
         "../../scripts/dequantize.py"
