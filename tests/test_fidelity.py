@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import shutil
 
 import numpy as np
@@ -12,16 +11,8 @@ import torch
 from conftest import save_tiny_llama
 
 from fourbit.engines import ENGINE_MODULES, reference
-from fourbit.steps.fidelity import (
-    FULL,
-    TOPK,
-    compare_arm,
-    greedy_summary,
-    kl_full,
-    kl_topk_bounds,
-    resolve_settings,
-    select,
-)
+from fourbit.metrics.kl import FULL, TOPK
+from fourbit.steps.fidelity import compare_arm, greedy_summary, resolve_settings, select
 
 REFERENCE = {"name": "reference", "dtype": "float32", "threads": 2}
 VLLM = {"name": "vllm", "dtype": "float32", "enforce_eager": True, "kv_cache_bytes": 32 << 20}
@@ -30,85 +21,7 @@ WEIGHTS = "ab" * 32  # the source model's model_weights_sha256, carried into eve
 WINDOWS = torch.randint(0, 512, (5, 64), generator=torch.Generator().manual_seed(1)).tolist()
 
 
-# --- the arithmetic ---------------------------------------------------------------------------
-
-
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x - x.max()
-    return x - np.log(np.exp(x).sum())
-
-
-def _bounds(lb: np.ndarray, la: np.ndarray, k: int, actual: int) -> dict:
-    """What vLLM returns (each side's top k by rank, and the actual token), fed to the bound."""
-    sb, sa = np.argsort(-lb, kind="stable")[:k], np.argsort(-la, kind="stable")[:k]
-    return kl_topk_bounds(sb.tolist(), lb[sb].tolist(), sa.tolist(), la[sa].tolist(), actual,
-                          float(lb[actual]), float(la[actual]))
-
-
-def test_kl_full_matches_torch_and_is_zero_for_identical_rows():
-    g = torch.Generator().manual_seed(0)
-    base = torch.randn(7, 50, generator=g).log_softmax(-1)
-    arm = (base + 0.3 * torch.randn(7, 50, generator=g)).log_softmax(-1)
-    want = torch.nn.functional.kl_div(arm.double(), base.double(), log_target=True,
-                                      reduction="none").sum(-1)
-    assert torch.allclose(kl_full(base, arm), want, atol=1e-12)
-    assert kl_full(base, base).abs().max().item() == 0.0
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_topk_bounds_never_exceed_the_kl(seed):
-    """Random pairs of distributions, flat to peaked, any k: both bounds <= KL; exact at k = V."""
-    rng = np.random.default_rng(seed)
-    for _ in range(400):
-        vocab = int(rng.integers(2, 40))
-        k = int(rng.integers(1, vocab + 1))
-        scale = 10 ** rng.uniform(-1, 1.3)
-        lb = _log_softmax(rng.normal(size=vocab) * scale)
-        la = _log_softmax(rng.normal(size=vocab) * scale if rng.random() < 0.3
-                          else lb + rng.normal(size=vocab) * rng.uniform(0, 2))
-        actual = int(rng.integers(vocab))
-        kl = float(np.sum(np.exp(lb) * (lb - la)))
-        got = _bounds(lb, la, k, actual)
-        assert got["merged"] <= kl + 1e-9
-        assert got["substituted"] <= kl + 1e-9
-        assert got["bound"] == max(got["merged"], got["substituted"])
-        if k == vocab:
-            assert got["bound"] == pytest.approx(kl, abs=1e-9)
-
-
-def test_topk_bounds_adversarial_search():
-    """Hill-climb for a pair where the substituted bound exceeds the KL: there is none."""
-    rng = np.random.default_rng(7)
-    worst = -math.inf
-    for _ in range(30):
-        vocab = int(rng.integers(3, 8))
-        k = int(rng.integers(1, vocab))
-        x = rng.normal(size=2 * vocab) * 3
-        step = 1.0
-
-        def gap(x):
-            lb, la = _log_softmax(x[:vocab]), _log_softmax(x[vocab:])
-            kl = float(np.sum(np.exp(lb) * (lb - la)))
-            return _bounds(lb, la, k, int(np.argmin(lb)))["substituted"] - kl
-
-        best = gap(x)
-        for i in range(600):
-            y = x + rng.normal(size=x.size) * step
-            if (g := gap(y)) > best:
-                x, best = y, g
-            if i % 100 == 99:
-                step *= 0.5
-        worst = max(worst, best)
-    # float rounding only: remainders are 1 - sum of probabilities
-    assert worst <= 1e-6
-
-
-def test_topk_bounds_of_identical_distributions_are_zero():
-    lb = _log_softmax(np.random.default_rng(0).normal(size=100) * 3)
-    got = _bounds(lb, lb, 10, 3)
-    assert got["merged"] == pytest.approx(0, abs=1e-12)
-    assert got["substituted"] == pytest.approx(0, abs=1e-12)
-    assert 0 < got["mass_topk"] < 1
+# --- the record's numbers ---------------------------------------------------------------------
 
 
 def test_greedy_summary_counts_identical_and_matching_prefixes():

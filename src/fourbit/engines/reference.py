@@ -17,6 +17,7 @@ import torch
 from fourbit.checkpoints.hf import skeleton
 from fourbit.checkpoints.quantized import is_quantized, read_quantized
 from fourbit.kernels import tinygemm
+from fourbit.metrics.kl import FULL, kl_full
 from fourbit.progress import Progress
 from fourbit.quant.qweight import QuantizedWeight
 
@@ -172,8 +173,6 @@ def compare_with_baseline(
     """KL(P_base || P_arm) from full logits and top-1 agreement at positions 1..W-1 of each
     window, and both models' greedy continuations (see fourbit.steps.fidelity). Both models are
     held at once. ``top_k`` is unused: this engine has the full distributions."""
-    from fourbit.steps.fidelity import FULL, kl_full
-
     torch.set_num_threads(settings["threads"])
     dtype = DTYPES[settings["dtype"]]
     baseline = load_model(Path(baseline_checkpoint), dtype)

@@ -819,7 +819,7 @@ def compare_with_baseline(
     logprobs of each model's own top k and of the actual token, not of ids of our
     choosing: SamplingParams.prompt_logprob_token_ids would, but it needs the V2 model
     runner (v1/engine/input_processor.py:163-169), which needs Triton, absent on CPU. So
-    KL is a lower bound (fourbit.steps.fidelity explains which and why); top-1 agreement
+    KL is a lower bound (fourbit.metrics.kl explains which and why); top-1 agreement
     compares the rank-1 ids. quant overrides apply to the arm only.
 
     The baseline's side is the same for every arm of an engine, so it is kept in
@@ -829,7 +829,7 @@ def compare_with_baseline(
     """
     import torch
 
-    from fourbit.steps.fidelity import TOPK, kl_topk_bounds
+    from fourbit.metrics.kl import TOPK, topk_window_bounds
 
     k = int(top_k)
     if k < 1:
@@ -878,25 +878,8 @@ def compare_with_baseline(
     finally:
         torch.set_num_threads(before)
 
-    out: dict[str, Any] = {"method": TOPK}
-    for key in ("window_kl", "window_kl_merged", "window_kl_substituted", "window_mass_topk",
-                "window_top1"):
-        out[key] = []
-    for w, base, arm in zip(windows, scored["baseline"], scored["arm"], strict=True):
-        rows = {key: [] for key in out if key != "method"}
-        for t in range(base["tokens"]):  # position t + 1 of the window
-            bounds = kl_topk_bounds(
-                base["top_ids"][t], base["top_logprobs"][t], arm["top_ids"][t],
-                arm["top_logprobs"][t], int(w[t + 1]), base["token_logprobs"][t],
-                arm["token_logprobs"][t],
-            )
-            rows["window_kl"].append(bounds["bound"])
-            rows["window_kl_merged"].append(bounds["merged"])
-            rows["window_kl_substituted"].append(bounds["substituted"])
-            rows["window_mass_topk"].append(bounds["mass_topk"])
-            rows["window_top1"].append(base["top_ids"][t][0] == arm["top_ids"][t][0])
-        for key, values in rows.items():
-            out[key].append(values)
+    out: dict[str, Any] = {"method": TOPK,
+                           **topk_window_bounds(windows, scored["baseline"], scored["arm"])}
     out["greedy_baseline"] = continued["baseline"]
     out["greedy_arm"] = continued["arm"]
     out["runtime"] = runtime(arm_checkpoint, settings)
