@@ -17,222 +17,33 @@ so bits per weight come from the bytes on disk, not from a nominal "4".
 Extend by registration: subclass ``Format``, decorate it with ``@register_format``.
 """
 
-from __future__ import annotations
+from fourbit.formats.base import (
+    CODES_PER_INT32,
+    FORMATS,
+    Format,
+    TensorSpec,
+    check_nibbles,
+    format_for_config,
+    get_format,
+    pack_nibbles_int32,
+    refuse_quantized_embedding,
+    register_format,
+    unpack_nibbles_int32,
+)
 
-import abc
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
-
-import torch
-
-from fourbit.quant.qweight import QuantizedWeight
-
-CODES_PER_INT32 = 8  # 32 bits / 4 bits
-_NIBBLE_SHIFTS = torch.arange(CODES_PER_INT32, dtype=torch.int32) * 4  # 0, 4, ..., 28
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One row of a layout table.
-
-    ``shape`` is written in N, K, G with at most one division per dimension
-    ("K/8", "K/G", "N", "2"); a division that does not come out even is a shape
-    error naming the constraint. ``dtype`` None means "the QuantizedWeight's scale
-    dtype (float16 by default), stored unconverted".
-    """
-
-    suffix: str
-    shape: tuple[str, ...]
-    dtype: torch.dtype | None
-    holds: str  # the arithmetic, written out
-
-    def dims(self, n: int, k: int, g: int) -> tuple[int, ...]:
-        sizes = {"N": n, "K": k, "G": g}
-        out = []
-        for expr in self.shape:
-            num, _, den = expr.partition("/")
-            value = sizes[num] if num in sizes else int(num)
-            if den:
-                divisor = sizes[den] if den in sizes else int(den)
-                if value % divisor:
-                    what = f"group {divisor}" if den == "G" else str(divisor)
-                    raise ValueError(
-                        f"{self.suffix} [{', '.join(self.shape)}]: "
-                        f"{num}={value} is not a multiple of {what}"
-                    )
-                value //= divisor
-            out.append(value)
-        return tuple(out)
-
-    def bits(self, scale_dtype: torch.dtype) -> int:
-        dtype = scale_dtype if self.dtype is None else self.dtype
-        return torch.empty((), dtype=dtype).element_size() * 8
-
-
-class Format(abc.ABC):
-    """An on-disk format: ``layout`` (the table) plus pack/unpack and its config."""
-
-    name: str
-    layout: tuple[TensorSpec, ...]
-
-    @abc.abstractmethod
-    def pack(self, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
-        """QuantizedWeight -> {suffix: tensor}, exactly the tensors of ``layout``."""
-
-    @abc.abstractmethod
-    def unpack(
-        self,
-        tensors: Mapping[str, torch.Tensor],
-        out_features: int,
-        in_features: int,
-        group_size: int,
-    ) -> QuantizedWeight:
-        """The exact inverse of ``pack``."""
-
-    @abc.abstractmethod
-    def quantization_config(
-        self, group_size: int, sym: bool, *, lm_head: bool = False, embedding: bool = False
-    ) -> dict[str, Any]:
-        """config.json["quantization_config"] for a checkpoint in this format.
-
-        ``embedding``: the input embedding table is stored quantized too; a format whose
-        ecosystem has no way to say so (its loaders would read a table that is not there)
-        raises ValueError.
-        """
-
-    @abc.abstractmethod
-    def reads_config(self, cfg: Mapping[str, Any]) -> bool:
-        """True if a checkpoint with this quantization_config is stored in this format."""
-
-    @abc.abstractmethod
-    def group_size_from_config(self, cfg: Mapping[str, Any]) -> int:
-        """The G that ``unpack`` needs, read from a quantization_config this format reads."""
-
-    def supports(self, sym: bool) -> bool:
-        """Whether the format (as its loader reads it) can express this kind of grid."""
-        return True
-
-    def shapes(
-        self, out_features: int, in_features: int, group_size: int
-    ) -> dict[str, tuple[int, ...]]:
-        return {t.suffix: t.dims(out_features, in_features, group_size) for t in self.layout}
-
-    def stored_bits(
-        self,
-        out_features: int,
-        in_features: int,
-        group_size: int,
-        scale_dtype: torch.dtype = torch.float16,
-    ) -> int:
-        """Bits the checkpoint stores for one N x K layer, summed over the layout table."""
-        total = 0
-        for spec in self.layout:
-            numel = 1
-            for d in spec.dims(out_features, in_features, group_size):
-                numel *= d
-            total += numel * spec.bits(scale_dtype)
-        return total
-
-    def checked(
-        self,
-        tensors: Mapping[str, torch.Tensor],
-        out_features: int,
-        in_features: int,
-        group_size: int,
-    ) -> dict[str, torch.Tensor]:
-        """The layout's tensors from ``tensors``, each verified against the table."""
-        want = self.shapes(out_features, in_features, group_size)
-        out = {}
-        for spec in self.layout:
-            if spec.suffix not in tensors:
-                raise ValueError(
-                    f"{self.name}: missing tensor {spec.suffix!r} (have {sorted(tensors)})"
-                )
-            t = tensors[spec.suffix]
-            if tuple(t.shape) != want[spec.suffix]:
-                raise ValueError(
-                    f"{self.name}: {spec.suffix} has shape {tuple(t.shape)}, expected "
-                    f"{want[spec.suffix]} = [{', '.join(spec.shape)}] for N={out_features} "
-                    f"K={in_features} G={group_size}"
-                )
-            dtype_ok = t.dtype.is_floating_point if spec.dtype is None else t.dtype == spec.dtype
-            if not dtype_ok:
-                raise ValueError(
-                    f"{self.name}: {spec.suffix} has dtype {t.dtype}, "
-                    f"expected {spec.dtype or 'a float dtype'}"
-                )
-            out[spec.suffix] = t
-        return out
-
-
-FORMATS: dict[str, Format] = {}
-
-
-def register_format(cls: type[Format]) -> type[Format]:
-    """Class decorator: instantiate the format and file it under ``cls.name``."""
-    if cls.name in FORMATS:
-        raise ValueError(f"format {cls.name!r} is already registered")
-    FORMATS[cls.name] = cls()
-    return cls
-
-
-def get_format(name: str) -> Format:
-    if name not in FORMATS:
-        raise KeyError(f"unknown format {name!r}; known formats: {', '.join(sorted(FORMATS))}")
-    return FORMATS[name]
-
-
-def format_for_config(quantization_config: Mapping[str, Any]) -> Format:
-    """The one registered format that reads this config.json quantization_config."""
-    readers = [f for f in FORMATS.values() if f.reads_config(quantization_config)]
-    if len(readers) != 1:
-        found = ", ".join(f.name for f in readers) or "none"
-        raise ValueError(
-            f"quantization_config with quant_method={quantization_config.get('quant_method')!r} "
-            f"is read by {found}; exactly one expected "
-            f"(known formats: {', '.join(sorted(FORMATS))})"
-        )
-    return readers[0]
-
-
-def refuse_quantized_embedding(format_name: str, embedding: bool) -> None:
-    if embedding:
-        raise ValueError(
-            f"format {format_name} cannot mark a quantized input embedding (its loaders expect "
-            "a dense table); quantize the embedding only with method cpu_int4"
-        )
-
-
-def check_nibbles(qw: QuantizedWeight) -> None:
-    """Codes and zeros must fit in 4 bits before any format packs them."""
-    for name in ("codes", "zeros"):
-        t = getattr(qw, name)
-        if t.numel() and int(t.max()) > 15:
-            raise ValueError(f"{name} hold {int(t.max())}; 4-bit formats store 0..15")
-
-
-def pack_nibbles_int32(codes: torch.Tensor, dim: int) -> torch.Tensor:
-    """uint8 values 0..15 -> int32, 8 per word along ``dim``.
-
-    Element 8*j + i along ``dim`` goes to bits 4i..4i+3 of word j (element 8j in the
-    lowest nibble). A word whose top nibble is >= 8 is negative as an int32; the bit
-    pattern is what counts.
-    """
-    moved = codes.movedim(dim, -1)  # packed dim last: [..., L]
-    runs = moved.reshape(*moved.shape[:-1], -1, CODES_PER_INT32)  # [..., L] -> [..., L/8, 8]
-    words = (runs.long() << _NIBBLE_SHIFTS.long()).sum(-1)  # -> [..., L/8], in 0 .. 2^32-1
-    words = torch.where(words >= 1 << 31, words - (1 << 32), words)  # same bits, as signed
-    return words.to(torch.int32).movedim(-1, dim).contiguous()  # packed dim back in place
-
-
-def unpack_nibbles_int32(words: torch.Tensor, dim: int) -> torch.Tensor:
-    """The inverse of ``pack_nibbles_int32``: int32 words -> uint8 values 0..15 along ``dim``."""
-    moved = words.movedim(dim, -1)  # packed dim last: [..., L/8]
-    nibbles = (moved.unsqueeze(-1) >> _NIBBLE_SHIFTS) & 0xF  # [..., L/8] -> [..., L/8, 8]
-    flat = nibbles.reshape(*moved.shape[:-1], -1)  # [..., L/8, 8] -> [..., L]
-    return flat.to(torch.uint8).movedim(-1, dim).contiguous()  # packed dim back in place
-
-
-# Importing a format module runs its @register_format (after the registry above exists).
+# Importing each format registers it.
 from fourbit.formats import compressed_tensors, cpu_int4, gptq  # noqa: E402, F401
+
+__all__ = [
+    "CODES_PER_INT32",
+    "FORMATS",
+    "Format",
+    "TensorSpec",
+    "check_nibbles",
+    "format_for_config",
+    "get_format",
+    "pack_nibbles_int32",
+    "refuse_quantized_embedding",
+    "register_format",
+    "unpack_nibbles_int32",
+]

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from fourbit.formats import Format, TensorSpec, check_nibbles, register_format
+from fourbit.formats.base import Format, TensorSpec, check_nibbles, register_format
 from fourbit.quant.qweight import BITS, QuantizedWeight
 
 QUANT_METHOD = "fourbit_int4"

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from fourbit.formats import (
+from fourbit.formats.base import (
     Format,
     TensorSpec,
     check_nibbles,
