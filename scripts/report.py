@@ -5,10 +5,14 @@ setup_logging(snakemake.log[0])
 write_report(
     dict(snakemake.params.study),
     report_settings=dict(snakemake.params.report_settings),
-    results=list(snakemake.input.results),
+    records=snakemake.params.records,
     arm_manifests=list(snakemake.input.arms),
     markdown_path=snakemake.output.markdown,
     table_path=snakemake.output.table,
+    plot_paths={
+        "quality_vs_bits": snakemake.output.quality_vs_bits,
+        "quality_vs_decode": snakemake.output.quality_vs_decode,
+    },
     baseline_checkpoint=snakemake.input.model[0],
     gguf_base_storage=snakemake.input.get("gguf_base_storage"),
     training_path=snakemake.params.training,

@@ -6,8 +6,9 @@ import math
 import pytest
 
 from fourbit.config import load_schema
+from fourbit.report.records import ReportInputError, record_paths
 from fourbit.report.verdicts import Measure, compare_measure
-from fourbit.steps.report import ReportInputError, write_report
+from fourbit.steps.report import write_report
 
 ENGINE = "reference-0000000000"
 ARM = "a-0000000000"
@@ -30,6 +31,33 @@ def study(source="builtin"):
     }
 
 
+# Each kind of record under the file name the workflow gives it (common.smk, all_results).
+FILES = {"ppl_quantized": "quantized.ppl.json", "ppl_dense": "dense.ppl.json", "bench": "bench.json",
+         "fidelity": "fidelity.json"}
+
+
+def put(records, root, engine, arm, kind, record):
+    """Write ``record`` as the workflow would and enter it in ``records`` (engine id -> arm
+    id -> kind -> path, what rule report passes); its path."""
+    path = root / engine / arm / FILES[kind]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record))
+    records.setdefault(engine, {}).setdefault(arm, {})[kind] = path
+    return path
+
+
+def run_report(tmp_path, setup, records, manifests, tiny_untied, *, settings=SETTINGS, plot_paths=None,
+               **extra):
+    """write_report with the arguments rule report gives it (the plots beside the report,
+    unless ``plot_paths`` says otherwise); the markdown."""
+    plot_paths = plot_paths or {"quality_vs_bits": tmp_path / "report-quality-vs-bits.png",
+                                "quality_vs_decode": tmp_path / "report-quality-vs-decode.png"}
+    write_report(setup, report_settings=settings, records=records, arm_manifests=[str(m) for m in manifests],
+                 markdown_path=tmp_path / "report.md", table_path=tmp_path / "report.tsv",
+                 plot_paths=plot_paths, baseline_checkpoint=tiny_untied, **extra)
+    return (tmp_path / "report.md").read_text()
+
+
 def ppl_result(nll):
     windows = [nll, nll + 1.0, nll - 1.0, nll + 0.5]
     return {"definition": "d", "token_ids_sha256": "t", "runtime": "r", "window_nll_sum": windows,
@@ -39,39 +67,29 @@ def ppl_result(nll):
 
 @pytest.fixture
 def results(tmp_path):
-    paths = {
-        "baseline": tmp_path / ENGINE / "baseline" / "dense.ppl.json",
-        "quantized": tmp_path / ENGINE / ARM / "quantized.ppl.json",
-        "dense": tmp_path / ENGINE / ARM / "dense.ppl.json",
-        "bench": tmp_path / ENGINE / ARM / "bench.json",
-        "fidelity": tmp_path / ENGINE / ARM / "fidelity.json",
-    }
-    for path in paths.values():
-        path.parent.mkdir(parents=True, exist_ok=True)
-    paths["baseline"].write_text(json.dumps(ppl_result(30.0)))
-    paths["quantized"].write_text(json.dumps(ppl_result(31.0)))
-    paths["dense"].write_text(json.dumps(ppl_result(31.0)))
-    paths["bench"].write_text(json.dumps({"measured": False, "model_weights_sha256": WEIGHTS}))
-    paths["fidelity"].write_text(json.dumps({
+    """The records of one arm on one engine, and the arm's manifest; records in the order
+    all_results gives them."""
+    records = {}
+    put(records, tmp_path, ENGINE, "baseline", "ppl_dense", ppl_result(30.0))
+    put(records, tmp_path, ENGINE, ARM, "ppl_quantized", ppl_result(31.0))
+    put(records, tmp_path, ENGINE, ARM, "ppl_dense", ppl_result(31.0))
+    put(records, tmp_path, ENGINE, ARM, "bench", {"measured": False, "model_weights_sha256": WEIGHTS})
+    put(records, tmp_path, ENGINE, ARM, "fidelity", {
         "computed": True, "method": "full logits", "bound": "exact", "kl_mean": 0.01, "kl_p99": 0.1,
         "top1_agreement": 0.95, "greedy": {"identical": 3, "prompts": 4},
         "model_weights_sha256": WEIGHTS,
-    }))
+    })
     manifest = tmp_path / "arm.json"
     manifest.write_text(json.dumps({"id": ARM, "quant": {"method": "cpu_int4", "group_size": 128, "sym": False},
                                     "storage": {"quantized_bits_per_weight": 4.19, "file_bits_per_param": 5.0,
                                                 "size_mib": 1.0},
                                     "method_facts": {"algorithm": "rtn, shrink search", "head": "rtn"},
                                     "quantize_seconds": 1.25, "peak_rss_mib": 700.4}))
-    return paths, manifest
+    return records, manifest
 
 
-def report(tmp_path, tiny_untied, paths, manifest, source="builtin"):
-    write_report(study(source), report_settings=SETTINGS, results=[str(p) for p in paths.values()],
-                 arm_manifests=[str(manifest)],
-                 markdown_path=tmp_path / "report.md", table_path=tmp_path / "report.tsv",
-                 baseline_checkpoint=tiny_untied)
-    return (tmp_path / "report.md").read_text()
+def report(tmp_path, tiny_untied, records, manifest, source="builtin"):
+    return run_report(tmp_path, study(source), records, [manifest], tiny_untied)
 
 
 def test_report_rows_come_from_the_result_files(tmp_path, tiny_untied, results):
@@ -89,18 +107,36 @@ def test_report_rows_come_from_the_result_files(tmp_path, tiny_untied, results):
 
 
 def test_missing_result_file_is_named(tmp_path, tiny_untied, results):
-    paths, manifest = results
-    paths["dense"].unlink()
+    records, manifest = results
+    records[ENGINE][ARM]["ppl_dense"].unlink()
     with pytest.raises(ReportInputError, match=f"{ARM}/dense.ppl.json: result file is missing"):
-        report(tmp_path, tiny_untied, paths, manifest)
+        report(tmp_path, tiny_untied, records, manifest)
 
 
 def test_corrupt_result_file_is_named(tmp_path, tiny_untied, results):
-    paths, manifest = results
-    paths["quantized"].write_text('{"ppl": 3')
+    records, manifest = results
+    records[ENGINE][ARM]["ppl_quantized"].write_text('{"ppl": 3')
     with pytest.raises(ReportInputError, match=f"{ARM}/quantized.ppl.json: result file is corrupt"):
-        report(tmp_path, tiny_untied, paths, manifest)
+        report(tmp_path, tiny_untied, records, manifest)
     assert not (tmp_path / "report.md").exists()
+
+
+def test_the_rules_input_is_every_record_in_the_mappings_order(results):
+    records, _ = results
+    assert record_paths(records) == [str(records[ENGINE]["baseline"]["ppl_dense"])] + [
+        str(records[ENGINE][ARM][kind]) for kind in ("ppl_quantized", "ppl_dense", "bench", "fidelity")]
+
+
+def test_plots_are_written_where_the_rule_says_and_linked_from_the_report(tmp_path, tiny_untied, results):
+    records, manifest = results
+    figures = tmp_path / "figures"
+    figures.mkdir()
+    paths = {"quality_vs_bits": figures / "bits.png", "quality_vs_decode": figures / "decode.png"}
+    markdown = run_report(tmp_path, study(), records, [manifest], tiny_untied, plot_paths=paths)
+    assert "![Perplexity increase against bits per weight](figures/bits.png)" in markdown
+    assert "![Perplexity increase against decode speed (Pareto view)](figures/decode.png)" in markdown
+    assert all(path.read_bytes().startswith(b"\x89PNG") for path in paths.values())
+    assert sorted(p.name for p in figures.iterdir()) == ["bits.png", "decode.png"]  # no temp left
 
 
 def test_synthetic_model_marks_quality_meaningless(tmp_path, tiny_untied, results):
@@ -135,23 +171,15 @@ def bench_record(baseline_tg, arm_tg, job=JOB, slot=1):
 
 def two_arms(tmp_path, tiny_untied, results, first, second_record):
     """The report of two arms of one engine with these bench records; its markdown."""
-    paths, manifest = results
-    second = SECOND
-    paths["bench"].write_text(json.dumps(first))
-    for name in ("quantized.ppl.json", "dense.ppl.json", "fidelity.json"):
-        (tmp_path / ENGINE / second).mkdir(exist_ok=True)
-        (tmp_path / ENGINE / second / name).write_text((tmp_path / ENGINE / ARM / name).read_text())
-        paths[f"{second}/{name}"] = tmp_path / ENGINE / second / name
-    paths[f"{second}/bench"] = tmp_path / ENGINE / second / "bench.json"
-    paths[f"{second}/bench"].write_text(json.dumps(second_record))
-    (tmp_path / "b.json").write_text(manifest.read_text().replace(ARM, second))
+    records, manifest = results
+    records[ENGINE][ARM]["bench"].write_text(json.dumps(first))
+    for kind, path in records[ENGINE][ARM].items():
+        put(records, tmp_path, ENGINE, SECOND, kind,
+            second_record if kind == "bench" else json.loads(path.read_text()))
+    (tmp_path / "b.json").write_text(manifest.read_text().replace(ARM, SECOND))
     setup = study()
-    setup["engines"][ENGINE]["arms"] = [ARM, second]
-    write_report(setup, report_settings=SETTINGS, results=[str(p) for p in paths.values()],
-                 arm_manifests=[str(manifest), str(tmp_path / "b.json")],
-                 markdown_path=tmp_path / "report.md", table_path=tmp_path / "report.tsv",
-                 baseline_checkpoint=tiny_untied)
-    return (tmp_path / "report.md").read_text()
+    setup["engines"][ENGINE]["arms"] = [ARM, SECOND]
+    return run_report(tmp_path, setup, records, [manifest, tmp_path / "b.json"], tiny_untied)
 
 
 def test_the_baseline_row_pools_its_passes_with_every_arm_of_the_job(tmp_path, tiny_untied, results):
@@ -183,42 +211,43 @@ def test_rows_from_separate_bench_jobs_are_refused(tmp_path, tiny_untied, result
 
 
 def test_a_bench_record_of_the_old_layout_is_named_with_the_rerun(tmp_path, tiny_untied, results):
-    paths, manifest = results
+    records, manifest = results
     record = bench_record([100.0, 102.0, 98.0], [50.0, 51.0, 49.0])
     del record["job"]
-    paths["bench"].write_text(json.dumps(record))
+    records[ENGINE][ARM]["bench"].write_text(json.dumps(record))
     with pytest.raises(ReportInputError, match=f"{ARM}/bench.json: written by an older fourbit "
                                                r"\(one bench job per arm\).*--forcerun bench"):
-        report(tmp_path, tiny_untied, paths, manifest)
+        report(tmp_path, tiny_untied, records, manifest)
 
 
 # --- the records don't mix weights -------------------------------------------------------------
 
 
 def test_records_from_other_weights_under_one_model_id_are_refused(tmp_path, tiny_untied, results):
-    paths, manifest = results
+    records, manifest = results
     other = "cd" * 32
-    record = json.loads(paths["fidelity"].read_text())
-    paths["fidelity"].write_text(json.dumps({**record, "model_weights_sha256": other}))
+    fidelity = records[ENGINE][ARM]["fidelity"]
+    fidelity.write_text(json.dumps({**json.loads(fidelity.read_text()), "model_weights_sha256": other}))
     with pytest.raises(ReportInputError) as refused:
-        report(tmp_path, tiny_untied, paths, manifest)
+        report(tmp_path, tiny_untied, records, manifest)
     message = str(refused.value)
     # the two files, the two hashes, and the rerun
-    assert f"{paths['baseline']} from model_weights_sha256 {WEIGHTS} (4 records)" in message
-    assert f"{paths['fidelity']} from {other} (1 records)" in message
+    assert f"{records[ENGINE]['baseline']['ppl_dense']} from model_weights_sha256 {WEIGHTS} (4 records)" in message
+    assert f"{fidelity} from {other} (1 records)" in message
     assert message.endswith("snakemake --forcerun bench fidelity ppl")
     assert not (tmp_path / "report.md").exists()
 
 
-@pytest.mark.parametrize("kind, rule", [("dense", "ppl"), ("bench", "bench"), ("fidelity", "fidelity")])
+@pytest.mark.parametrize("kind, rule", [("ppl_dense", "ppl"), ("bench", "bench"), ("fidelity", "fidelity")])
 def test_a_record_without_the_weights_hash_is_refused_as_older(tmp_path, tiny_untied, results, kind, rule):
-    paths, manifest = results
-    record = json.loads(paths[kind].read_text())
+    records, manifest = results
+    path = records[ENGINE][ARM][kind]
+    record = json.loads(path.read_text())
     del record["model_weights_sha256"]
-    paths[kind].write_text(json.dumps(record))
-    with pytest.raises(ReportInputError, match=rf"{paths[kind]}: has no model_weights_sha256, so it "
+    path.write_text(json.dumps(record))
+    with pytest.raises(ReportInputError, match=rf"{path}: has no model_weights_sha256, so it "
                                                rf"was written by an older fourbit.*--forcerun {rule}$"):
-        report(tmp_path, tiny_untied, paths, manifest)
+        report(tmp_path, tiny_untied, records, manifest)
 
 
 # --- the verdicts ------------------------------------------------------------------------------
@@ -323,43 +352,40 @@ def vllm_study(tmp_path, tiny_untied, arms, *, benches=None, control=None, setti
     engine."""
     benches, control, gguf_arms = benches or {}, control or {}, gguf_arms or {}
     root = tmp_path / "eval"
-    results, manifests = [], []
+    records, manifests = {}, []
 
-    def put(arm, name, record, engine=VLLM):
-        path = root / engine / arm / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(record))
-        results.append(str(path))
+    def record(arm, kind, data, engine=VLLM):
+        put(records, root, engine, arm, kind, data)
 
     def manifest_of(name):
         manifest = tmp_path / f"{name}.arm.json"
         manifest.write_text(json.dumps({"id": arm_id(name), "quant": {"method": "gptq", "group_size": 128},
                                         "storage": {"quantized_bits_per_weight": 4.2,
                                                     "file_bits_per_param": 9.8, "size_mib": 6.1}}))
-        manifests.append(str(manifest))
+        manifests.append(manifest)
 
-    put("baseline", "dense.ppl.json", ppl_windows(BASE_PPL, 0.0))
+    record("baseline", "ppl_dense", ppl_windows(BASE_PPL, 0.0))
     for slot, (name, (delta, scatter, kl, top1, identical)) in enumerate(arms.items()):
         quantized = ppl_windows(BASE_PPL + delta, scatter)
-        put(arm_id(name), "quantized.ppl.json", quantized)
-        put(arm_id(name), "dense.ppl.json",
-            {**quantized, "mean_nll": quantized["mean_nll"] + control.get(name, 0.0)})
-        put(arm_id(name), "fidelity.json", fidelity_record(kl, top1, identical, phase=1.1 * slot))
-        put(arm_id(name), "bench.json", bench_record(*benches[name], slot=slot + 1) if name in benches
-            else {"measured": False, "reason": "not timed here", "model_weights_sha256": WEIGHTS})
+        record(arm_id(name), "ppl_quantized", quantized)
+        record(arm_id(name), "ppl_dense",
+               {**quantized, "mean_nll": quantized["mean_nll"] + control.get(name, 0.0)})
+        record(arm_id(name), "fidelity", fidelity_record(kl, top1, identical, phase=1.1 * slot))
+        record(arm_id(name), "bench", bench_record(*benches[name], slot=slot + 1) if name in benches
+               else {"measured": False, "reason": "not timed here", "model_weights_sha256": WEIGHTS})
         manifest_of(name)
     engines = {VLLM: {"name": "vllm", "reads": "hf", "arms": [arm_id(n) for n in arms],
                       "unavailable": None}}
     gguf_storage = None
     if gguf_arms:
-        put("baseline", "dense.ppl.json", ppl_windows(BASE_PPL + 0.01, 0.0), LLAMACPP)
+        record("baseline", "ppl_dense", ppl_windows(BASE_PPL + 0.01, 0.0), LLAMACPP)
         for name, (delta, scatter, *fidelity) in gguf_arms.items():
             quantized = ppl_windows(BASE_PPL + 0.01 + delta, scatter)
-            put(arm_id(name), "quantized.ppl.json", quantized, LLAMACPP)
-            put(arm_id(name), "dense.ppl.json", quantized, LLAMACPP)
-            put(arm_id(name), "fidelity.json", own_kl_record(*fidelity), LLAMACPP)
-            put(arm_id(name), "bench.json", {"measured": False, "reason": "not timed here",
-                                             "model_weights_sha256": WEIGHTS}, LLAMACPP)
+            record(arm_id(name), "ppl_quantized", quantized, LLAMACPP)
+            record(arm_id(name), "ppl_dense", quantized, LLAMACPP)
+            record(arm_id(name), "fidelity", own_kl_record(*fidelity), LLAMACPP)
+            record(arm_id(name), "bench", {"measured": False, "reason": "not timed here",
+                                           "model_weights_sha256": WEIGHTS}, LLAMACPP)
             manifest_of(name)
         engines[LLAMACPP] = {"name": "llamacpp", "reads": "gguf", "arms": [arm_id(n) for n in gguf_arms],
                              "unavailable": None}
@@ -370,10 +396,8 @@ def vllm_study(tmp_path, tiny_untied, arms, *, benches=None, control=None, setti
         "model": {"id": "m", "source": "builtin"}, "corpus": {"id": "c", "source": "builtin"},
         "evaluation": {"control_tolerance": 0.001}, "engines": engines, "arms": [],
     }
-    write_report(setup, report_settings=settings, results=results, arm_manifests=manifests,
-                 markdown_path=tmp_path / "report.md", table_path=tmp_path / "report.tsv",
-                 baseline_checkpoint=tiny_untied, gguf_base_storage=gguf_storage)
-    return (tmp_path / "report.md").read_text()
+    return run_report(tmp_path, setup, records, manifests, tiny_untied, settings=settings,
+                      gguf_base_storage=gguf_storage)
 
 
 def verdict(markdown, start):

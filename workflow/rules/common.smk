@@ -145,21 +145,33 @@ def get_fidelity_input(wildcards):
 
 
 def all_results():
-    """Every file the report reads: each engine that can run on this host scores the
-    arms it runs, each both as quantized and as its dense expansion (the control)."""
-    files = []
+    """Every record the report reads, by engine id -> arm id ("baseline" for the
+    engine's own) -> kind (fourbit.report.records): each engine that can run on this
+    host scores the arms it runs, each both as quantized and as its dense expansion
+    (the control), benches and compares them. Called once the rules are defined."""
+    records = {}
     for engine in STUDY.runnable_engines:
-        files.append(f"{EVAL_DIR}/{engine.id}/baseline/dense.ppl.json")
+        records[engine.id] = {
+            "baseline": {
+                "ppl_dense": rules.ppl.output.ppl.format(
+                    engine=engine.id, arm="baseline", form="dense"
+                )
+            }
+        }
         for arm_id in STUDY.arms_for(engine):
-            for form in ("quantized", "dense"):
-                files.append(f"{EVAL_DIR}/{engine.id}/{arm_id}/{form}.ppl.json")
-            files.append(f"{EVAL_DIR}/{engine.id}/{arm_id}/bench.json")
-            files.append(f"{EVAL_DIR}/{engine.id}/{arm_id}/fidelity.json")
-    return files
+            ids = {"engine": engine.id, "arm": arm_id}
+            records[engine.id][arm_id] = {
+                "ppl_quantized": rules.ppl.output.ppl.format(**ids, form="quantized"),
+                "ppl_dense": rules.ppl.output.ppl.format(**ids, form="dense"),
+                # rule bench's outputs are its pairs' "out" paths (bench_pairs), unnamed
+                "bench": f"{EVAL_DIR}/{engine.id}/{arm_id}/bench.json",
+                "fidelity": rules.fidelity.output.fidelity.format(**ids),
+            }
+    return records
 
 
 def baseline_storage_inputs():
     """Per GGUF engine, the f16 base's storage record (the HF baseline is read directly)."""
     if any(e.reads == "gguf" for e in STUDY.engines.values()):
-        return {"gguf_base_storage": GGUF_BASE_STORAGE}
+        return {"gguf_base_storage": rules.convert_gguf.output.storage}
     return {}

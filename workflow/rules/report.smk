@@ -1,7 +1,13 @@
+from fourbit.report.records import record_paths
+
+# What each record is (engine id, arm id, kind) is said here, not read back from its path.
+REPORT_RECORDS = all_results()
+
+
 rule report:
     input:
         **baseline_storage_inputs(),
-        results=all_results(),
+        results=record_paths(REPORT_RECORDS),
         arms=expand(rules.quantize.output.arm, arm=STUDY.arms),
         corpus=expand(rules.prepare_corpus.output.manifest, corpus=CORPUS),
         model=expand(rules.untie_head.output.model, model=MODEL),
@@ -22,12 +28,10 @@ rule report:
         f"{RESULTS}/logs/report.log",
     conda:
         "../../envs/fourbit.yaml"
-    resources:
-        mem_mb=2000,
-        runtime=15,
     params:
         study=STUDY.summary(),
         report_settings=STUDY.config["report"],
+        records=REPORT_RECORDS,
         training=f"{MODEL_DIR}/untied/training.json",
     script:
         "../../scripts/report.py"

@@ -1,7 +1,8 @@
 """The report's verdicts: which arm to ship for speed, which for fidelity, and the
 arms whose perplexity fell below their baseline's, each with its reason in numbers.
 
-Rows are report.build_rows' dicts (one per arm and engine); this module only reads them.
+Rows are fourbit.report.rows.build_rows' dicts (one per arm and engine, None where a
+value is missing); this module only reads them.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def fmt_value(value) -> str:
 
 
 def throughput_span(r: dict, short: str) -> str:
-    if r[f"{short}_median"] == "":
+    if r[f"{short}_median"] is None:
         return "—"
     return (f"{r[f'{short}_median']:.1f} [{r[f'{short}_min']:.1f}–{r[f'{short}_max']:.1f}] "
             f"×{r[f'{short}_ratio']:.2f}")
@@ -256,7 +257,7 @@ def speed_verdict(rows: list[dict], bound_pct: float) -> str:
     condition = (f"arms whose control passed and whose |Δppl| is within {bound_pct:g} percentage "
                  f"points (report.speed_quality_bound_pct) of the smallest "
                  f"({abs(cheapest['delta_ppl_pct']):.2f}%, {_label(cheapest)}), so at most {limit:.2f}%")
-    timed = [r for r in within if r["tg128_median"] != ""]
+    timed = [r for r in within if r["tg128_median"] is not None]
     if not timed:
         return f"- For speed: no throughput was measured on this host for {condition}; none is recommended."
     fast = max(timed, key=lambda r: r["tg128_median"])
@@ -269,7 +270,7 @@ def speed_verdict(rows: list[dict], bound_pct: float) -> str:
         line += (" Not separable from it on speed (their tg128 [min–max] overlap its "
                  f"{fast['tg128_min']:.1f}–{fast['tg128_max']:.1f}): "
                  + ", ".join(f"{_label(r)} ({throughput_span(r, 'tg128')})" for r in tied) + ".")
-    faster = [r for r in arms if r["tg128_median"] != "" and r["tg128_median"] > fast["tg128_median"]]
+    faster = [r for r in arms if r["tg128_median"] is not None and r["tg128_median"] > fast["tg128_median"]]
     faithful_ids = {id(r) for r in faithful}
     outside = [r for r in faster if id(r) in faithful_ids]
     if outside:
