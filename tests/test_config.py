@@ -339,7 +339,7 @@ def test_building_the_study_imports_neither_torch_nor_transformers(tmp_path):
 
 
 def test_the_report_names_refused_arms_dense_fallbacks_and_llamacpp_fallbacks(tmp_path):
-    from fourbit.steps.report import arms_refused_or_falling_back
+    from fourbit.report.markdown import arms_refused_or_falling_back
 
     dense = {"name": "g128d", "quant": {"method": "rtn", "group_size": 128, "fallback": "dense"}}
     s = study({**BASE, "model": synthetic_576(tmp_path), "engines": {"vllm": {}, "llamacpp": {}},

@@ -63,6 +63,44 @@ def test_report_has_a_row_per_arm_and_engine(finished_study):
         assert section in markdown
 
 
+
+# The vLLM engine as the default study runs it (float32, eager, fourbit's plugin for the
+# 4-bit arms), added to the finished tiny study in a copy of its folder: only the vLLM
+# jobs, the bench (it times every engine's pairs in one job) and the report run again.
+VLLM = {"dtype": "float32", "enforce_eager": True, "kv_cache_gib": 1}
+
+
+@pytest.fixture(scope="module")
+def vllm_study(finished_study, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("vllm-study")
+    shutil.copytree(finished_study, workdir, symlinks=True, dirs_exist_ok=True)
+    config = yaml.safe_load(TINY.read_text())
+    config["engines"]["vllm"] = VLLM
+    path = workdir / "with-vllm.yaml"
+    path.write_text(yaml.safe_dump(config))
+    dry = snakemake(workdir, "-n", "results/report.md", config=path)
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    run = snakemake(workdir, "results/report.md", config=path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    return workdir, scheduled_jobs(dry.stdout)
+
+
+def test_vllm_engine_runs_the_study_end_to_end(vllm_study):
+    workdir, scheduled = vllm_study
+    arms = len(yaml.safe_load(TINY.read_text())["arms"]) - 1  # all but the GGUF arm
+    # Its baseline and every fourbit arm quantized and dense; each arm's fidelity.
+    assert scheduled == {"ppl": 1 + 2 * arms, "fidelity": arms, "bench": 1, "report": 1}
+    rows = [r for r in csv.DictReader((workdir / "results/report.tsv").open(), delimiter="\t")
+            if r["engine"].startswith("vllm")]
+    assert len(rows) == 1 + arms
+    for row in rows:
+        assert float(row["ppl"]) > 0
+        assert float(row["tg128_median"]) > 0  # vLLM is a deployment engine: timed
+        if row["arm_id"] != "baseline":
+            assert row["control"] == "faithful", row
+            assert "fourbit" in row["runtime"], row  # the plugin ran the 4-bit weights
+            assert float(row["kl_mean"]) >= 0 and 0 < float(row["top1_agreement"]) <= 1, row
+
 def test_html_report_builds_with_captions(finished_study):
     run = snakemake(finished_study, "--report", "report.html")
     assert run.returncode == 0, run.stderr[-3000:]

@@ -62,6 +62,10 @@ def gptq_quantize(
         with diag H as the per-column importance, as llama.cpp uses its imatrix;
         "minmax" is the reference's plain min/max.
     Returns the QuantizedWeight (in original column order) and an info dict.
+
+    Long because the error-feedback loop is one algorithm (Frantar et al., Algorithm 1,
+    with the reference's lazy block updates): split, its steps would pass the same five
+    tensors back and forth and no longer read line for line against the paper.
     """
     n, k = weight.shape
     g, where = grid.group_size, layer_name or "weight"

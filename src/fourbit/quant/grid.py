@@ -166,6 +166,8 @@ class Grid:
         3. the winner is refit once more, scale alone for its own codes and zero - 1, zero,
            zero + 1, and kept if that scores better still.
         Every score is of the grid exactly as stored, so the float16 scale is the one searched.
+        Long because the three steps share their running best per group; kept in one
+        place, they read step for step against llama.cpp's make_qkx2_quants.
         """
         e = element_weights(w, importance)
         best_scale, best_zero = self.params(w)

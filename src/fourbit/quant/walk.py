@@ -83,13 +83,7 @@ def quantize_sequential(
             layer.to("meta")
             progress.update(note=f"layer {i}")
         if head:
-            _load(base.norm, "model.norm.", reader)
-            h = make_hessian(base.config.hidden_size)
-            for x in inputs:
-                h.add_batch(base.norm(x))
-            w = reader.get(f"{HEAD}.weight").float()
-            w_hat = _checked(quantize_linear(HEAD, w, h.h), w.shape, HEAD)  # nothing reads it after
-            calls += w_hat is not w
+            calls += _quantize_head(base, reader, inputs, quantize_linear, make_hessian)
             progress.update(note=HEAD)
     return {
         "layers": len(base.layers),
@@ -100,6 +94,18 @@ def quantize_sequential(
         "seconds": time.monotonic() - start,
     }
 
+
+
+def _quantize_head(base, reader: TensorReader, inputs: list[torch.Tensor],
+                   quantize_linear: QuantizeLinear, make_hessian: Callable[[int], Hessian]) -> int:
+    """The head on the final norm of the last layer's outputs; 1 if it was quantized."""
+    _load(base.norm, "model.norm.", reader)
+    h = make_hessian(base.config.hidden_size)
+    for x in inputs:
+        h.add_batch(base.norm(x))
+    w = reader.get(f"{HEAD}.weight").float()
+    w_hat = _checked(quantize_linear(HEAD, w, h.h), w.shape, HEAD)  # nothing reads it after
+    return int(w_hat is not w)
 
 def _check_shape(model: torch.nn.Module) -> None:
     """Raise naming the first module a Llama-style layout needs but the model lacks."""
