@@ -76,6 +76,7 @@ def results(tmp_path):
     put(records, tmp_path, ENGINE, ARM, "bench", {"measured": False, "model_weights_sha256": WEIGHTS})
     put(records, tmp_path, ENGINE, ARM, "fidelity", {
         "computed": True, "method": "full logits", "bound": "exact", "kl_mean": 0.01, "kl_p99": 0.1,
+        "definition": "KL over the first windows",
         "top1_agreement": 0.95, "greedy": {"identical": 3, "prompts": 4},
         "model_weights_sha256": WEIGHTS,
     })
@@ -100,6 +101,8 @@ def test_report_rows_come_from_the_result_files(tmp_path, tiny_untied, results):
     assert f"- Engine {ENGINE}: r (its 4-bit runtimes: under Runtimes)" in markdown  # host block
     assert f"- Every record above computed from the weights with model_weights_sha256 {WEIGHTS}" in markdown
     assert "timed in one bench job" not in markdown  # no job was timed
+    # the fidelity definition is the record's, not restated by the report
+    assert f"  - {ENGINE}: KL over the first windows (full logits, exact)" in markdown
     # how the arm was made, from its manifest: algorithm, head, calibration, time, peak RSS
     assert f"| `{ARM}` | rtn, shrink search | rtn | dense | — | none | 1.2 s | 700 MiB |" in markdown
     # An engine that could not run here has no rows, and the report says why.
@@ -295,7 +298,7 @@ def fidelity_record(kl, top1, identical_prompts, phase):
     prefix = [NEW_TOKENS if p in identical_prompts else 5 for p in range(PROMPTS)]
     return {
         "computed": True, "method": "top-k lower bound", "bound": "lower bound",
-        "token_ids_sha256": "t",
+        "definition": "KL over the first windows", "token_ids_sha256": "t",
         "settings": {"windows": KL_WINDOWS, "prompts": PROMPTS, "prompt_tokens": 32,
                      "new_tokens": NEW_TOKENS, "top_k": 20},
         "positions": KL_WINDOWS * KL_POSITIONS, "kl_mean": kl, "kl_p99": 10 * kl,
@@ -330,6 +333,7 @@ def own_kl_record(kl, kl_se, top1, top1_se, identical_prompts):
     return {
         "computed": True, "method": "llama-perplexity KL mode",
         "bound": "exact, its own chunking: 8 chunks of 512 tokens", "token_ids_sha256": "t",
+        "definition": "llama-perplexity --kl-divergence over its own chunks",
         "settings": {"windows": KL_WINDOWS, "prompts": PROMPTS, "prompt_tokens": 32,
                      "new_tokens": NEW_TOKENS, "top_k": 20},
         "kl_mean": kl, "kl_mean_uncertainty": kl_se, "kl_p99": 10 * kl, "top1_agreement": top1,

@@ -271,13 +271,10 @@ def definitions(study: dict, facts: dict, settings: Mapping) -> list[str]:
         "every tensor decoded to F32 by llama-quantize; llama.cpp's quantized matmuls also round "
         "the activations to 8 bits, which this difference includes.",
         "",
-        "- **KL / top-1**: per scored position, KL(baseline ‖ arm) of the next-token "
-        "distributions and whether their most likely tokens agree, on the first windows of the "
-        "same token ids. From full logits where the engine gives them; vLLM returns only top-k "
-        "logprobs, so its KL is a lower bound (≥); llama.cpp's come from llama-perplexity's own KL "
-        "mode against the f16 GGUF (full logits, but its own tokenization of the evaluation text "
-        "and the second half of each chunk). **greedy identical**: of N fixed prompts, how "
-        "many continue exactly like the baseline's greedy continuation.",
+        "- **KL / top-1 / greedy identical**, as the fidelity records define them (a KL "
+        "marked ≥ is a lower bound: that engine returns only its top-k logprobs):",
+        *(f"  - {', '.join(engines)}: {definition}"
+          for definition, engines in facts["fidelity_definitions"].items()),
         "- **pp512 / tg128**: tokens/s for a 512-token prompt (one output token) and for 128 "
         "greedy tokens after a one-token prompt (the one-token run subtracted), batch 1, synthetic "
         "ids, as llama-bench defines them; median [min–max] over counted passes after a warm-up. "

@@ -155,4 +155,19 @@ def run_facts(
         facts["provenance"] = measured[0]["provenance"]
         facts["bandwidth"] = measured[0]["bandwidth"]
     facts["quantization"] = [m for m in manifests if "method_facts" in m]
+    facts["fidelity_definitions"] = fidelity_definitions(records)
     return facts
+
+
+def fidelity_definitions(records: Records) -> dict[str, list[str]]:
+    """Each definition the fidelity records carry (it says how that engine compared:
+    full logits, top-k bound, llama.cpp's own KL mode), with the engines that used it."""
+    engines_of: dict[str, list[str]] = {}
+    for engine_id, arms in records.items():
+        for kinds in arms.values():
+            record = kinds["fidelity"].data if "fidelity" in kinds else {}
+            if record.get("computed"):
+                definition = f"{record['definition']} ({record['method']}, {record['bound']})"
+                if engine_id not in engines_of.setdefault(definition, []):
+                    engines_of[definition].append(engine_id)
+    return engines_of
