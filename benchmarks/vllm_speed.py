@@ -68,9 +68,9 @@ def build_checkpoints(workdir: Path, architecture: str) -> dict[str, Path]:
     from fourbit.atomic import atomic_dir
     from fourbit.config import canonical_quant, load_schema
     from fourbit.hashing import short_hash
-    from fourbit.steps.quantize import quantize_checkpoint
     from fourbit.inputs.sources import ARCHITECTURES
     from fourbit.steps.prepare import untie_head
+    from fourbit.steps.quantize import quantize_checkpoint
 
     quant = canonical_quant(QUANT, load_schema())
     int4 = workdir / f"int4-{short_hash('quant', quant)}"
@@ -91,10 +91,19 @@ def build_checkpoints(workdir: Path, architecture: str) -> dict[str, Path]:
     return {"dense": paths["dense"], "int4": paths["int4"]}
 
 
+def vllm_settings(given: dict, cache_root: Path, engine: str = "vllm") -> dict:
+    """The settings of the vllm engine (or vllm_native) as the workflow passes them:
+    ``given`` over eager mode and a KV_CACHE_BYTES cache, the rest the schema's defaults,
+    and a compile cache of its own."""
+    from fourbit.config import block
+
+    given = {"enforce_eager": True, "kv_cache_gib": KV_CACHE_BYTES / 2**30, **given}
+    return {"name": engine, **block(f"engines.{engine}", given), "cache_root": str(cache_root)}
+
+
 def engine_settings(variant: str, workdir: Path) -> dict:
     _, settings = VARIANTS[variant]
-    return {"enforce_eager": True, "kv_cache_bytes": KV_CACHE_BYTES,
-            "cache_root": str(workdir / "cache" / variant.replace(" ", "_")), **settings}
+    return vllm_settings(settings, workdir / "cache" / variant.replace(" ", "_"))
 
 
 def timed_passes(checkpoints, workdir, passes, warmup, cores, threshold) -> dict:
@@ -140,7 +149,7 @@ def _rss_child(checkpoint: str, settings: dict, queue) -> None:
     libc.malloc_trim(0)
     before = _memory_kib()
     with open_llm(checkpoint, dtype=settings["dtype"], kv_cache_bytes=KV_CACHE_BYTES,
-                  max_model_len=513, quant_overrides=settings.get("quant"),
+                  max_model_len=513, quant_overrides=settings["quant"] or None,
                   cache_root=settings["cache_root"], max_num_seqs=1, max_num_batched_tokens=512):
         after = _memory_kib()
         # Freed load-time buffers that glibc keeps in its heap are not weight memory.
@@ -252,10 +261,11 @@ def main() -> None:
     if args.passes < MIN_PASSES:
         parser.error(f"--passes must be at least {MIN_PASSES}: a single pass is never a result")
 
+    from vllm_profile import profile_step  # the same folder: python puts it on sys.path
+
     from fourbit.bench.bandwidth import measure_bandwidth
     from fourbit.bench.provenance import provenance
     from fourbit.steps.bench import pinned
-    from fourbit.engines.vllm import profile_step
 
     cores = sorted(args.cores)
     started = time.monotonic()

@@ -18,6 +18,7 @@ import types
 from pathlib import Path
 
 import pytest
+from engine_settings import engine_settings
 
 from fourbit.bench.contention import ContentionError, check_quiet
 from fourbit.config import canonical_quant, load_schema
@@ -306,7 +307,7 @@ def test_pinned_moves_every_thread_and_restores():
 
 def test_reference_engine_is_not_benchmarked(checkpoints, tmp_path):
     out = tmp_path / "bench.json"
-    settings = {"name": "reference", "dtype": "float32", "threads": 2}
+    settings = engine_settings("reference")
     record = bench_one(*checkpoints, settings, {}, out, threads=1)
     assert set(record) == {"measured", "engine", "reason", "model_weights_sha256"}
     assert record["measured"] is False and record["engine"] == settings
@@ -326,8 +327,7 @@ def test_real_vllm_passes_on_a_tiny_llama(checkpoints, tmp_path):
     """Three real passes; allow_busy because this host is shared, and the record must say
     whether that override was needed."""
     arm, baseline = checkpoints
-    engine = {"name": "vllm", "dtype": "float32", "enforce_eager": True, "kv_cache_gib": 0.0625,
-              "max_num_seqs": 1, "quant": {}}
+    engine = engine_settings("vllm", dtype="float32", enforce_eager=True, kv_cache_gib=0.0625)
     bench = {"passes": 3, "allow_busy": True}
     record = bench_one(arm, baseline, engine, bench, tmp_path / "bench.json", threads=2)
     assert record["measured"] is True and record["passes"] == 3
@@ -351,7 +351,7 @@ def test_a_bench_worker_that_fails_names_the_checkpoint_and_the_error(tmp_path):
     from fourbit.engines.vllm import throughput_session
 
     missing = tmp_path / "no-such-model"
-    settings = {"dtype": "float32", "kv_cache_gib": 0.0625}
+    settings = engine_settings("vllm", kv_cache_gib=0.0625)
     with (pytest.raises(RuntimeError, match=r"(?s)bench worker for .*no-such-model failed.*config"),
           throughput_session(missing, settings, 1) as one_pass):
         one_pass()
@@ -371,7 +371,7 @@ def test_a_bench_worker_is_stopped_between_its_passes_and_ends_with_the_session(
                 found[int(child)] = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0]
         return found
 
-    settings = {"dtype": "float32", "kv_cache_gib": 0.0625}
+    settings = engine_settings("vllm", kv_cache_gib=0.0625)
     with throughput_session(checkpoints[1], settings, 1) as one_pass:
         for _ in range(2):
             assert one_pass()["tg128_tok_s"] > 0

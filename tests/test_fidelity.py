@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 import torch
 from conftest import save_tiny_llama
+from engine_settings import engine_settings
 
 from fourbit.engines import ENGINE_MODULES, reference
 from fourbit.metrics.kl import FULL, TOPK
 from fourbit.steps.fidelity import compare_arm, greedy_summary, resolve_settings, select
 
-REFERENCE = {"name": "reference", "dtype": "float32", "threads": 2}
-VLLM = {"name": "vllm", "dtype": "float32", "enforce_eager": True, "kv_cache_bytes": 32 << 20}
+REFERENCE = engine_settings("reference", threads=2)
+VLLM = engine_settings("vllm", dtype="float32", enforce_eager=True, kv_cache_gib=1 / 32)
 SMALL = {"windows": 4, "prompts": 4, "prompt_tokens": 8, "new_tokens": 8, "top_k": 20}
 WEIGHTS = "ab" * 32  # the source model's model_weights_sha256, carried into every record
 WINDOWS = torch.randint(0, 512, (5, 64), generator=torch.Generator().manual_seed(1)).tolist()
@@ -155,7 +156,7 @@ def test_a_weights_hash_that_is_not_one_is_refused(models, tmp_path):
 def test_engine_with_its_own_kl_mode_needs_the_text(models, tmp_path):
     with pytest.raises(ValueError, match="text_path"):
         compare_arm(tmp_path / "absent.gguf", tmp_path / "absent-base.gguf", models / "windows.json",
-                    tmp_path / "fidelity.json", {"name": "llamacpp", "threads": 2}, {}, threads=2,
+                    tmp_path / "fidelity.json", engine_settings("llamacpp", threads=2), {}, threads=2,
                     model_weights_sha256=WEIGHTS)
 
 

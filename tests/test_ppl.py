@@ -8,10 +8,11 @@ import math
 import pytest
 import torch
 from conftest import save_tiny_llama
+from engine_settings import engine_settings
 
 from fourbit.steps.evaluate import score_checkpoint
 
-REFERENCE = {"name": "reference", "dtype": "float32", "threads": 1}
+REFERENCE = engine_settings("reference", threads=1)
 WEIGHTS = "ab" * 32  # the source model's model_weights_sha256, carried into the record
 
 

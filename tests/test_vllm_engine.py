@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from engine_settings import engine_settings
 
 DIMS = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, vocab_size=512,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -43,6 +44,10 @@ WINDOWS = [
 ]
 
 
+# What prompt_logprobs and greedy are given here: the engine's float32, a small KV cache.
+OPTIONS = {"dtype": "float32", "kv_cache_bytes": 32 << 20}
+
+
 def _reference_logprobs(model, ids):
     with torch.inference_mode():
         logits = model(torch.tensor([ids])).logits[0]  # [L, V]
@@ -55,8 +60,8 @@ def test_score_windows_matches_transformers(model_dir, reference, cache_root):
 
     stats = {}
     before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    out = prompt_logprobs(model_dir, WINDOWS, dtype="float32", kv_cache_bytes=32 << 20, top_k=4,
-                        cache_root=cache_root, stats=stats)
+    out = prompt_logprobs(model_dir, WINDOWS, top_k=4, cache_root=cache_root, stats=stats,
+                          **OPTIONS)
     assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == before  # environment restored
     assert (cache_root / "vllm").is_dir() and (cache_root / "inductor").is_dir()
     assert stats["engine_init_s"] > 0
@@ -85,8 +90,7 @@ def test_greedy_matches_transformers(model_dir, reference, cache_root):
     from fourbit.engines.vllm import greedy
 
     prompts = [WINDOWS[0][:20], WINDOWS[1], WINDOWS[2]]
-    got = greedy(model_dir, prompts, 12, dtype="float32", kv_cache_bytes=32 << 20,
-                 cache_root=cache_root)
+    got = greedy(model_dir, prompts, 12, cache_root=cache_root, **OPTIONS)
     for p, g in zip(prompts, got, strict=True):
         ids = list(p)
         with torch.inference_mode():
@@ -100,13 +104,13 @@ def test_engine_registry_convention(model_dir, cache_root):
     """ppl.py calls score_windows(checkpoint, windows, settings, threads) and runtime()."""
     from fourbit.engines.vllm import prompt_logprobs, runtime, score_windows
 
-    settings = {"name": "vllm", "dtype": "float32", "kv_cache_bytes": 32 << 20,
+    settings = {**engine_settings("vllm", dtype="float32", kv_cache_gib=1 / 32),
                 "cache_root": str(cache_root)}
     threads = torch.get_num_threads()
     out = score_windows(model_dir, WINDOWS[:2], settings, 1)
     assert torch.get_num_threads() == threads
     assert [set(r) for r in out] == [{"nll_sum", "tokens"}] * 2
-    direct = prompt_logprobs(model_dir, WINDOWS[:2], "float32", 32 << 20, cache_root=cache_root)
+    direct = prompt_logprobs(model_dir, WINDOWS[:2], cache_root=cache_root, **OPTIONS)
     assert [r["nll_sum"] for r in out] == pytest.approx([r["nll_sum"] for r in direct], abs=1e-4)
     assert runtime(model_dir, settings).endswith(", dense")
 
@@ -115,6 +119,36 @@ def test_rejects_empty_input(model_dir):
     from fourbit.engines.vllm import greedy, prompt_logprobs
 
     with pytest.raises(ValueError):
-        prompt_logprobs(model_dir, [])
+        prompt_logprobs(model_dir, [], **OPTIONS)
     with pytest.raises(ValueError):
-        greedy(model_dir, [[]], 4)
+        greedy(model_dir, [[]], 4, **OPTIONS)
+
+
+def test_settings_come_whole_from_the_schema():
+    """No key the schema fills has a fallback here: a missing one is an error naming it,
+    an unknown one too; what the schema fills is what the engine runs with."""
+    from fourbit.engines.vllm import PLUGIN, VllmSettings, runtime
+
+    full = engine_settings("vllm")
+    settings = VllmSettings.from_engine(full, PLUGIN)
+    assert settings.dtype == "float32" and settings.kv_cache_bytes == 1 << 30  # the schema's
+    assert settings.cache_root is None and settings.quantization == "auto"
+    partial = {key: value for key, value in full.items() if key != "dtype"}
+    with pytest.raises(ValueError, match=r"lack \['dtype'\].*fourbit.config.block"):
+        VllmSettings.from_engine(partial, PLUGIN)
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['kv_cache_bytes'\]"):
+        VllmSettings.from_engine({**full, "kv_cache_bytes": 1 << 20}, PLUGIN)
+    with pytest.raises(ValueError, match="lack"):
+        runtime("unused", partial)  # every public entry builds the object first
+
+
+def test_torch_threads_restores_what_the_block_changed():
+    from fourbit.engines.threads import torch_threads
+
+    before = torch.get_num_threads()
+    with torch_threads(1):
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(before + 1)  # what an engine inside may do
+    assert torch.get_num_threads() == before
+    with torch_threads(None):
+        assert torch.get_num_threads() == before

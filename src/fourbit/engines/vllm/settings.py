@@ -1,0 +1,92 @@
+"""The vllm engine's settings, one frozen object built at each public entry.
+
+The workflow passes an engine's settings as a mapping: the study config's
+``engines.vllm`` (or ``engines.vllm_native``) block, which config validation has
+already filled from the schema (src/fourbit/schemas/config.schema.yaml), plus its
+name and the cache folders the step chose. The schema is the only source of
+defaults: a key it fills that is missing here is an error naming the key, never a
+fallback value of this module's own (which could contradict the schema, as a
+"bfloat16" fallback once did when the schema said float32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+PLUGIN = "plugin"  # fourbit's quantization plugin runs every checkpoint it reads
+NATIVE = "native"  # vLLM's own method for the checkpoint (fourbit.engines.vllm_native)
+
+# Keys of the engine's config block; the schema gives each a default.
+CONFIG_KEYS = ("dtype", "enforce_eager", "kv_cache_gib", "max_num_seqs", "quant")
+# Keys the step that runs the engine adds: its name, and where compile caches go.
+STEP_KEYS = ("name", "cache_root", "baseline_cache_root")
+
+
+@dataclasses.dataclass(frozen=True)
+class VllmSettings:
+    """What a vllm engine run is configured by. No field has a default (see the module
+    docstring); ``from_engine`` builds it from the workflow's mapping."""
+
+    dtype: str  # activations and dense weights (vLLM's dtype=)
+    enforce_eager: bool  # eager (starts in seconds) or vLLM's compiled mode
+    kv_cache_gib: float  # the KV cache vLLM allocates; unset, it would take most of the RAM
+    max_num_seqs: int  # sequences per engine step (1: a window's score never depends on batching)
+    quant: dict[str, Any]  # the plugin's quantization_config overrides (schema: engines.vllm.quant)
+    kernel: str  # PLUGIN or NATIVE: which code runs a 4-bit checkpoint
+    cache_root: str | None  # this checkpoint's compile caches; None: vLLM's default folders
+    baseline_cache_root: str | None  # the baseline's, shared by an engine's fidelity jobs
+
+    @classmethod
+    def from_engine(cls, settings: Mapping[str, Any], kernel: str) -> VllmSettings:
+        """From the workflow's mapping; ``kernel`` is the engine's (PLUGIN for vllm)."""
+        missing = [key for key in CONFIG_KEYS if key not in settings]
+        if missing:
+            raise ValueError(
+                f"vllm engine settings lack {missing} (given: {sorted(settings)}); the study "
+                "config's validation fills them from the schema, and a direct call gets them "
+                "from fourbit.config.block('engines.vllm', given)"
+            )
+        unknown = sorted(set(settings) - set(CONFIG_KEYS) - set(STEP_KEYS))
+        if unknown:
+            raise ValueError(f"vllm engine settings: unknown key(s) {unknown}; "
+                             f"allowed: {sorted(CONFIG_KEYS + STEP_KEYS)}")
+        if kernel not in (PLUGIN, NATIVE):
+            raise ValueError(f"kernel {kernel!r}; expected {PLUGIN!r} or {NATIVE!r}")
+        return cls(
+            dtype=str(settings["dtype"]),
+            enforce_eager=bool(settings["enforce_eager"]),
+            kv_cache_gib=float(settings["kv_cache_gib"]),
+            max_num_seqs=int(settings["max_num_seqs"]),
+            quant=dict(settings["quant"]),
+            kernel=kernel,
+            # Optional: only the steps choose cache folders; a direct call may leave them out.
+            cache_root=_optional_path(settings.get("cache_root")),
+            baseline_cache_root=_optional_path(settings.get("baseline_cache_root")),
+        )
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return int(self.kv_cache_gib * (1 << 30))
+
+    @property
+    def quantization(self) -> str | None:
+        """open_llm's quantization: "auto" (fourbit's plugin for every checkpoint it reads)
+        with the plugin; None with vLLM's kernel, so that vLLM picks its own method from
+        the checkpoint's quantization_config."""
+        return "auto" if self.kernel == PLUGIN else None
+
+
+def _optional_path(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def resolve(settings: Mapping[str, Any] | VllmSettings) -> VllmSettings:
+    """The settings object of a public entry: built from the workflow's mapping (the vllm
+    engine's, so fourbit's plugin), or passed through when the caller built it already
+    (fourbit.engines.vllm_native builds its own with vLLM's kernel; the bench worker
+    receives one)."""
+    if isinstance(settings, VllmSettings):
+        return settings
+    return VllmSettings.from_engine(settings, PLUGIN)
