@@ -11,7 +11,7 @@ import torch
 from conftest import save_tiny_llama
 from engine_settings import engine_settings
 
-from fourbit.engines import ENGINE_MODULES, reference
+from fourbit.engines import ENGINES, EngineSpec, Fidelity, NotBenchmarked, reference
 from fourbit.metrics.kl import FULL, TOPK
 from fourbit.steps.fidelity import compare_arm, greedy_summary, resolve_settings, select
 
@@ -136,7 +136,9 @@ def test_reference_quantized_arm(models, tmp_path):
 
 
 def test_engine_without_it_writes_a_record_saying_so(models, tmp_path, monkeypatch):
-    monkeypatch.setitem(ENGINE_MODULES, "plain", "fourbit.engines")  # a module with neither
+    monkeypatch.setitem(ENGINES, "plain", EngineSpec("fourbit.engines", reads="hf",
+                                                     bench=NotBenchmarked("a test engine"),
+                                                     fidelity=Fidelity.NOT_COMPARED))
     out = compare_arm(tmp_path / "absent", tmp_path / "absent-base", models / "windows.json",
                       tmp_path / "fidelity.json", {"name": "plain"}, {}, threads=2,
                       model_weights_sha256=WEIGHTS)

@@ -1,40 +1,86 @@
-"""Engines score checkpoints; each is one module registered by name.
+"""Engines score checkpoints; each is one module, registered once in ENGINES.
 
-An engine module provides:
+Every engine module provides
 
     score_windows(checkpoint: Path, windows: list[list[int]], settings: dict, threads: int)
         -> list[{"nll_sum": float, "tokens": int}]   (see fourbit.steps.evaluate for the definition)
     runtime(checkpoint: Path, settings: dict) -> str  (what actually executes the weights)
 
-and, for the bench step (fourbit.steps.bench), either
-    throughput(checkpoint, settings, threads, *, prompt_tokens, decode_tokens) -> one pass's rates
-    (optionally also throughput_session(...) with the same arguments: a context manager
-    yielding a function that times one pass in an engine kept open for the whole job)
-or a module-level NOT_BENCHMARKED = "<why its speed means nothing for a shipped build>";
-and, for the fidelity step (fourbit.steps.fidelity), optionally compare_with_baseline(...)
-(per-position results on the study's windows) or divergence_from_baseline(...) (the
-engine's own aggregate KL statistics on the evaluation text).
+and what its EngineSpec declares, for the bench step (fourbit.steps.bench):
 
-Adding an engine: a new module here, one line in ENGINE_MODULES, and its
-settings block in workflow/schemas/config.schema.yaml.
+    Bench.PER_PASS   throughput(checkpoint, settings, threads, *, prompt_tokens,
+                     decode_tokens) -> one pass's rates, in an engine started for it
+    Bench.SESSION    that, and throughput_session(same arguments): a context manager
+                     yielding a function that times one pass in an engine kept open
+                     for the whole job
+    NotBenchmarked   nothing; the record says why its speed means nothing for a build
+
+and for the fidelity step (fourbit.steps.fidelity, which defines the arguments):
+
+    Fidelity.PER_POSITION   compare_with_baseline(...): per-position results on the
+                            study's windows
+    Fidelity.OWN_KL_MODE    divergence_from_baseline(...): the engine's own aggregate KL
+                            statistics on the evaluation text; greedy_continuations(...)
+    Fidelity.NOT_COMPARED   nothing; the record says it was not computed
+
+Adding an engine: its module here, one EngineSpec in ENGINES, and its settings block
+in the schema (src/fourbit/schemas/config.schema.yaml).
 """
 
 from __future__ import annotations
 
+import enum
 import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 
-# name -> module; imported lazily so that a study without vLLM never loads it.
-ENGINE_MODULES = {
-    "reference": "fourbit.engines.reference",
-    "vllm": "fourbit.engines.vllm",
-    "vllm_native": "fourbit.engines.vllm_native",
-    "llamacpp": "fourbit.engines.llamacpp",
-}
 
-# What kind of checkpoint each engine reads: Hugging Face folders or GGUF files.
-# Kept here, free of heavy imports, because the workflow needs it to build the DAG.
-ENGINE_READS = {"reference": "hf", "vllm": "hf", "vllm_native": "hf", "llamacpp": "gguf"}
+class Bench(enum.Enum):
+    """How fourbit.steps.bench times an engine: the module function it calls."""
+
+    PER_PASS = "throughput"
+    SESSION = "throughput_session"
+
+
+@dataclass(frozen=True)
+class NotBenchmarked:
+    """An engine that is not timed; ``reason`` goes into its bench record."""
+
+    reason: str
+
+
+class Fidelity(enum.Enum):
+    """How fourbit.steps.fidelity compares an arm with its engine's baseline."""
+
+    PER_POSITION = "compare_with_baseline"
+    OWN_KL_MODE = "divergence_from_baseline"
+    NOT_COMPARED = "not compared"
+
+
+def _every_arm(quant: dict) -> bool:
+    return True
+
+
+def _any_host() -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything the rest of fourbit asks of one engine (STYLE.md 19).
+
+    Kept free of heavy imports: the workflow reads it to build the DAG.
+    """
+
+    module: str  # imported on first use, so that a study without vLLM never loads it
+    reads: str  # the checkpoints it scores: "hf" (Hugging Face folders) or "gguf" (GGUF files)
+    bench: Bench | NotBenchmarked  # how the bench step times it
+    fidelity: Fidelity  # how the fidelity step compares an arm with its baseline
+    # Of the arms of the kind it reads, those it runs (by the arm's quant); most run all.
+    runs_arm: Callable[[dict], bool] = _every_arm
+    # Why it cannot run on this host, or None; most need nothing of the host.
+    host_check: Callable[[], str | None] = _any_host
 
 
 def _symmetric_gptq(quant: dict) -> bool:
@@ -42,26 +88,45 @@ def _symmetric_gptq(quant: dict) -> bool:
     return quant["method"] == "gptq" and quant.get("sym") is True
 
 
-def _vllm_native_kernel_here() -> str | None:
-    from fourbit.bench.hostprobe import choose_runtimes, isa_flags
+def _vllm_native_kernel_missing() -> str | None:
+    from fourbit.engines.vllm_native import kernel_missing  # when asked, not with the table
 
-    verdict = choose_runtimes(isa_flags())["vllm_native_w4a16"]
-    return None if verdict["available"] else verdict["reason"]
+    return kernel_missing()
 
 
-# Engines that run only some arms of the kind they read: name -> does it run this quant?
-ENGINE_RUNS_ARM = {"vllm_native": _symmetric_gptq}
-# Engines that need something of the host: name -> () -> why it cannot run here, or None.
-ENGINE_HOST_CHECKS = {"vllm_native": _vllm_native_kernel_here}
+ENGINES: dict[str, EngineSpec] = {
+    "reference": EngineSpec(
+        "fourbit.engines.reference", reads="hf", fidelity=Fidelity.PER_POSITION,
+        bench=NotBenchmarked(
+            "not a deployment engine; not benchmarked: transformers is the scoring reference, "
+            "and nobody ships a model on it, so its speed says nothing about a 4-bit build"
+        ),
+    ),
+    "vllm": EngineSpec("fourbit.engines.vllm", reads="hf", bench=Bench.SESSION,
+                       fidelity=Fidelity.PER_POSITION),
+    "vllm_native": EngineSpec("fourbit.engines.vllm_native", reads="hf", bench=Bench.SESSION,
+                              fidelity=Fidelity.PER_POSITION, runs_arm=_symmetric_gptq,
+                              host_check=_vllm_native_kernel_missing),
+    "llamacpp": EngineSpec("fourbit.engines.llamacpp", reads="gguf", bench=Bench.PER_PASS,
+                           fidelity=Fidelity.OWN_KL_MODE),
+}
+
+
+def engine_spec(name: str) -> EngineSpec:
+    if name not in ENGINES:
+        raise ValueError(f"engine {name!r} is not known; allowed: {', '.join(sorted(ENGINES))}")
+    return ENGINES[name]
+
+
+def get_engine(name: str) -> ModuleType:
+    return importlib.import_module(engine_spec(name).module)
 
 
 def unavailable_here(engine: str) -> str | None:
     """Why ``engine`` cannot run on this host (the one building the workflow's DAG), or None."""
-    check = ENGINE_HOST_CHECKS.get(engine)
-    return check() if check else None
+    return engine_spec(engine).host_check()
 
 
-def get_engine(name: str) -> ModuleType:
-    if name not in ENGINE_MODULES:
-        raise ValueError(f"engine {name!r} is not known; allowed: {', '.join(sorted(ENGINE_MODULES))}")
-    return importlib.import_module(ENGINE_MODULES[name])
+# Views of ENGINES for fourbit.config, which imports these names (until it reads ENGINES).
+ENGINE_READS = {name: spec.reads for name, spec in ENGINES.items()}
+ENGINE_RUNS_ARM = {name: spec.runs_arm for name, spec in ENGINES.items()}

@@ -25,11 +25,6 @@ from fourbit.quant.qweight import QuantizedWeight
 log = logging.getLogger("fourbit")
 BATCH_WINDOWS = 4
 DEQUANT_ROWS = 32  # rows from which the packed weight is expanded instead (see Int4Linear)
-# Read by fourbit.steps.bench: this engine has no throughput(), on purpose.
-NOT_BENCHMARKED = (
-    "not a deployment engine; not benchmarked: transformers is the scoring reference, "
-    "and nobody ships a model on it, so its speed says nothing about a 4-bit build"
-)
 DTYPES = {"float32": torch.float32}
 
 

@@ -3,13 +3,12 @@
 vLLM's GPTQ and compressed-tensors W4A16 methods call ``cpu_gemm_wna16`` on the
 CPU, which only the AVX-512 builds of vLLM's ops library contain
 (fourbit.bench.hostprobe); elsewhere the first forward fails. Where it exists, this
-engine gives each symmetric GPTQ arm (a standard GPTQ checkpoint; fourbit.engines.
-ENGINE_RUNS_ARM) a row of its own, next to the same arm through the plugin; on
-other hosts the workflow does not schedule it and the report says why
-(fourbit.engines.ENGINE_HOST_CHECKS; jobs check again on the node that runs them).
-Everything else is the vllm engine's, with the
-same settings except the dtype (vLLM's GPTQ method refuses float32), so its dense
-baseline and controls run exactly as there.
+engine gives each symmetric GPTQ arm (a standard GPTQ checkpoint; its EngineSpec's
+runs_arm in fourbit.engines.ENGINES) a row of its own, next to the same arm through
+the plugin; on other hosts the workflow does not schedule it and the report says why
+(kernel_missing, the spec's host check; jobs check again on the node that runs them).
+Everything else is the vllm engine's, with the same settings except the dtype (vLLM's
+GPTQ method refuses float32), so its dense baseline and controls run exactly as there.
 """
 
 from __future__ import annotations
@@ -18,7 +17,15 @@ import platform
 from collections.abc import Mapping
 from typing import Any
 
-from fourbit.engines import unavailable_here, vllm
+from fourbit.engines import vllm
+
+
+def kernel_missing() -> str | None:
+    """Why vLLM's native W4A16 kernel cannot run on this host, or None."""
+    from fourbit.bench.hostprobe import choose_runtimes, isa_flags
+
+    verdict = choose_runtimes(isa_flags())["vllm_native_w4a16"]
+    return None if verdict["available"] else verdict["reason"]
 
 
 def _settings(settings: Mapping[str, Any]) -> vllm.VllmSettings:
@@ -32,7 +39,7 @@ def _native(settings: Mapping[str, Any], checkpoint) -> vllm.VllmSettings:
     that builds the DAG whether to schedule this engine; a job sent to a node without
     the kernel (a cluster with mixed CPUs) stops here, saying so, instead of failing
     inside vLLM's first forward."""
-    reason = vllm.checkpoint_quant_method(checkpoint) and unavailable_here("vllm_native")
+    reason = vllm.checkpoint_quant_method(checkpoint) and kernel_missing()
     if reason:
         raise RuntimeError(
             f"vLLM's native 4-bit kernel cannot run on this node ({platform.node()}): {reason}; "

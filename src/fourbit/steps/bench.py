@@ -20,17 +20,17 @@ why). Each arm still gets a record of its own, its ``bench.json``:
     bandwidth        the triad bandwidth measured in this job, on its pinned cores
     provenance       host, ISA, cores, threads, load, versions, speed-relevant env
 
-Engines take part through a module-level function
-``throughput(checkpoint, settings, threads, *, prompt_tokens, decode_tokens) ->
-{"pp<prompt>_tok_s": .., "tg<decode>_tok_s": ..}`` (one pass), or declare with a
-module-level ``NOT_BENCHMARKED = "<reason>"`` that their speed means nothing for a
-shipped build; the record then says so and ``measured`` is false. An engine that
-can also keep one engine open across passes offers ``throughput_session`` (same
-arguments, a context manager yielding the one-pass function): the job then holds
-every checkpoint's engine open at once (vLLM: one worker process each, all their
-weights resident; the job refuses to start if they would not fit in memory) and a
-pass costs only its runs (an untimed one and the timed ones), so many passes fit
-where one engine start per pass left room for few.
+How an engine takes part is its EngineSpec's ``bench`` (fourbit.engines.ENGINES):
+Bench.PER_PASS, a module-level ``throughput(checkpoint, settings, threads, *,
+prompt_tokens, decode_tokens) -> {"pp<prompt>_tok_s": .., "tg<decode>_tok_s": ..}``
+(one pass, in an engine started for it); NotBenchmarked(reason), when its speed means
+nothing for a shipped build: the record then says so and ``measured`` is false; or
+Bench.SESSION, when the engine can also stay open across passes through
+``throughput_session`` (same arguments, a context manager yielding the one-pass
+function): the job then holds every checkpoint's engine open at once (vLLM: one
+worker process each, all their weights resident; the job refuses to start if they
+would not fit in memory) and a pass costs only its runs (an untimed one and the
+timed ones), so many passes fit where one engine start per pass left room for few.
 llama.cpp's llama-bench loads its model itself, as llama.cpp users run it. The
 page-cache check before every pass matters for engines that read their files
 while timing (llama-bench maps the GGUF); an engine kept open read its files
@@ -65,7 +65,7 @@ from fourbit.bench.provenance import provenance
 from fourbit.bench.residency import warm_and_check
 from fourbit.checkpoints.hf import quantizable_linears, skeleton, weight_files
 from fourbit.config import load_schema
-from fourbit.engines import ENGINE_READS, get_engine
+from fourbit.engines import Bench, EngineSpec, NotBenchmarked, engine_spec, get_engine
 from fourbit.hashing import require_sha256
 
 log = logging.getLogger("fourbit")
@@ -144,7 +144,7 @@ def decode_weight_bytes(checkpoint: str | os.PathLike, engine_settings: dict) ->
     embeddings (one row per token), norms and biases are left out: together well under
     1% of the bytes.
     """
-    if ENGINE_READS[engine_settings["name"]] == "gguf":
+    if engine_spec(engine_settings["name"]).reads == "gguf":
         return gguf_weight_bytes(checkpoint)
     return linear_weight_bytes(checkpoint, engine_settings["dtype"])
 
@@ -224,12 +224,12 @@ def bench_study(pairs: list[BenchPair], bench_settings: dict, threads: int, *,
     if len(set(names)) < len(names):
         raise ValueError(f"bench pairs {names} repeat a name; each record needs a folder "
                          "<engine id>/<arm id>/ of its own")
-    engines = {pair.name: _engine(pair.engine) for pair in pairs}
-    timed = [pair for pair in pairs if hasattr(engines[pair.name], "throughput")]
-    records = {pair.name: _not_benchmarked(pair, engines[pair.name])
+    specs = {pair.name: engine_spec(pair.engine["name"]) for pair in pairs}
+    timed = [pair for pair in pairs if not isinstance(specs[pair.name].bench, NotBenchmarked)]
+    records = {pair.name: _not_benchmarked(pair, specs[pair.name].bench)
                for pair in pairs if pair not in timed}
     if timed:
-        records |= _time_pairs(timed, engines, resolve_settings(bench_settings, threads))
+        records |= _time_pairs(timed, specs, resolve_settings(bench_settings, threads))
     for pair in pairs:
         records[pair.name]["model_weights_sha256"] = model_weights_sha256
         write_json(pair.out, records[pair.name])
@@ -238,26 +238,16 @@ def bench_study(pairs: list[BenchPair], bench_settings: dict, threads: int, *,
     return [records[pair.name] for pair in pairs]
 
 
-def _engine(engine_settings: dict):
-    """The engine's module, which must either time passes or say why it is not benchmarked."""
-    engine = get_engine(engine_settings["name"])
-    if not hasattr(engine, "throughput") and getattr(engine, "NOT_BENCHMARKED", None) is None:
-        raise TypeError(
-            f"engine {engine_settings['name']!r} has neither throughput() nor NOT_BENCHMARKED; "
-            "give it one of them (see fourbit.steps.bench)"
-        )
-    return engine
+def _not_benchmarked(pair: BenchPair, bench: NotBenchmarked) -> dict:
+    log.info("%s: not benchmarked (%s)", pair.engine["name"], bench.reason)
+    return {"measured": False, "reason": bench.reason, "engine": pair.engine}
 
 
-def _not_benchmarked(pair: BenchPair, engine) -> dict:
-    log.info("%s: not benchmarked (%s)", pair.engine["name"], engine.NOT_BENCHMARKED)
-    return {"measured": False, "reason": engine.NOT_BENCHMARKED, "engine": pair.engine}
-
-
-def _time_pairs(pairs: list[BenchPair], engines: dict, settings: dict) -> dict[str, dict]:
+def _time_pairs(pairs: list[BenchPair], specs: dict[str, EngineSpec],
+                settings: dict) -> dict[str, dict]:
     cores = settings["cores"]
-    sides = _sides(pairs, engines)
-    _check_memory([side for side in sides.values() if hasattr(side.engine, "throughput_session")])
+    sides = _sides(pairs, specs)
+    _check_memory([side for side in sides.values() if side.bench is Bench.SESSION])
     started = datetime.now(UTC).isoformat(timespec="seconds")
     by_name = {pair.name: pair for pair in pairs}
 
@@ -275,7 +265,7 @@ def _time_pairs(pairs: list[BenchPair], engines: dict, settings: dict) -> dict[s
         with contextlib.ExitStack() as open_engines:
             runs = {
                 key: open_engines.enter_context(_pass_runner(
-                    side.engine, side.checkpoint, side.settings, len(cores),
+                    side, len(cores),
                     prompt_tokens=settings["prompt_tokens"], decode_tokens=settings["decode_tokens"]))
                 for key, side in sides.items()
             }
@@ -295,6 +285,7 @@ class _Side:
     checkpoint: Path
     settings: dict  # the engine's, with this checkpoint's own compile cache
     engine: object  # the engine's module
+    bench: Bench  # how it times a pass
     weights: dict  # what a decode step reads (decode_weight_bytes)
 
 
@@ -303,7 +294,7 @@ def _side_key(pair: BenchPair, side: str) -> str:
     return json.dumps([pair.engine, str(checkpoint)], sort_keys=True)
 
 
-def _sides(pairs: list[BenchPair], engines: dict) -> dict[str, _Side]:
+def _sides(pairs: list[BenchPair], specs: dict[str, EngineSpec]) -> dict[str, _Side]:
     sides = {}
     for pair in pairs:
         # Compile caches per checkpoint: a cache shared between two can load the other's
@@ -314,7 +305,8 @@ def _sides(pairs: list[BenchPair], engines: dict) -> dict[str, _Side]:
             key = _side_key(pair, side)
             if key not in sides:
                 sides[key] = _Side(checkpoint, {**pair.engine, "cache_root": str(caches[side])},
-                                   engines[pair.name], decode_weight_bytes(checkpoint, pair.engine))
+                                   get_engine(pair.engine["name"]), specs[pair.name].bench,
+                                   decode_weight_bytes(checkpoint, pair.engine))
     return sides
 
 
@@ -377,14 +369,14 @@ def _record(pair: BenchPair, sides: dict[str, _Side], result: dict, settings: di
 
 
 @contextlib.contextmanager
-def _pass_runner(engine, checkpoint: Path, settings: dict, threads: int, **sizes):
-    """A function timing one pass: in an engine kept open for the job where the engine
-    offers one (throughput_session), else one engine start per pass (throughput)."""
-    session = getattr(engine, "throughput_session", None)
-    if session is None:
+def _pass_runner(side: _Side, threads: int, **sizes):
+    """A function timing one pass of ``side``: in an engine kept open for the job where
+    the engine offers one (Bench.SESSION), else one engine start per pass (Bench.PER_PASS)."""
+    engine, checkpoint, settings = side.engine, side.checkpoint, side.settings
+    if side.bench is Bench.PER_PASS:
         yield lambda: engine.throughput(checkpoint, settings, threads, **sizes)
         return
-    with session(checkpoint, settings, threads, **sizes) as one_pass:
+    with engine.throughput_session(checkpoint, settings, threads, **sizes) as one_pass:
         yield one_pass
 
 

@@ -26,7 +26,8 @@ How KL is computed depends on what the engine gives: exactly from full logits
 distribution was compared id by id); fourbit.metrics.kl derives both and proves
 the bounds.
 
-Engines take part through a module-level function
+How an engine takes part is its EngineSpec's ``fidelity`` (fourbit.engines.ENGINES).
+Fidelity.PER_POSITION: a module-level function
 
     compare_with_baseline(arm_checkpoint, baseline_checkpoint, windows, settings, threads,
                           *, prompts, new_tokens, top_k) -> dict
@@ -35,8 +36,8 @@ returning {"method", "window_kl": [[float] per position] per window,
 "window_top1": [[bool]...], "greedy_baseline": [[ids]], "greedy_arm": [[ids]],
 "runtime": str, "baseline_runtime": str} and, for a top-k bound,
 "window_kl_merged", "window_kl_substituted" and "window_mass_topk" like
-window_kl. An engine without it may instead give its own aggregate statistics
-over the evaluation text through
+window_kl. Fidelity.OWN_KL_MODE: the engine's own aggregate statistics over the
+evaluation text, through
 
     divergence_from_baseline(arm_checkpoint, baseline_checkpoint, text_file, settings,
                              *, ctx, chunks) -> dict
@@ -47,7 +48,7 @@ greedy continuations through
 
     greedy_continuations(checkpoint, prompts, new_tokens, settings) -> [[ids]]
 
-An engine with neither gets a record saying so.
+Fidelity.NOT_COMPARED: a record saying so.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from fourbit.atomic import write_json
-from fourbit.engines import get_engine
+from fourbit.engines import Fidelity, engine_spec, get_engine
 from fourbit.hashing import require_sha256
 from fourbit.metrics.kl import FULL
 
@@ -229,19 +230,27 @@ def compare_arm(
         "baseline": str(baseline_checkpoint),
         "windows": len(compared_windows),
     }
-    compare = getattr(engine, "compare_with_baseline", None)
-    if compare is None and hasattr(engine, "divergence_from_baseline"):
+    how = engine_spec(engine_settings["name"]).fidelity
+    if how is Fidelity.OWN_KL_MODE:
         if text_path is None:
             raise ValueError(f"engine {engine_settings['name']} compares on the evaluation text; "
                              "pass text_path")
         return _own_kl_mode(engine, arm_checkpoint, baseline_checkpoint, text_path, out_path,
                             record, engine_settings, prompts, ctx=len(compared_windows[0]))
-    if compare is None:
+    if how is Fidelity.NOT_COMPARED:
         record.update({"computed": False, "method": None, "reason": NOT_COMPARED})
         write_json(out_path, record)
         log.info("%s: %s", engine_settings["name"], NOT_COMPARED)
         return record
 
+    return _per_position(engine, arm_checkpoint, baseline_checkpoint, out_path, record,
+                         engine_settings, compared_windows, prompts, threads=threads)
+
+
+def _per_position(engine, arm_checkpoint, baseline_checkpoint, out_path, record: dict,
+                  engine_settings: Mapping, windows: list[list[int]], prompts: list[list[int]],
+                  *, threads: int) -> dict:
+    """The engine's compare_with_baseline on the compared windows, summarized."""
     # Compile caches for engines that compile (vLLM), one per checkpoint, never shared
     # between checkpoints: the arm's next to its record, the baseline's next to the
     # baseline's results (<engine>/baseline/), shared by every arm's job, so only the
@@ -252,9 +261,10 @@ def compare_arm(
         "cache_root": str(out.parent / "fidelity.cache"),
         "baseline_cache_root": str(out.parent.parent / "baseline" / "fidelity.cache"),
     }
+    settings = record["settings"]
     start = time.perf_counter()
-    compared = compare(
-        Path(arm_checkpoint), Path(baseline_checkpoint), compared_windows, run_settings, threads,
+    compared = engine.compare_with_baseline(
+        Path(arm_checkpoint), Path(baseline_checkpoint), windows, run_settings, threads,
         prompts=prompts, new_tokens=settings["new_tokens"], top_k=settings["top_k"],
     )
     record.update(
@@ -270,14 +280,7 @@ def compare_arm(
             "seconds": time.perf_counter() - start,
         }
     )
-    write_json(out_path, record)
-    log.info(
-        "%s vs %s (%s): KL mean %.5f p99 %.5f, top-1 %.4f, greedy %d/%d identical (%.1f s)",
-        arm_checkpoint, baseline_checkpoint, record["method"], record["kl_mean"], record["kl_p99"],
-        record["top1_agreement"], record["greedy"]["identical"], record["greedy"]["prompts"],
-        record["seconds"],
-    )
-    return record
+    return _written(record, out_path, arm_checkpoint, baseline_checkpoint)
 
 
 def _own_kl_mode(engine, arm_checkpoint, baseline_checkpoint, text_path, out_path, record: dict,
@@ -312,9 +315,14 @@ def _own_kl_mode(engine, arm_checkpoint, baseline_checkpoint, text_path, out_pat
             "seconds": time.perf_counter() - start,
         }
     )
+    return _written(record, out_path, arm_checkpoint, baseline_checkpoint)
+
+
+def _written(record: dict, out_path, arm_checkpoint, baseline_checkpoint) -> dict:
+    """``record``, once written to ``out_path`` (JSON, atomically) and its numbers logged."""
     write_json(out_path, record)
     log.info("%s vs %s (%s): KL mean %.5f p99 %.5f, top-1 %.4f, greedy %d/%d identical (%.1f s)",
-             arm_checkpoint, baseline_checkpoint, OWN_KL_MODE, record["kl_mean"], record["kl_p99"],
-             record["top1_agreement"], record["greedy"]["identical"], record["greedy"]["prompts"],
-             record["seconds"])
+             arm_checkpoint, baseline_checkpoint, record["method"], record["kl_mean"],
+             record["kl_p99"], record["top1_agreement"], record["greedy"]["identical"],
+             record["greedy"]["prompts"], record["seconds"])
     return record

@@ -1,0 +1,51 @@
+"""fourbit.engines: the one engine table, and every module offering what its spec declares."""
+
+from __future__ import annotations
+
+import pytest
+
+from fourbit.engines import (
+    ENGINE_READS,
+    ENGINE_RUNS_ARM,
+    ENGINES,
+    Bench,
+    Fidelity,
+    NotBenchmarked,
+    engine_spec,
+    get_engine,
+    unavailable_here,
+)
+
+# What the bench and fidelity steps call, per declaration (fourbit.engines' docstring).
+CALLED = {
+    Bench.PER_PASS: ["throughput"],
+    Bench.SESSION: ["throughput", "throughput_session"],
+    Fidelity.PER_POSITION: ["compare_with_baseline"],
+    Fidelity.OWN_KL_MODE: ["divergence_from_baseline", "greedy_continuations"],
+    Fidelity.NOT_COMPARED: [],
+}
+
+
+@pytest.mark.parametrize("name", sorted(ENGINES))
+def test_every_engine_module_has_what_its_spec_declares(name):
+    spec = engine_spec(name)
+    engine = get_engine(name)
+    bench = [] if isinstance(spec.bench, NotBenchmarked) else CALLED[spec.bench]
+    for function in ["score_windows", "runtime", *bench, *CALLED[spec.fidelity]]:
+        assert callable(getattr(engine, function, None)), f"{spec.module} lacks {function}()"
+    assert spec.reads in ("hf", "gguf")
+    reason = unavailable_here(name)
+    assert reason is None or isinstance(reason, str)
+
+
+def test_the_views_config_reads_come_from_the_table():
+    assert ENGINE_READS == {name: spec.reads for name, spec in ENGINES.items()}
+    native = {"method": "gptq", "sym": True}
+    assert ENGINE_RUNS_ARM["vllm_native"](native) and not ENGINE_RUNS_ARM["vllm_native"](
+        {**native, "sym": False})
+    assert ENGINE_RUNS_ARM["vllm"]({"method": "rtn"})
+
+
+def test_an_unknown_engine_names_the_known_ones():
+    with pytest.raises(ValueError, match="engine 'vlm' is not known; allowed: llamacpp, reference"):
+        engine_spec("vlm")
