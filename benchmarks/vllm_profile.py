@@ -25,7 +25,7 @@ def profile_step(checkpoint: str | os.PathLike, settings: Mapping[str, Any] | Vl
     512-token prefill, after an untimed first call.
 
     ``settings``: the vllm engine's, as the workflow passes them (fourbit's plugin), or a
-    VllmSettings (VllmSettings.from_engine(settings, NATIVE) for vLLM's own kernel).
+    VllmSettings (VllmSettings.from_engine(settings, plugin=False) for vLLM's own kernel).
     """
     from torch.profiler import ProfilerActivity, profile
     from vllm import SamplingParams

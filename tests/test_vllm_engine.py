@@ -127,17 +127,17 @@ def test_rejects_empty_input(model_dir):
 def test_settings_come_whole_from_the_schema():
     """No key the schema fills has a fallback here: a missing one is an error naming it,
     an unknown one too; what the schema fills is what the engine runs with."""
-    from fourbit.engines.vllm import PLUGIN, VllmSettings, runtime
+    from fourbit.engines.vllm import VllmSettings, runtime
 
     full = engine_settings("vllm")
-    settings = VllmSettings.from_engine(full, PLUGIN)
+    settings = VllmSettings.from_engine(full, plugin=True)
     assert settings.dtype == "float32" and settings.kv_cache_bytes == 1 << 30  # the schema's
     assert settings.cache_root is None and settings.quantization == "auto"
     partial = {key: value for key, value in full.items() if key != "dtype"}
     with pytest.raises(ValueError, match=r"lack \['dtype'\].*fourbit.config.block"):
-        VllmSettings.from_engine(partial, PLUGIN)
+        VllmSettings.from_engine(partial, plugin=True)
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['kv_cache_bytes'\]"):
-        VllmSettings.from_engine({**full, "kv_cache_bytes": 1 << 20}, PLUGIN)
+        VllmSettings.from_engine({**full, "kv_cache_bytes": 1 << 20}, plugin=True)
     with pytest.raises(ValueError, match="lack"):
         runtime("unused", partial)  # every public entry builds the object first
 

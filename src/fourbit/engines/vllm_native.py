@@ -31,7 +31,7 @@ def kernel_missing() -> str | None:
 def _settings(settings: Mapping[str, Any]) -> vllm.VllmSettings:
     """The vllm engine's settings with vLLM's own kernel chosen. This engine's config
     block has no ``quant``: vLLM's kernel takes none of the plugin's knobs."""
-    return vllm.VllmSettings.from_engine({**settings, "quant": {}}, vllm.NATIVE)
+    return vllm.VllmSettings.from_engine({**settings, "quant": {}}, plugin=False)
 
 
 def _native(settings: Mapping[str, Any], checkpoint) -> vllm.VllmSettings:

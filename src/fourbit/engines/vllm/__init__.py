@@ -18,11 +18,9 @@ from fourbit.engines.vllm.bench import throughput, throughput_session
 from fourbit.engines.vllm.fidelity import compare_with_baseline
 from fourbit.engines.vllm.lifecycle import checkpoint_quant_method, open_llm, runtime
 from fourbit.engines.vllm.score import greedy, prompt_logprobs, score_windows
-from fourbit.engines.vllm.settings import NATIVE, PLUGIN, VllmSettings
+from fourbit.engines.vllm.settings import VllmSettings
 
 __all__ = [
-    "NATIVE",
-    "PLUGIN",
     "VllmSettings",
     "checkpoint_quant_method",
     "compare_with_baseline",

@@ -223,7 +223,7 @@ def throughput_session(
     arm first, 0.466 and 0.488 with the baseline first, in two runs; 0.431 and 0.430
     stopped). Stopped, the idle engines take no turn at all.
     """
-    # The worker gets the settings object whole, so it runs exactly these (vllm_native's kernel too).
+    # The worker gets the settings object whole, so it runs exactly these (vllm_native's too).
     request = {"checkpoint": str(checkpoint), "settings": dataclasses.asdict(resolve(settings)),
                "threads": int(threads),
                "prompt_tokens": prompt_tokens, "decode_tokens": decode_tokens}

@@ -15,9 +15,6 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-PLUGIN = "plugin"  # fourbit's quantization plugin runs every checkpoint it reads
-NATIVE = "native"  # vLLM's own method for the checkpoint (fourbit.engines.vllm_native)
-
 # Keys of the engine's config block; the schema gives each a default.
 CONFIG_KEYS = ("dtype", "enforce_eager", "kv_cache_gib", "max_num_seqs", "quant")
 # Keys the step that runs the engine adds: its name, and where compile caches go.
@@ -34,13 +31,15 @@ class VllmSettings:
     kv_cache_gib: float  # the KV cache vLLM allocates; unset, it would take most of the RAM
     max_num_seqs: int  # sequences per engine step (1: a window's score never depends on batching)
     quant: dict[str, Any]  # the plugin's quantization_config overrides (schema: engines.vllm.quant)
-    kernel: str  # PLUGIN or NATIVE: which code runs a 4-bit checkpoint
+    # True: fourbit's plugin runs every checkpoint it reads; False: vLLM's own method for
+    # the checkpoint (fourbit.engines.vllm_native)
+    plugin: bool
     cache_root: str | None  # this checkpoint's compile caches; None: vLLM's default folders
     baseline_cache_root: str | None  # the baseline's, shared by an engine's fidelity jobs
 
     @classmethod
-    def from_engine(cls, settings: Mapping[str, Any], kernel: str) -> VllmSettings:
-        """From the workflow's mapping; ``kernel`` is the engine's (PLUGIN for vllm)."""
+    def from_engine(cls, settings: Mapping[str, Any], *, plugin: bool) -> VllmSettings:
+        """From the workflow's mapping; ``plugin`` is the engine's (True for vllm)."""
         missing = [key for key in CONFIG_KEYS if key not in settings]
         if missing:
             raise ValueError(
@@ -52,15 +51,13 @@ class VllmSettings:
         if unknown:
             raise ValueError(f"vllm engine settings: unknown key(s) {unknown}; "
                              f"allowed: {sorted(CONFIG_KEYS + STEP_KEYS)}")
-        if kernel not in (PLUGIN, NATIVE):
-            raise ValueError(f"kernel {kernel!r}; expected {PLUGIN!r} or {NATIVE!r}")
         return cls(
             dtype=str(settings["dtype"]),
             enforce_eager=bool(settings["enforce_eager"]),
             kv_cache_gib=float(settings["kv_cache_gib"]),
             max_num_seqs=int(settings["max_num_seqs"]),
             quant=dict(settings["quant"]),
-            kernel=kernel,
+            plugin=plugin,
             # Optional: only the steps choose cache folders; a direct call may leave them out.
             cache_root=_optional_path(settings.get("cache_root")),
             baseline_cache_root=_optional_path(settings.get("baseline_cache_root")),
@@ -75,7 +72,7 @@ class VllmSettings:
         """open_llm's quantization: "auto" (fourbit's plugin for every checkpoint it reads)
         with the plugin; None with vLLM's kernel, so that vLLM picks its own method from
         the checkpoint's quantization_config."""
-        return "auto" if self.kernel == PLUGIN else None
+        return "auto" if self.plugin else None
 
 
 def _optional_path(value: Any) -> str | None:
@@ -89,4 +86,4 @@ def resolve(settings: Mapping[str, Any] | VllmSettings) -> VllmSettings:
     receives one)."""
     if isinstance(settings, VllmSettings):
         return settings
-    return VllmSettings.from_engine(settings, PLUGIN)
+    return VllmSettings.from_engine(settings, plugin=True)
