@@ -5,8 +5,9 @@ import math
 
 import pytest
 
+from fourbit import records as records_schema
 from fourbit.config import load_schema
-from fourbit.report.records import ReportInputError, record_paths
+from fourbit.report.records import RECORD_KINDS, ReportInputError, record_paths
 from fourbit.report.verdicts import Measure, compare_measure
 from fourbit.steps.report import write_report
 
@@ -14,6 +15,7 @@ ENGINE = "reference-0000000000"
 ARM = "a-0000000000"
 SECOND = "b-0000000000"  # a second arm of the same engine
 WEIGHTS = "ab" * 32  # the model_weights_sha256 every record of a consistent study carries
+TOKENS = "cd" * 32  # the token_ids_sha256 of the one windows file every row scored
 # The report's settings as the workflow passes them: the schema's defaults, its only source.
 SETTINGS = {key: spec["default"]
             for key, spec in load_schema()["properties"]["report"]["properties"].items()}
@@ -41,7 +43,7 @@ def put(records, root, engine, arm, kind, record):
     id -> kind -> path, what rule report passes); its path."""
     path = root / engine / arm / FILES[kind]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record))
+    path.write_text(json.dumps(records_schema.check(RECORD_KINDS[kind], record, path)))
     records.setdefault(engine, {}).setdefault(arm, {})[kind] = path
     return path
 
@@ -60,7 +62,7 @@ def run_report(tmp_path, setup, records, manifests, tiny_untied, *, settings=SET
 
 def ppl_result(nll):
     windows = [nll, nll + 1.0, nll - 1.0, nll + 0.5]
-    return {"definition": "d", "token_ids_sha256": "t", "runtime": "r", "window_nll_sum": windows,
+    return {"definition": "d", "token_ids_sha256": TOKENS, "runtime": "r", "window_nll_sum": windows,
             "window_tokens": [10] * 4, "tokens": 40, "mean_nll": sum(windows) / 40,
             "ppl": 2.718 ** (sum(windows) / 40), "model_weights_sha256": WEIGHTS}
 
@@ -73,7 +75,7 @@ def results(tmp_path):
     put(records, tmp_path, ENGINE, "baseline", "ppl_dense", ppl_result(30.0))
     put(records, tmp_path, ENGINE, ARM, "ppl_quantized", ppl_result(31.0))
     put(records, tmp_path, ENGINE, ARM, "ppl_dense", ppl_result(31.0))
-    put(records, tmp_path, ENGINE, ARM, "bench", {"measured": False, "model_weights_sha256": WEIGHTS})
+    put(records, tmp_path, ENGINE, ARM, "bench", {"measured": False, "reason": "not timed here", "model_weights_sha256": WEIGHTS})
     put(records, tmp_path, ENGINE, ARM, "fidelity", {
         "computed": True, "method": "full logits", "bound": "exact", "kl_mean": 0.01, "kl_p99": 0.1,
         "definition": "KL over the first windows",
@@ -81,7 +83,8 @@ def results(tmp_path):
         "model_weights_sha256": WEIGHTS,
     })
     manifest = tmp_path / "arm.json"
-    manifest.write_text(json.dumps({"id": ARM, "quant": {"method": "cpu_int4", "group_size": 128, "sym": False},
+    manifest.write_text(json.dumps({"id": ARM, "name": ARM.partition("-")[0], "format": "cpu_int4",
+                                    "quant": {"method": "cpu_int4", "group_size": 128, "sym": False},
                                     "storage": {"quantized_bits_per_weight": 4.19, "file_bits_per_param": 5.0,
                                                 "size_mib": 1.0},
                                     "method_facts": {"algorithm": "rtn, shrink search", "head": "rtn"},
@@ -280,7 +283,7 @@ def ppl_windows(ppl, scatter, phase=0.4):
     nll = math.log(ppl)
     sums = [WINDOW_TOKENS * (nll + d + scatter * p) for d, p in zip(DIFFICULTY, pattern)]
     tokens = WINDOWS * WINDOW_TOKENS
-    return {"definition": "d", "token_ids_sha256": "t", "runtime": "r", "window_nll_sum": sums,
+    return {"definition": "d", "token_ids_sha256": TOKENS, "runtime": "r", "window_nll_sum": sums,
             "window_tokens": [WINDOW_TOKENS] * WINDOWS, "tokens": tokens,
             "mean_nll": sum(sums) / tokens, "ppl": math.exp(sum(sums) / tokens),
             "model_weights_sha256": WEIGHTS}
@@ -298,7 +301,7 @@ def fidelity_record(kl, top1, identical_prompts, phase):
     prefix = [NEW_TOKENS if p in identical_prompts else 5 for p in range(PROMPTS)]
     return {
         "computed": True, "method": "top-k lower bound", "bound": "lower bound",
-        "definition": "KL over the first windows", "token_ids_sha256": "t",
+        "definition": "KL over the first windows", "token_ids_sha256": TOKENS,
         "settings": {"windows": KL_WINDOWS, "prompts": PROMPTS, "prompt_tokens": 32,
                      "new_tokens": NEW_TOKENS, "top_k": 20},
         "positions": KL_WINDOWS * KL_POSITIONS, "kl_mean": kl, "kl_p99": 10 * kl,
@@ -332,7 +335,7 @@ def own_kl_record(kl, kl_se, top1, top1_se, identical_prompts):
     and no per-window sums; greedy on the same prompts as every engine."""
     return {
         "computed": True, "method": "llama-perplexity KL mode",
-        "bound": "exact, its own chunking: 8 chunks of 512 tokens", "token_ids_sha256": "t",
+        "bound": "exact, its own chunking: 8 chunks of 512 tokens", "token_ids_sha256": TOKENS,
         "definition": "llama-perplexity --kl-divergence over its own chunks",
         "settings": {"windows": KL_WINDOWS, "prompts": PROMPTS, "prompt_tokens": 32,
                      "new_tokens": NEW_TOKENS, "top_k": 20},
@@ -363,7 +366,8 @@ def vllm_study(tmp_path, tiny_untied, arms, *, benches=None, control=None, setti
 
     def manifest_of(name):
         manifest = tmp_path / f"{name}.arm.json"
-        manifest.write_text(json.dumps({"id": arm_id(name), "quant": {"method": "gptq", "group_size": 128},
+        manifest.write_text(json.dumps({"id": arm_id(name), "name": name, "format": "gptq",
+                                        "quant": {"method": "gptq", "group_size": 128},
                                         "storage": {"quantized_bits_per_weight": 4.2,
                                                     "file_bits_per_param": 9.8, "size_mib": 6.1}}))
         manifests.append(manifest)
@@ -547,3 +551,15 @@ def test_speed_skips_an_arm_whose_control_failed(tmp_path, tiny_untied):
     assert speed.startswith(f"- **For speed: `{arm_id('rtn_sym_g128')}`")  # the default bound: 1 point
     assert f"Faster but its control did not pass: `{arm_id('gptq_sym_g128')}` on {VLLM}" in speed
     assert "report.speed_quality_bound_pct" in markdown.split("## Definitions", 1)[1]
+
+
+def test_a_record_missing_a_field_readers_need_is_named_before_any_output(tmp_path, tiny_untied, results):
+    records, manifest = results
+    path = records[ENGINE][ARM]["ppl_quantized"]
+    record = json.loads(path.read_text())
+    del record["window_tokens"]
+    path.write_text(json.dumps(record))
+    with pytest.raises(ReportInputError, match=r"not a valid ppl record .*'window_tokens' is a required "
+                                               r"property.*--forcerun ppl"):
+        report(tmp_path, tiny_untied, records, manifest)
+    assert not (tmp_path / "report.md").exists()

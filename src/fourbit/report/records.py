@@ -16,8 +16,11 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
-# The rule that writes each kind of record: what to rerun when one must be remade.
-RECORD_RULES = {"ppl_quantized": "ppl", "ppl_dense": "ppl", "bench": "bench", "fidelity": "fidelity"}
+from fourbit import records as record_schema
+
+# Each kind's record schema (fourbit.records), named as the rule that writes it: what to
+# rerun when one must be remade. The two ppl kinds are one record kind.
+RECORD_KINDS = {"ppl_quantized": "ppl", "ppl_dense": "ppl", "bench": "bench", "fidelity": "fidelity"}
 
 RecordPaths = Mapping[str, Mapping[str, Mapping[str, str | os.PathLike]]]
 
@@ -55,6 +58,26 @@ def read_records(records: RecordPaths) -> Records:
     return {engine_id: {arm_id: {kind: Record(str(path), read_result(path)) for kind, path in kinds.items()}
                         for arm_id, kinds in arms.items()}
             for engine_id, arms in records.items()}
+
+
+def check_records(records: Records) -> None:
+    """Every record against its kind's schema (fourbit.records). Run after the checks that
+    recognise an older fourbit's records, which say more than a missing field would."""
+    for kind, (path, data) in _each(records):
+        _checked(RECORD_KINDS[kind], data, path)
+
+
+def read_arm(path: str | os.PathLike) -> dict:
+    """An arm's manifest (arm.json), checked like every other record."""
+    return _checked("arm", read_result(path), path)
+
+
+def _checked(kind: str, data: dict, path: str | os.PathLike) -> dict:
+    try:
+        return record_schema.check(kind, data, path)
+    except record_schema.RecordError as error:
+        rule = "quantize (quantize_gguf for a llama.cpp arm)" if kind == "arm" else kind
+        raise ReportInputError(f"{error}; remake it: snakemake --forcerun {rule}, {path}") from None
 
 
 def _each(records: Records) -> Iterator[tuple[str, Record]]:
@@ -109,7 +132,7 @@ def check_same_weights(model_id: str, records: Records) -> str | None:
             raise ReportInputError(
                 f"{path}: has no model_weights_sha256, so it was written by an older fourbit "
                 "that did not record which weights it was computed from; rerun it: "
-                f"snakemake --forcerun {RECORD_RULES[kind]}"
+                f"snakemake --forcerun {RECORD_KINDS[kind]}"
             )
         weights = record["model_weights_sha256"]
         carriers.setdefault(weights, []).append(path)
@@ -117,7 +140,7 @@ def check_same_weights(model_id: str, records: Records) -> str | None:
     if len(carriers) < 2:
         return first[1] if first else None
     other = next(w for w in carriers if w != first[1])
-    rules = sorted({RECORD_RULES[kind] for kind, _ in _each(records)})
+    rules = sorted({RECORD_KINDS[kind] for kind, _ in _each(records)})
     raise ReportInputError(
         f"records under model id {model_id} were computed from different weights: "
         f"{first[0]} from model_weights_sha256 {first[1]} ({len(carriers[first[1]])} records), "

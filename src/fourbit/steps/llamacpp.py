@@ -14,6 +14,7 @@ import logging
 import os
 from pathlib import Path
 
+from fourbit import records
 from fourbit.atomic import write_json
 from fourbit.llamacpp.build import LlamaCpp, ensure_llamacpp
 from fourbit.llamacpp.convert import convert_to_gguf
@@ -62,7 +63,7 @@ def quantize_arm(f16_gguf: str | os.PathLike, out_gguf: str | os.PathLike, arm_p
     )
     manifest = {**arm, "format": "gguf", "storage": gguf_storage(Path(out_gguf), tools),
                 "llama_cpp": {"commit": tools.commit, "from": "f16 GGUF of the untied model"}}
-    write_json(arm_path, manifest)
+    records.write("arm", arm_path, manifest)
     log.info("%s: %s, %.3f bits/weight in matmul weights", arm["id"], quant["type"],
              manifest["storage"]["quantized_bits_per_weight"])
     return manifest

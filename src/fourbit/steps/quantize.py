@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from fourbit.atomic import atomic_dir, write_json
+from fourbit import records
+from fourbit.atomic import atomic_dir
 from fourbit.checkpoints.hf import (
     TensorReader,
     module_name,
@@ -116,7 +117,7 @@ def quantize_checkpoint(
         "quantize_seconds": round(seconds, 2),
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }
-    write_json(arm_path, manifest)
+    records.write("arm", arm_path, manifest)
     log.info("%s: %d modules, %.3f bits/weight in quantized layers, %.1fs",
              arm["id"], len(qweights), stats["quantized_bits_per_weight"], seconds)
     return manifest

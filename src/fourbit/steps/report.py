@@ -20,7 +20,9 @@ from fourbit.report.plots import plot
 from fourbit.report.records import (
     RecordPaths,
     bench_records,
+    check_records,
     check_same_weights,
+    read_arm,
     read_records,
     read_result,
     run_facts,
@@ -54,7 +56,8 @@ def write_report(
     if gguf_base_storage:
         storage["gguf"] = read_result(gguf_base_storage)
     benches = bench_records(study, read)
-    manifests = [read_result(p) for p in arm_manifests]
+    check_records(read)
+    manifests = [read_arm(p) for p in arm_manifests]
     rows = build_rows(study, read, manifests, storage, benches)
     facts = run_facts(read, benches, manifests, baseline_checkpoint=baseline_checkpoint,
                       training_path=training_path, corpus_manifest=corpus_manifest)
