@@ -4,8 +4,8 @@ once per machine kind.
 ``ensure_llamacpp()`` returns the cached build, or makes it: fetch the sdist
 with pip (checked against a pinned sha256), extract its ``vendor/llama.cpp``,
 configure with CMake (CPU only, Release, static, no network) and build
-llama-quantize, llama-perplexity, llama-bench and fourbit-score (see
-:mod:`fourbit.llamacpp.perplexity`). About 10 CPU-minutes (15 minutes on 2 busy cores);
+llama-quantize, llama-perplexity, llama-bench and fourbit-score (``scorer.cpp``;
+:mod:`fourbit.llamacpp.perplexity` says why). About 10 CPU-minutes (15 minutes on 2 busy cores);
 37 MB of binaries, as each of the four links libllama and ggml statically.
 
 The code is compiled for this CPU (``GGML_NATIVE=ON``, i.e. ``-march=native``):
@@ -45,12 +45,12 @@ import time
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from importlib.resources import files
 from pathlib import Path
 from typing import Iterator
 
 from fourbit.atomic import atomic_dir, write_json
 from fourbit.llamacpp import tail
-from fourbit.llamacpp.perplexity import SCORER_SOURCE, SCORER_TARGET
 from fourbit.progress import Progress, setup_logging
 
 log = logging.getLogger("fourbit")
@@ -94,6 +94,11 @@ CMAKE_OPTIONS = {
     ],  # the extracted tree has no git history to read it from
     "LLAMA_BUILD_NUMBER": "0",
 }
+# fourbit-score (fourbit.llamacpp.perplexity says why it exists) is C++ shipped beside this
+# module. Its text is part of the recipe hash, so these bytes name the cached build: edit the
+# file and the next ensure_llamacpp() builds afresh.
+SCORER_TARGET = "fourbit-score"
+SCORER_SOURCE = files("fourbit.llamacpp").joinpath("scorer.cpp").read_text(encoding="utf-8")
 # Adds fourbit-score to llama.cpp's own build, against the same static libllama.
 SCORER_CMAKELISTS = f"""cmake_minimum_required(VERSION 3.14)
 project(fourbit_llamacpp C CXX)

@@ -14,8 +14,8 @@ before it (position 0 is context only). llama-perplexity cannot do that:
   ``--kl-divergence-base``, but again scores the second half of each chunk and
   replaces each chunk's first token by BOS when the vocabulary asks for it.
 
-So the build adds one small program, ``fourbit-score`` (:data:`SCORER_SOURCE`),
-compiled in the same CMake build against the same static libllama as the tools.
+So the build adds one small program, ``fourbit-score`` (``scorer.cpp``, beside this
+module), compiled in the same CMake build against the same static libllama as the tools.
 It reads windows of token ids, decodes each window in one batch (one ubatch, so
 the kernels do not depend on how a window would be split) on a cleared KV cache,
 and sums -log softmax(logits[j])[ids[j+1]] in double for j = 0..W-2. It uses only
@@ -30,244 +30,12 @@ import logging
 import re
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from fourbit.llamacpp import ARITHMETIC, ToolError, common_arithmetic_flags, run_tool, tail
+from fourbit.llamacpp.build import LlamaCpp
 from fourbit.progress import Progress
 
-if TYPE_CHECKING:  # build.py imports this module for SCORER_SOURCE
-    from fourbit.llamacpp.build import LlamaCpp
-
 log = logging.getLogger("fourbit")
-
-SCORER_TARGET = "fourbit-score"
-
-SCORER_SOURCE = r"""// fourbit-score: teacher-forced negative log-likelihood of given token windows.
-//
-// usage: fourbit-score -m MODEL.gguf -f WINDOWS.txt -t THREADS [--greedy N]
-//            --flash-attn on|off --repack|--no-repack --cache-type-k T --cache-type-v T
-// WINDOWS.txt: one window per line, token ids separated by spaces, at least 2 per window.
-// Each window is decoded as is (no BOS added) in one batch on an empty KV cache;
-// positions 1..W-1 are scored, each from the logits at the position before it.
-// stdout: "window <i> tokens <W-1> nll_sum <sum>" per window, then "done <n_windows>".
-// With --greedy N, each window is a prompt instead, continued by exactly N tokens, each
-// the argmax (lowest id on ties) of the last position's logits, end-of-generation tokens
-// included: "greedy <i> ids <id> ... <id>" per window, then "done <n_windows>".
-// Errors: a message on stderr naming the problem, exit status 2.
-#include "llama.h"
-
-#include <algorithm>
-#include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <fstream>
-#include <map>
-#include <sstream>
-#include <string>
-#include <vector>
-
-[[noreturn]] static void fail(const std::string & message) {
-    fprintf(stderr, "fourbit-score: %s\n", message.c_str());
-    exit(2);
-}
-
-static ggml_log_level last_level = GGML_LOG_LEVEL_NONE;
-
-static void log_warnings_and_errors(ggml_log_level level, const char * text, void *) {
-    if (level != GGML_LOG_LEVEL_CONT) {
-        last_level = level;
-    }
-    if (last_level >= GGML_LOG_LEVEL_WARN) {
-        fputs(text, stderr);
-    }
-}
-
-static ggml_type cache_type(const std::string & name) {
-    static const std::map<std::string, ggml_type> types = {
-        {"f32", GGML_TYPE_F32}, {"f16", GGML_TYPE_F16}, {"bf16", GGML_TYPE_BF16}, {"q8_0", GGML_TYPE_Q8_0},
-    };
-    auto found = types.find(name);
-    if (found == types.end()) {
-        fail("unknown KV cache type '" + name + "'; expected one of f32, f16, bf16, q8_0");
-    }
-    return found->second;
-}
-
-static std::vector<std::vector<llama_token>> read_windows(const std::string & path) {
-    std::ifstream in(path);
-    if (!in) {
-        fail("cannot open windows file " + path);
-    }
-    std::vector<std::vector<llama_token>> windows;
-    std::string line;
-    while (std::getline(in, line)) {
-        std::istringstream ids(line);
-        std::vector<llama_token> window;
-        long long id;
-        while (ids >> id) {
-            window.push_back((llama_token) id);
-        }
-        if (!ids.eof()) {
-            fail("line " + std::to_string(windows.size() + 1) + " of " + path + " holds something other than token ids");
-        }
-        if (window.size() < 2) {
-            fail("window " + std::to_string(windows.size()) + " has " + std::to_string(window.size()) +
-                 " tokens; at least 2 are needed (one of context, one scored)");
-        }
-        windows.push_back(window);
-    }
-    if (windows.empty()) {
-        fail("no windows in " + path);
-    }
-    return windows;
-}
-
-int main(int argc, char ** argv) {
-    std::string model_path, windows_path, flash_attn, type_k, type_v;
-    int threads = 0;
-    int repack = -1;
-    int greedy_tokens = 0;
-    for (int i = 1; i < argc; i++) {
-        const std::string arg = argv[i];
-        auto value = [&]() -> std::string {
-            if (i + 1 >= argc) {
-                fail("missing value after " + arg);
-            }
-            return argv[++i];
-        };
-        if (arg == "-m") {
-            model_path = value();
-        } else if (arg == "-f") {
-            windows_path = value();
-        } else if (arg == "-t") {
-            threads = std::atoi(value().c_str());
-        } else if (arg == "--flash-attn") {
-            flash_attn = value();
-        } else if (arg == "--repack") {
-            repack = 1;
-        } else if (arg == "--greedy") {
-            greedy_tokens = std::atoi(value().c_str());
-            if (greedy_tokens <= 0) {
-                fail("--greedy needs a number of tokens > 0");
-            }
-        } else if (arg == "--no-repack") {
-            repack = 0;
-        } else if (arg == "--cache-type-k") {
-            type_k = value();
-        } else if (arg == "--cache-type-v") {
-            type_v = value();
-        } else {
-            fail("unknown argument " + arg);
-        }
-    }
-    // Every setting that changes the arithmetic must be given: no silent defaults.
-    if (model_path.empty() || windows_path.empty() || threads <= 0 || repack < 0 || type_k.empty() ||
-        type_v.empty() || (flash_attn != "on" && flash_attn != "off")) {
-        fail("all of -m, -f, -t N>0, --flash-attn on|off, --repack|--no-repack, --cache-type-k, --cache-type-v are required");
-    }
-    const auto windows = read_windows(windows_path);
-    size_t longest = 0;
-    for (const auto & window : windows) {
-        longest = std::max(longest, window.size());
-    }
-
-    llama_log_set(log_warnings_and_errors, nullptr);
-    llama_backend_init();
-
-    llama_model_params model_params = llama_model_default_params();
-    model_params.n_gpu_layers = 0;
-    model_params.use_extra_bufts = repack == 1;
-    llama_model * model = llama_model_load_from_file(model_path.c_str(), model_params);
-    if (model == nullptr) {
-        fail("cannot load model " + model_path);
-    }
-    const int n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(model));
-
-    llama_context_params context_params = llama_context_default_params();
-    context_params.n_ctx = (uint32_t) (longest + greedy_tokens);
-    context_params.n_batch = (uint32_t) longest;
-    context_params.n_ubatch = (uint32_t) longest;
-    context_params.n_seq_max = 1;
-    context_params.n_threads = threads;
-    context_params.n_threads_batch = threads;
-    context_params.flash_attn_type = flash_attn == "on" ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
-    context_params.type_k = cache_type(type_k);
-    context_params.type_v = cache_type(type_v);
-    context_params.no_perf = true;
-    llama_context * context = llama_init_from_model(model, context_params);
-    if (context == nullptr) {
-        fail("cannot create a context of " + std::to_string(longest) + " tokens for " + model_path);
-    }
-
-    llama_batch batch = llama_batch_init((int32_t) longest, 0, 1);
-    for (size_t w = 0; w < windows.size(); w++) {
-        const auto & window = windows[w];
-        const int n = (int) window.size();
-        for (int j = 0; j < n; j++) {
-            if (window[j] < 0 || window[j] >= n_vocab) {
-                fail("window " + std::to_string(w) + " position " + std::to_string(j) + ": token id " +
-                     std::to_string(window[j]) + " is outside the vocabulary [0, " + std::to_string(n_vocab) + ")");
-            }
-            batch.token[j] = window[j];
-            batch.pos[j] = j;
-            batch.n_seq_id[j] = 1;
-            batch.seq_id[j][0] = 0;
-            batch.logits[j] = j < n - 1;
-        }
-        batch.n_tokens = n;
-        llama_memory_clear(llama_get_memory(context), true);
-        if (greedy_tokens > 0) {
-            for (int j = 0; j < n; j++) {
-                batch.logits[j] = j == n - 1;
-            }
-            printf("greedy %zu ids", w);
-            for (int k = 0; k < greedy_tokens; k++) {
-                if (llama_decode(context, batch) != 0) {
-                    fail("llama_decode failed on prompt " + std::to_string(w) + " at token " + std::to_string(k));
-                }
-                const float * logits = llama_get_logits_ith(context, -1);
-                llama_token next = (llama_token) (std::max_element(logits, logits + n_vocab) - logits);
-                printf(" %d", next);
-                batch.token[0] = next;
-                batch.pos[0] = n + k;
-                batch.n_seq_id[0] = 1;
-                batch.seq_id[0][0] = 0;
-                batch.logits[0] = 1;
-                batch.n_tokens = 1;
-            }
-            printf("\n");
-            fflush(stdout);
-            continue;
-        }
-        if (llama_decode(context, batch) != 0) {
-            fail("llama_decode failed on window " + std::to_string(w));
-        }
-        double nll_sum = 0.0;
-        for (int j = 0; j < n - 1; j++) {
-            const float * logits = llama_get_logits_ith(context, j);
-            double top = logits[0];
-            for (int v = 1; v < n_vocab; v++) {
-                top = std::max(top, (double) logits[v]);
-            }
-            double sum = 0.0;
-            for (int v = 0; v < n_vocab; v++) {
-                sum += std::exp((double) logits[v] - top);
-            }
-            nll_sum += top + std::log(sum) - (double) logits[window[j + 1]];
-        }
-        printf("window %zu tokens %d nll_sum %.17g\n", w, n - 1, nll_sum);
-        fflush(stdout);
-    }
-    printf("done %zu\n", windows.size());
-
-    llama_batch_free(batch);
-    llama_free(context);
-    llama_model_free(model);
-    llama_backend_free();
-    return 0;
-}
-"""
-
 
 _WINDOW_LINE = re.compile(r"^window (\d+) tokens (\d+) nll_sum (\S+)$")
 
@@ -424,6 +192,9 @@ def kl_divergence(
     can lose the lines still queued when the program exits
     (ggml-org/llama.cpp#22142; seen here once in ten runs, output cut after the
     last chunk's number). A run lacking them is retried (ATTEMPTS runs in all).
+
+    Long because of this docstring and the two command lines written out: the code is
+    two llama-perplexity runs sharing one temporary folder, and the record they make.
     """
     base_f16_gguf, quant_gguf, text_file = Path(base_f16_gguf), Path(quant_gguf), Path(text_file)
     for path in (base_f16_gguf, quant_gguf, text_file):
