@@ -186,7 +186,8 @@ def test_op_pads_and_casts():
 
 
 def test_config_reads_every_format_and_knobs():
-    from fourbit.vllm_plugin.config import DEFAULTS, FourbitInt4Config
+    from fourbit.vllm_plugin.config import FourbitInt4Config
+    from fourbit.vllm_plugin.knobs import DEFAULTS
 
     for fmt_name in FORMATS:
         fmt = formats.get_format(fmt_name)

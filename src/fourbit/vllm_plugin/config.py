@@ -1,19 +1,7 @@
-"""The vLLM side of the plugin: a QuantizationConfig and a LinearMethod, at module level.
+"""The vLLM side of the plugin: a QuantizationConfig and its methods, at module level.
 
-Loading. Each quantized layer gets one empty placeholder parameter per tensor of its
-checkpoint format (``format.layout``: qweight/scales/zeros, or GPTQ's
-qweight/qzeros/scales/g_idx, or compressed-tensors' weight_packed/...); their
-``weight_loader`` does not copy into the parameter but files the tensor under its
-shard. vLLM's model loaders hand every checkpoint tensor of a merged layer to
-``param.weight_loader(param, tensor, shard_id)`` with the shard id taken from the
-model's stacked mapping ("q"/"k"/"v" for qkv_proj, 0/1 for gate_up_proj;
-vllm/model_executor/models/llama.py:348-357, linear.py:972-996 and 1326-1350; a plain
-layer and the lm_head get no shard id, models/utils.py:299-341). After loading each
-shard is decoded by its own format's ``unpack`` with the shard's own N, exactly as the
-checkpoint stored it, and the QuantizedWeights are stacked along N. That needs no
-per-format packed_dim/output_dim bookkeeping (the approach of vLLM's own GPTQ/AWQ
-methods with PackedvLLMParameter), so GPTQ's zero points packed along N and
-compressed-tensors' zero points packed along dim 0 are handled by the same code.
+Loading: both methods build on :class:`fourbit.vllm_plugin.loading.StoredTensors`, which
+files the checkpoint's tensors per shard and decodes them after loading.
 
 Which layers are quantized: read from the checkpoint itself (safetensors headers,
 ``maybe_update_config``, vllm/config/vllm.py:914-918), a module being quantized when
@@ -29,7 +17,6 @@ vLLM's default checkpoint mapper drops ".g_idx" (layers/quantization/base_config
 
 from __future__ import annotations
 
-import functools
 import glob
 import json
 import logging
@@ -37,7 +24,6 @@ import os
 from typing import Any
 
 import torch
-from torch.nn import Parameter
 from vllm.model_executor.layers.linear import (
     LinearBase,
     LinearMethodBase,
@@ -51,12 +37,23 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
     VocabParallelEmbedding,
 )
-from vllm.model_executor.utils import set_weight_attrs
 
 from fourbit import formats
 from fourbit.kernels import int4_cpu, tinygemm
 from fourbit.quant.qweight import QuantizedWeight
-from fourbit.vllm_plugin import DEFAULTS, KERNELS, KNOBS, QUANT_METHOD, ops
+from fourbit.vllm_plugin.knobs import DEFAULTS, KERNELS, KNOBS, QUANT_METHOD
+from fourbit.vllm_plugin.loading import StoredTensors, layer_name
+from fourbit.vllm_plugin.ops import (
+    DTYPE_CODE,
+    KERNEL_CODE,
+    MODE_DIRECT,
+    MODE_KEPT,
+    MODE_NEVER,
+    NO_THRESHOLD,
+    calls,
+    int4_linear_impl,
+    kept_copy,
+)
 
 log = logging.getLogger(__name__)
 
@@ -71,28 +68,6 @@ def _as_bool(value: Any, name: str) -> bool:
     if isinstance(value, int) and value in (0, 1):
         return bool(value)
     raise ValueError(f"{QUANT_METHOD}: {name} must be a boolean, got {value!r}")
-
-
-def _shard_key(shard_id: Any) -> int | str:
-    """Which stacked shard a loaded tensor belongs to; "all" for an unmerged tensor."""
-    if shard_id is None:
-        return "all"
-    if isinstance(shard_id, str):
-        return {"q": 0, "k": 1, "v": 2}[shard_id]
-    if isinstance(shard_id, int):
-        return shard_id
-    raise NotImplementedError(f"{QUANT_METHOD}: shard id {shard_id!r} (a span) is not supported")
-
-
-def _stash(
-    layer: torch.nn.Module,
-    suffix: str,
-    param: Parameter,
-    loaded: torch.Tensor,
-    shard_id: Any = None,
-) -> None:
-    """A placeholder's weight_loader: keep the tensor for process_weights_after_loading."""
-    layer.fourbit_shards.setdefault(_shard_key(shard_id), {})[suffix] = loaded.detach().clone()
 
 
 def _safetensors_keys(model_dir: str) -> list[str] | None:
@@ -115,18 +90,6 @@ def _safetensors_keys(model_dir: str) -> list[str] | None:
     return keys
 
 
-def _stack(parts: list[QuantizedWeight]) -> QuantizedWeight:
-    if len(parts) == 1:
-        return parts[0]
-    g = parts[0].group_size
-    return QuantizedWeight(
-        torch.cat([p.codes for p in parts]),
-        torch.cat([p.scales for p in parts]),
-        torch.cat([p.zeros for p in parts]),
-        g,
-    )
-
-
 def _pad_rows(qw: QuantizedWeight, rows: int) -> QuantizedWeight:
     """Append all-zero rows (code 0, zero 0, scale 0 -> W_hat row 0) up to ``rows``."""
     extra = rows - qw.shape[0]
@@ -140,11 +103,6 @@ def _pad_rows(qw: QuantizedWeight, rows: int) -> QuantizedWeight:
         torch.cat([qw.zeros, torch.zeros(extra, ng, dtype=torch.uint8)]),
         qw.group_size,
     )
-
-
-def _name(layer: torch.nn.Module) -> str:
-    """The layer's name for messages; vLLM builds some embeddings without a prefix."""
-    return getattr(layer, "prefix", "") or f"the {type(layer).__name__}"
 
 
 class FourbitInt4Config(QuantizationConfig):
@@ -209,7 +167,7 @@ class FourbitInt4Config(QuantizationConfig):
         return []  # everything is in config.json's quantization_config
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "FourbitInt4Config":
+    def from_config(cls, config: dict[str, Any]) -> FourbitInt4Config:
         fmt = formats.format_for_config(config)
         if fmt.name == "gptq" and config.get("desc_act"):
             raise ValueError(f"{QUANT_METHOD}: GPTQ desc_act=True (act-order) is not supported")
@@ -306,77 +264,15 @@ class FourbitInt4Config(QuantizationConfig):
         return None
 
 
-class _StoredTensors:
-    """Placeholders for a module's checkpoint tensors, and the QuantizedWeight they hold.
-
-    Shared by the linear and the embedding method: both load the format's tensors the
-    same way and differ only in what they build from the decoded weight.
-    """
+class _Method(StoredTensors):
+    """What both methods hold: the config, and the loading of its format's tensors."""
 
     def __init__(self, config: FourbitInt4Config) -> None:
+        super().__init__(config.format, config.group_size)
         self.config = config
 
-    def create_weights(
-        self,
-        layer: torch.nn.Module,
-        input_size_per_partition: int,
-        output_partition_sizes: list[int],
-        input_size: int,
-        output_size: int,
-        params_dtype: torch.dtype,
-        **extra_weight_attrs,
-    ) -> None:
-        if input_size_per_partition != input_size or sum(output_partition_sizes) != output_size:
-            if not isinstance(layer, VocabParallelEmbedding):
-                raise NotImplementedError(f"{QUANT_METHOD}: tensor parallelism is not supported")
-        layer.fourbit_in_features = input_size_per_partition
-        layer.fourbit_out_sizes = list(output_partition_sizes)
-        layer.fourbit_params_dtype = params_dtype
-        layer.fourbit_shards = {}
-        for spec in self.config.format.layout:
-            empty = torch.empty(0, dtype=spec.dtype or torch.float16)
-            placeholder = Parameter(empty, requires_grad=False)
-            loader = functools.partial(_stash, layer, spec.suffix)
-            set_weight_attrs(placeholder, {"weight_loader": loader})
-            layer.register_parameter(spec.suffix, placeholder)
 
-    def _shard_rows(self, layer: torch.nn.Module) -> list[tuple[int | str, int]]:
-        """(shard key, checkpoint rows) for every tensor group the layer must have received."""
-        sizes = layer.fourbit_out_sizes
-        shards = layer.fourbit_shards
-        if isinstance(layer, VocabParallelEmbedding):  # the checkpoint's vocab, unpadded
-            return [("all", layer.org_vocab_size)]
-        if "all" in shards:
-            if len(shards) != 1:
-                raise ValueError(f"{QUANT_METHOD}: {_name(layer)}: fused and per-shard tensors")
-            return [("all", sum(sizes))]
-        return list(enumerate(sizes))
-
-    def take_stored(self, layer: torch.nn.Module) -> list[tuple[int, dict[str, torch.Tensor]]]:
-        """(checkpoint rows, the format's tensors) per shard as loaded; placeholders removed."""
-        fmt = self.config.format
-        stored = []
-        for key, rows in self._shard_rows(layer):
-            if key not in layer.fourbit_shards:
-                raise ValueError(
-                    f"{QUANT_METHOD}: {_name(layer)}: the checkpoint gave no tensors for shard "
-                    f"{key} (expected {[spec.suffix for spec in fmt.layout]})"
-                )
-            stored.append((rows, layer.fourbit_shards[key]))
-        for spec in fmt.layout:
-            del layer._parameters[spec.suffix]
-        del layer.fourbit_shards
-        return stored
-
-    def take_loaded(self, layer: torch.nn.Module) -> QuantizedWeight:
-        """The loaded shards decoded and stacked along N; the placeholders removed."""
-        cfg = self.config
-        k = layer.fourbit_in_features
-        return _stack([cfg.format.unpack(tensors, rows, k, cfg.group_size)
-                       for rows, tensors in self.take_stored(layer)])
-
-
-class FourbitEmbeddingMethod(_StoredTensors, QuantizeMethodBase):
+class FourbitEmbeddingMethod(_Method, QuantizeMethodBase):
     """A 4-bit embedding table: lookups gather packed rows and dequantize only those.
 
     The table is kept as the cpu_int4 format stores it (codes two to a byte, scales,
@@ -401,7 +297,7 @@ class FourbitEmbeddingMethod(_StoredTensors, QuantizeMethodBase):
 
     def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
         """W_hat rows for token ids [...] -> [..., H]."""
-        ops.calls["embedding"] += 1
+        calls["embedding"] += 1
         fmt = self.config.format  # TABLE_FORMAT, checked at load
         ids = input_.reshape(-1)  # [...] -> [T]
         rows = {spec.suffix: getattr(layer, f"fourbit_table_{spec.suffix}")[ids]
@@ -412,12 +308,12 @@ class FourbitEmbeddingMethod(_StoredTensors, QuantizeMethodBase):
 
     def apply(self, layer: torch.nn.Module, *args, **kwargs) -> torch.Tensor:
         raise NotImplementedError(
-            f"{QUANT_METHOD}: {_name(layer)} is an input embedding; it is looked up, never "
+            f"{QUANT_METHOD}: {layer_name(layer)} is an input embedding; it is looked up, never "
             "multiplied (a tied head would need the head quantized as its own matrix)"
         )
 
 
-class FourbitLinearMethod(_StoredTensors, LinearMethodBase):
+class FourbitLinearMethod(_Method, LinearMethodBase):
     """fourbit's kernel (or tinygemm) for small batches, dense matmul on W_hat for large ones
     (see ops.py). The arm's ``kernel`` knob picks; a layer the kernel cannot take on this
     host falls back to tinygemm, logged with the layer's name and the reason."""
@@ -440,7 +336,7 @@ class FourbitLinearMethod(_StoredTensors, LinearMethodBase):
             reason = int4_cpu.unsupported(out_features, k, g)
             if reason is not None:
                 log.warning("%s: %s: fourbit %s kernel not used (%s); tinygemm instead",
-                            QUANT_METHOD, _name(layer), kernel, reason)
+                            QUANT_METHOD, layer_name(layer), kernel, reason)
                 kernel = "tinygemm"
         empty_u8 = torch.empty(0, dtype=torch.uint8)
         empty_f = torch.empty(0, dtype=torch.float32)
@@ -449,19 +345,19 @@ class FourbitLinearMethod(_StoredTensors, LinearMethodBase):
         if kernel != "tinygemm":
             w = int4_cpu.repack(qw)  # [N, K/2] nibbles, [N/4, K/G, 4] scales and zeros; qw dropped
             packed, scales, zeros = w.packed, w.scales, w.zeros
-            mode = ops.MODE_DIRECT if cfg.prefill_dequant else ops.MODE_NEVER
-            threshold = cfg.dequant_threshold if cfg.prefill_dequant else ops.NO_THRESHOLD
+            mode = MODE_DIRECT if cfg.prefill_dequant else MODE_NEVER
+            threshold = cfg.dequant_threshold if cfg.prefill_dequant else NO_THRESHOLD
         else:
             mode, threshold, packed, sz = self._tinygemm(layer, qw, out_features, compute)
-            if mode == ops.MODE_KEPT:
-                codes, scales, offsets = ops.kept_copy(qw.codes, qw.scales, qw.zeros, g)
+            if mode == MODE_KEPT:
+                codes, scales, offsets = kept_copy(qw.codes, qw.scales, qw.zeros, g)
         layer.register_buffer("fourbit_packed", packed, persistent=False)
         layer.register_buffer("fourbit_sz", sz, persistent=False)
         layer.register_buffer("fourbit_codes", codes, persistent=False)
         layer.register_buffer("fourbit_scales", scales, persistent=False)
         layer.register_buffer("fourbit_offsets", offsets, persistent=False)
         layer.register_buffer("fourbit_zeros", zeros, persistent=False)
-        knobs = [threshold, mode, ops.DTYPE_CODE[compute], ops.KERNEL_CODE[kernel]]
+        knobs = [threshold, mode, DTYPE_CODE[compute], KERNEL_CODE[kernel]]
         layer.register_buffer("fourbit_knobs", torch.tensor(knobs, dtype=torch.int64),
                               persistent=False)
         layer.fourbit_group_size = g
@@ -479,16 +375,16 @@ class FourbitLinearMethod(_StoredTensors, LinearMethodBase):
         try:
             tinygemm.check_shape(n16, k, g)
         except ValueError as e:
-            log.warning("%s: %s runs dense only: %s", QUANT_METHOD, _name(layer), e)
-            return ops.MODE_KEPT, 0, torch.empty(0, dtype=torch.uint8), torch.empty(0)
+            log.warning("%s: %s runs dense only: %s", QUANT_METHOD, layer_name(layer), e)
+            return MODE_KEPT, 0, torch.empty(0, dtype=torch.uint8), torch.empty(0)
         dtype = tinygemm.kernel_dtype(compute, cfg.activation_dtype)
         packed, sz = tinygemm.to_tinygemm(_pad_rows(qw, n16), dtype)
         exact = dtype == compute or dtype == torch.float32
         if not cfg.prefill_dequant:
-            return ops.MODE_NEVER, ops.NO_THRESHOLD, packed, sz
+            return MODE_NEVER, NO_THRESHOLD, packed, sz
         if cfg.direct_dequant and exact and tinygemm.supports_direct_dequant(n16, k):
-            return ops.MODE_DIRECT, cfg.dequant_threshold, packed, sz
-        return ops.MODE_KEPT, cfg.dequant_threshold, packed, sz
+            return MODE_DIRECT, cfg.dequant_threshold, packed, sz
+        return MODE_KEPT, cfg.dequant_threshold, packed, sz
 
     def apply(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
@@ -498,7 +394,7 @@ class FourbitLinearMethod(_StoredTensors, LinearMethodBase):
         # Traced (compiled mode): the opaque op; eager: its implementation, without the
         # dispatcher's round trip (ops.py, int4_linear).
         compiling = torch.compiler.is_compiling()
-        op = torch.ops.fourbit.int4_linear if compiling else ops.int4_linear_impl
+        op = torch.ops.fourbit.int4_linear if compiling else int4_linear_impl
         y = op(
             x.reshape(-1, k),
             layer.fourbit_packed,

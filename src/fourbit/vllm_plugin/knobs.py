@@ -1,0 +1,81 @@
+"""The plugin's knobs: their defaults, what they run on this host, and how an arm's
+knobs reach its checkpoint. The fourbit.vllm_plugin package doc says what each knob does.
+
+Nothing here imports vLLM, so the engine's main process can describe a run cheaply.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+QUANT_METHOD = "fourbit_int4"
+
+# Knobs read from quantization_config (defaults here). See the package doc.
+DEFAULTS: dict[str, Any] = {
+    "dequant_threshold": 64,  # rows (tokens in the step) from which the dense path is used
+    "prefill_dequant": True,  # False: tinygemm for every batch size
+    # True: the dense path reads W_hat out of the packed tinygemm tensors, so no second
+    # copy of the weights is kept. Measured here single-threaded at 4096x4096: 0.09 s
+    # against 0.115 s from a kept copy; shapes the layout does not cover keep a copy.
+    "direct_dequant": True,
+    "activation_dtype": "auto",  # compute dtype of both paths; "auto" = the model's dtype
+    # Which kernel runs batches below the threshold, and with which numerics (kernels/
+    # int4_cpu.py): "w4a16" fourbit's kernel, float activations, exact against the dense
+    # control; "w4a8" the same weights with activations rounded to int8 per 32 columns,
+    # integer dot products (the fast path); "tinygemm" PyTorch's kernel. An arm sets it in
+    # its quant block (hashed), the checkpoint carries it; w4a16 when absent because it is
+    # the exact one. Falls back to tinygemm by name (logged) where the ISA or shape is missing.
+    "kernel": "w4a16",
+}
+KNOBS = tuple(DEFAULTS)
+KERNELS = ("w4a16", "w4a8", "tinygemm")
+
+
+def describe(knobs: dict[str, Any], model_dtype: str) -> str:
+    """What runs a 4-bit linear for these knobs on this host, for the runtime string.
+
+    No vLLM import (the engine's runtime() calls it in the main process). Shapes the
+    kernel does not cover are only known at load; those layers log their fallback.
+    """
+    import torch
+
+    from fourbit.kernels import int4_cpu, tinygemm
+
+    requested = knobs["activation_dtype"]
+    compute = model_dtype if requested == "auto" else requested
+    kernel = knobs["kernel"]
+    if kernel in int4_cpu.NUMERICS and int4_cpu.isa() != "none":
+        small = f"fourbit {kernel.upper()} kernel ({int4_cpu.isa()})"
+        source = "its packed layout"
+    else:
+        dtype = tinygemm.kernel_dtype(getattr(torch, compute), requested)
+        small = f"tinygemm {str(dtype).removeprefix('torch.')}"
+        small += "" if tinygemm.vectorized(dtype) else " (scalar)"
+        if kernel != "tinygemm":
+            small += f", fourbit {kernel} unavailable (not built, or no AVX2+FMA)"
+        # bfloat16 scales are not exact: the float32 dense path then reads a kept copy
+        exact = dtype in (getattr(torch, compute), torch.float32)
+        source = "the packed layout" if knobs["direct_dequant"] and exact else "a kept copy"
+    if not knobs["prefill_dequant"]:
+        return f"{small} for every batch"
+    return f"{small} below {knobs['dequant_threshold']} rows, dense {compute} from {source} above"
+
+
+# Knobs an arm's quant block carries (hashed into its id) and the checkpoint then holds.
+ARM_KNOBS = ("kernel",)
+
+
+def write_arm_knobs(folder: str | os.PathLike, quant: dict[str, Any]) -> None:
+    """Copy the arm's plugin knobs from its quant block into the checkpoint's
+    quantization_config (config.json), where vLLM hands them to the plugin."""
+    from fourbit.atomic import write_json
+    from fourbit.checkpoints.hf import read_config
+
+    knobs = {k: quant[k] for k in ARM_KNOBS if k in quant}
+    if not knobs:
+        return
+    config = read_config(folder)
+    config["quantization_config"] = {**config["quantization_config"], **knobs}
+    write_json(Path(folder) / "config.json", config)
