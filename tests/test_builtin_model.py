@@ -8,14 +8,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fourbit.inputs.builtin_model import (
     DEFAULT_SPEC,
-    PINNED_KERNELS,
     TINY_SPEC,
-    _require_cpu_flags,
     resolve_spec,
     train_builtin_model,
-    training_environment,
     training_identity,
 )
+from fourbit.inputs.pinned_kernels import PINNED_KERNELS, _require_cpu_flags, training_environment
 from fourbit.steps.prepare import prepare_corpus
 
 # Smaller than TINY_SPEC so the unit tests stay quick; TINY_SPEC is for workflow tests.
