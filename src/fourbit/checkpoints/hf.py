@@ -56,14 +56,6 @@ def load_tensors(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def tensor_names(folder: str | os.PathLike) -> set[str]:
-    names: set[str] = set()
-    for path in weight_files(folder):
-        with safe_open(str(path), framework="pt") as handle:
-            names.update(handle.keys())
-    return names
-
-
 def write_checkpoint(
     folder: Path, tensors: dict[str, torch.Tensor], config: dict, copy_from: str | os.PathLike
 ) -> None:
