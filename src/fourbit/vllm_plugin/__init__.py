@@ -16,7 +16,7 @@ aten._weight_int4pack_mm_for_cpu, or on a dense matmul over W_hat for large batc
 fourbit.engines.vllm picks the method itself (quantization="auto").
 
 Knobs, all in config.json's quantization_config (the engine merges overrides in,
-engines/vllm.py ``quant_overrides``):
+engines/vllm/lifecycle.py ``quant_overrides``):
     dequant_threshold  int, default 64: a forward step with at least this many rows
                        (tokens, all sequences of the step together) takes the dense path
     prefill_dequant    bool, default true; false = tinygemm for every row count
