@@ -36,7 +36,10 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
             if node.level:
                 parts = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(parts + ([base] if base else []))
-            targets = [base, *(f"{base}.{alias.name}" for alias in node.names)]
+            # `from package import module` depends on the module; on the package only
+            # for names that are not modules of it.
+            submodules = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules]
+            targets = submodules + ([base] if len(submodules) < len(node.names) else [])
         else:
             continue
         for target in targets:
