@@ -89,19 +89,30 @@ def get_quantize_input(wildcards):
     return inputs
 
 
+def checkpoint_outputs(kind):
+    """Where each kind of checkpoint an engine reads comes from: the rule outputs of the
+    unquantized baseline, an arm's quantized checkpoint and its dense expansion (the
+    control). "hf": Hugging Face folders; "gguf": GGUF files, made by llama.cpp's tools."""
+    return {
+        "hf": {
+            "baseline": rules.untie_head.output.model,
+            "quantized": rules.quantize.output.checkpoint,
+            "dense": rules.dequantize.output.checkpoint,
+        },
+        "gguf": {
+            "baseline": rules.convert_gguf.output.gguf,
+            "quantized": rules.quantize_gguf.output.gguf,
+            "dense": rules.dequantize_gguf.output.gguf,
+        },
+    }[kind]
+
+
 def scored_checkpoint(engine_id, arm, form):
     """Each engine's own unquantized baseline; an arm's quantized checkpoint or its
     dense expansion (the control)."""
     reads = next(e.reads for e in STUDY.engines.values() if e.id == engine_id)
-    if reads == "gguf":
-        if arm == "baseline":
-            return GGUF_BASE
-        return f"{MODEL_DIR}/arms/{arm}/gguf/" + (
-            "model.gguf" if form == "quantized" else "dense.gguf"
-        )
-    if arm == "baseline":
-        return f"{MODEL_DIR}/untied"
-    return f"{MODEL_DIR}/arms/{arm}/{form}"
+    output = checkpoint_outputs(reads)["baseline" if arm == "baseline" else form]
+    return expand(output, model=MODEL, arm=arm)[0]
 
 
 def get_scored_checkpoint(wildcards):
