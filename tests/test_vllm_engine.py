@@ -136,6 +136,10 @@ def test_settings_come_whole_from_the_schema():
     partial = {key: value for key, value in full.items() if key != "dtype"}
     with pytest.raises(ValueError, match=r"lack \['dtype'\].*fourbit.config.block"):
         VllmSettings.from_engine(partial, plugin=True)
+    native = VllmSettings.from_engine(engine_settings("vllm_native"), plugin=False)
+    assert native.dtype == "bfloat16" and native.quant == {} and native.quantization is None
+    with pytest.raises(ValueError, match=r"engines.vllm_native settings: unknown key\(s\) \['quant'\]"):
+        VllmSettings.from_engine(full, plugin=False)  # vLLM's own kernel takes no plugin knobs
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['kv_cache_bytes'\]"):
         VllmSettings.from_engine({**full, "kv_cache_bytes": 1 << 20}, plugin=True)
     with pytest.raises(ValueError, match="lack"):

@@ -28,24 +28,18 @@ def kernel_missing() -> str | None:
     return None if verdict["available"] else verdict["reason"]
 
 
-def _settings(settings: Mapping[str, Any]) -> vllm.VllmSettings:
-    """The vllm engine's settings with vLLM's own kernel chosen. This engine's config
-    block has no ``quant``: vLLM's kernel takes none of the plugin's knobs."""
-    return vllm.VllmSettings.from_engine({**settings, "quant": {}}, plugin=False)
-
-
 def _native(settings: Mapping[str, Any], checkpoint) -> vllm.VllmSettings:
-    """_settings, for a job that runs ``checkpoint``. The workflow decides on the host
-    that builds the DAG whether to schedule this engine; a job sent to a node without
-    the kernel (a cluster with mixed CPUs) stops here, saying so, instead of failing
-    inside vLLM's first forward."""
+    """The vllm engine's settings with vLLM's own kernel chosen, for a job that runs
+    ``checkpoint``. The workflow decides on the host that builds the DAG whether to
+    schedule this engine; a job sent to a node without the kernel (a cluster with mixed
+    CPUs) stops here, saying so, instead of failing inside vLLM's first forward."""
     reason = vllm.checkpoint_quant_method(checkpoint) and kernel_missing()
     if reason:
         raise RuntimeError(
             f"vLLM's native 4-bit kernel cannot run on this node ({platform.node()}): {reason}; "
             "send vllm_native jobs to AVX-512 nodes (the profile's constraint) or drop the engine"
         )
-    return _settings(settings)
+    return vllm.VllmSettings.from_engine(settings, plugin=False)
 
 
 def score_windows(checkpoint, windows, settings, threads):
@@ -53,7 +47,7 @@ def score_windows(checkpoint, windows, settings, threads):
 
 
 def runtime(checkpoint, settings):
-    return vllm.runtime(checkpoint, _settings(settings))
+    return vllm.runtime(checkpoint, vllm.VllmSettings.from_engine(settings, plugin=False))
 
 
 def throughput(checkpoint, settings, threads, **kwargs):

@@ -15,8 +15,10 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-# Keys of the engine's config block; the schema gives each a default.
-CONFIG_KEYS = ("dtype", "enforce_eager", "kv_cache_gib", "max_num_seqs", "quant")
+# Keys of the engine's config block (engines.vllm, engines.vllm_native); the schema gives
+# each a default. Only the plugin has knobs: engines.vllm_native has no ``quant``.
+CONFIG_KEYS = ("dtype", "enforce_eager", "kv_cache_gib", "max_num_seqs")
+PLUGIN_KEYS = ("quant",)
 # Keys the step that runs the engine adds: its name, and where compile caches go.
 STEP_KEYS = ("name", "cache_root", "baseline_cache_root")
 
@@ -39,24 +41,27 @@ class VllmSettings:
 
     @classmethod
     def from_engine(cls, settings: Mapping[str, Any], *, plugin: bool) -> VllmSettings:
-        """From the workflow's mapping; ``plugin`` is the engine's (True for vllm)."""
-        missing = [key for key in CONFIG_KEYS if key not in settings]
+        """From the workflow's mapping; ``plugin`` is the engine's (True for vllm, False
+        for vllm_native)."""
+        keys = CONFIG_KEYS + PLUGIN_KEYS if plugin else CONFIG_KEYS
+        block = "engines.vllm" if plugin else "engines.vllm_native"
+        missing = [key for key in keys if key not in settings]
         if missing:
             raise ValueError(
-                f"vllm engine settings lack {missing} (given: {sorted(settings)}); the study "
+                f"{block} settings lack {missing} (given: {sorted(settings)}); the study "
                 "config's validation fills them from the schema, and a direct call gets them "
-                "from fourbit.config.block('engines.vllm', given)"
+                f"from fourbit.config.block({block!r}, given)"
             )
-        unknown = sorted(set(settings) - set(CONFIG_KEYS) - set(STEP_KEYS))
+        unknown = sorted(set(settings) - set(keys) - set(STEP_KEYS))
         if unknown:
-            raise ValueError(f"vllm engine settings: unknown key(s) {unknown}; "
-                             f"allowed: {sorted(CONFIG_KEYS + STEP_KEYS)}")
+            raise ValueError(f"{block} settings: unknown key(s) {unknown}; "
+                             f"allowed: {sorted(keys + STEP_KEYS)}")
         return cls(
             dtype=str(settings["dtype"]),
             enforce_eager=bool(settings["enforce_eager"]),
             kv_cache_gib=float(settings["kv_cache_gib"]),
             max_num_seqs=int(settings["max_num_seqs"]),
-            quant=dict(settings["quant"]),
+            quant=dict(settings["quant"]) if plugin else {},
             plugin=plugin,
             # Optional: only the steps choose cache folders; a direct call may leave them out.
             cache_root=_optional_path(settings.get("cache_root")),
