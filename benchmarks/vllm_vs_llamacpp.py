@@ -36,17 +36,18 @@ import time
 from pathlib import Path
 
 import torch
-from vllm_speed import KV_CACHE_BYTES, summary  # the same folder: python puts it on sys.path
 from vllm_speed import QUANT as QWEN_QUANT  # its cpu_int4 g128 arm (shrink_steps 1, head quantized)
+from vllm_speed import summary, vllm_settings  # the same folder: python puts it on sys.path
 
 from fourbit.bench.passes import MIN_PASSES
 
 QWEN_GPTQ = {"method": "rtn", "group_size": 128, "bits": 4, "sym": True, "quantize_head": True}
-# name -> (which checkpoint of the model, engine settings)
+# name -> (which checkpoint of the model, engine, its settings)
 VLLM_VARIANTS = {
-    "plugin fp32": ("vllm", {"dtype": "float32"}),
-    "plugin bf16": ("vllm", {"dtype": "bfloat16", "quant": {"activation_dtype": "bfloat16"}}),
-    "native bf16": ("gptq", {"dtype": "bfloat16", "kernel": "native"}),
+    "plugin fp32": ("vllm", "vllm", {"dtype": "float32"}),  # the arm's kernel: W4A16
+    "plugin fp32 w4a8": ("vllm", "vllm", {"dtype": "float32", "quant": {"kernel": "w4a8"}}),
+    "plugin bf16": ("vllm", "vllm", {"dtype": "bfloat16", "quant": {"activation_dtype": "bfloat16"}}),
+    "native bf16": ("gptq", "vllm_native", {"dtype": "bfloat16"}),
 }
 LLAMA = "llama.cpp Q4_K_M"
 
@@ -79,14 +80,12 @@ def qwen_shaped_model(workdir: Path, threads: int) -> dict:
     """Random Qwen2.5-0.5B-shaped weights, cpu_int4 g128 and Q4_K_M; reused when present
     (the quantized folders are named by a hash of their quant)."""
     from fourbit.config import canonical_quant, load_schema
-    from fourbit.steps.prepare import prepare_corpus
     from fourbit.hashing import short_hash
     from fourbit.llamacpp.build import ensure_llamacpp
     from fourbit.llamacpp.convert import convert_to_gguf
     from fourbit.llamacpp.quantize import quantize_gguf
+    from fourbit.steps.prepare import fetch_model, prepare_corpus, untie_head
     from fourbit.steps.quantize import quantize_checkpoint
-    from fourbit.steps.prepare import fetch_model
-    from fourbit.steps.prepare import untie_head
 
     paths = {name: workdir / name for name in ("corpus", "tied", "untied")}
     if not (paths["corpus"] / "manifest.json").is_file():
@@ -118,7 +117,7 @@ def variants(model: dict) -> list[str]:
     checkpoint and AVX-512 (fourbit.bench.hostprobe)."""
     from fourbit.engines import unavailable_here
 
-    names = [name for name, (checkpoint, _) in VLLM_VARIANTS.items() if checkpoint in model]
+    names = [name for name, (checkpoint, _, _) in VLLM_VARIANTS.items() if checkpoint in model]
     reason = unavailable_here("vllm_native")
     if reason and "native bf16" in names:
         print(f"native bf16: not run on this host: {reason}")
@@ -128,20 +127,19 @@ def variants(model: dict) -> list[str]:
 
 def one_run(variant: str, model: dict, cores: list[int], workdir: Path) -> dict:
     """pp512 and tg128 of one variant, tok/s."""
-    from fourbit.steps.bench import pinned
-    from fourbit.engines.vllm import throughput
+    from fourbit.engines import get_engine
     from fourbit.llamacpp.bench import llama_bench
     from fourbit.llamacpp.build import ensure_llamacpp
+    from fourbit.steps.bench import pinned
 
     if variant == LLAMA:
         result = llama_bench(model["gguf"], tools=ensure_llamacpp(), threads=len(cores),
                              cores=cores, repetitions=3)
         return {"pp512_tok_s": result["pp512"]["median"], "tg128_tok_s": result["tg128"]["median"]}
-    checkpoint, settings = VLLM_VARIANTS[variant]
-    settings = {"enforce_eager": True, "kv_cache_bytes": KV_CACHE_BYTES,
-                "cache_root": str(workdir / "cache" / variant.replace(" ", "_")), **settings}
+    checkpoint, engine, given = VLLM_VARIANTS[variant]
+    settings = vllm_settings(given, workdir / "cache" / variant.replace(" ", "_"), engine)
     with pinned(cores):
-        return throughput(model[checkpoint], settings, len(cores))
+        return get_engine(engine).throughput(model[checkpoint], settings, len(cores))
 
 
 def side_by_side(model: dict, cores: list[int], passes: int, threshold: float,
@@ -190,13 +188,15 @@ def report(label: str, timed: dict, model: dict, cores: list[int], workdir: Path
                         for v, q in zip(rates[best], rates[LLAMA], strict=True)])["median"]
     print(f"{label}: decode ratio, best vLLM 4-bit arm ({best}) / {LLAMA}: {decode:.2f}")
     if decode < 1:
+        from vllm_profile import profile_step
+
+        from fourbit.engines.vllm import VllmSettings
         from fourbit.steps.bench import pinned
-        from fourbit.engines.vllm import profile_step
 
         print(f"\nprofile of one decode step of {best} (top ops by self CPU time):", flush=True)
-        checkpoint, settings = VLLM_VARIANTS[best]
-        settings = {"enforce_eager": True, "kv_cache_bytes": KV_CACHE_BYTES,
-                    "cache_root": str(workdir / "cache" / "profile"), **settings}
+        checkpoint, engine, given = VLLM_VARIANTS[best]
+        settings = VllmSettings.from_engine(
+            vllm_settings(given, workdir / "cache" / "profile", engine), plugin=engine == "vllm")
         with pinned(cores):
             print(profile_step(model[checkpoint], settings, "decode", len(cores)))
 

@@ -103,9 +103,9 @@ def test_path_model_without_safetensors_is_refused(tmp_path):
 
 
 def test_each_engine_scores_the_arms_it_can_run(monkeypatch):
-    from fourbit import engines
+    from fourbit.engines import vllm_native
 
-    monkeypatch.setitem(engines.ENGINE_HOST_CHECKS, "vllm_native", lambda: None)
+    monkeypatch.setattr(vllm_native, "kernel_missing", lambda: None)
     config = copy.deepcopy(BASE)
     config["engines"] = {"vllm": {}, "vllm_native": {}, "llamacpp": {}}
     config["arms"] = [
@@ -121,9 +121,9 @@ def test_each_engine_scores_the_arms_it_can_run(monkeypatch):
 
 
 def test_an_engine_this_host_cannot_run_gets_no_jobs_and_a_reason(monkeypatch):
-    from fourbit import engines
+    from fourbit.engines import vllm_native
 
-    monkeypatch.setitem(engines.ENGINE_HOST_CHECKS, "vllm_native", lambda: "no avx512f here")
+    monkeypatch.setattr(vllm_native, "kernel_missing", lambda: "no avx512f here")
     config = copy.deepcopy(BASE)
     config["engines"] = {"vllm": {}, "vllm_native": {}}
     config["arms"] = [{"name": "gs", "quant": {"method": "gptq", "sym": True}}]
@@ -141,10 +141,9 @@ def test_vllm_native_refuses_float32_before_any_job():
 
 
 def test_a_vllm_native_job_on_a_node_without_the_kernel_stops_naming_it(monkeypatch, tmp_path):
-    from fourbit import engines
     from fourbit.engines import vllm_native
 
-    monkeypatch.setitem(engines.ENGINE_HOST_CHECKS, "vllm_native", lambda: "no avx512f here")
+    monkeypatch.setattr(vllm_native, "kernel_missing", lambda: "no avx512f here")
     (tmp_path / "config.json").write_text('{"quantization_config": {"quant_method": "gptq"}}')
     with pytest.raises(RuntimeError, match="cannot run on this node .*no avx512f here"):
         vllm_native.score_windows(tmp_path, [[1, 2]], {}, 1)
@@ -290,9 +289,9 @@ def test_fallback_is_part_of_the_arm_id(tmp_path):
 
 
 def test_an_arm_with_dense_fallback_layers_is_not_given_to_vllm_native(tmp_path, monkeypatch):
-    from fourbit import engines
+    from fourbit.engines import vllm_native
 
-    monkeypatch.setitem(engines.ENGINE_HOST_CHECKS, "vllm_native", lambda: None)
+    monkeypatch.setattr(vllm_native, "kernel_missing", lambda: None)
     arms = [{"name": "dense", "quant": {"method": "gptq", "group_size": 128, "fallback": "dense"}},
             {"name": "fits", "quant": {"method": "gptq", "group_size": 64, "fallback": "dense"}}]
     s = study({**BASE, "model": synthetic_576(tmp_path), "engines": {"vllm": {}, "vllm_native": {}},

@@ -5,8 +5,6 @@ from __future__ import annotations
 import pytest
 
 from fourbit.engines import (
-    ENGINE_READS,
-    ENGINE_RUNS_ARM,
     ENGINES,
     Bench,
     Fidelity,
@@ -38,12 +36,11 @@ def test_every_engine_module_has_what_its_spec_declares(name):
     assert reason is None or isinstance(reason, str)
 
 
-def test_the_views_config_reads_come_from_the_table():
-    assert ENGINE_READS == {name: spec.reads for name, spec in ENGINES.items()}
+def test_vllm_native_runs_only_symmetric_gptq_arms():
     native = {"method": "gptq", "sym": True}
-    assert ENGINE_RUNS_ARM["vllm_native"](native) and not ENGINE_RUNS_ARM["vllm_native"](
-        {**native, "sym": False})
-    assert ENGINE_RUNS_ARM["vllm"]({"method": "rtn"})
+    runs = engine_spec("vllm_native").runs_arm
+    assert runs(native) and not runs({**native, "sym": False})
+    assert engine_spec("vllm").runs_arm({"method": "rtn"})
 
 
 def test_an_unknown_engine_names_the_known_ones():

@@ -14,6 +14,8 @@ import shutil
 import pytest
 import torch
 
+from engine_settings import engine_settings
+
 from fourbit import formats
 from fourbit.quant.qweight import QuantizedWeight
 
@@ -392,7 +394,7 @@ def test_native_kernel_runs_the_gptq_checkpoint_without_the_plugin(root, cache_r
     if not verdict["available"]:
         pytest.skip(f"vLLM's native 4-bit kernel cannot run here: {verdict['reason']}")
     quant_dir, dense_dir = build_pair(root, "gptq")
-    settings = {"dtype": "bfloat16", "kv_cache_bytes": 32 << 20, "cache_root": str(cache_root)}
+    settings = {**engine_settings("vllm_native", kv_cache_gib=1 / 32), "cache_root": str(cache_root)}
     ops.calls.clear()
     native = vllm_native.score_windows(quant_dir, WINDOWS, settings, 2)
     assert not ops.calls  # the plugin's op never ran

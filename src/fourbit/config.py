@@ -21,7 +21,7 @@ from typing import Any
 import jsonschema
 import yaml
 
-from fourbit.engines import ENGINE_READS, ENGINE_RUNS_ARM, unavailable_here
+from fourbit.engines import engine_spec, unavailable_here
 from fourbit.hashing import canonical_json, file_sha256, short_hash
 from fourbit.inputs import sources, supported
 from fourbit.quant import shapes
@@ -184,14 +184,14 @@ class Engine:
 
     @property
     def reads(self) -> str:
-        return ENGINE_READS[self.name]
+        return engine_spec(self.name).reads
 
     def runs(self, arm: "Arm") -> bool:
         """Whether this engine scores ``arm``: it reads the arm's kind of checkpoint, and
         engines that run only some formats (vLLM's own kernels) run this one."""
         if arm.kept_dense and self.name in NEEDS_EVERY_LINEAR_QUANTIZED:
             return False
-        return arm.kind == self.reads and ENGINE_RUNS_ARM.get(self.name, lambda _: True)(arm.quant)
+        return arm.kind == self.reads and engine_spec(self.name).runs_arm(arm.quant)
 
 
 @dataclass

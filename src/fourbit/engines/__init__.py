@@ -125,8 +125,3 @@ def get_engine(name: str) -> ModuleType:
 def unavailable_here(engine: str) -> str | None:
     """Why ``engine`` cannot run on this host (the one building the workflow's DAG), or None."""
     return engine_spec(engine).host_check()
-
-
-# Views of ENGINES for fourbit.config, which imports these names (until it reads ENGINES).
-ENGINE_READS = {name: spec.reads for name, spec in ENGINES.items()}
-ENGINE_RUNS_ARM = {name: spec.runs_arm for name, spec in ENGINES.items()}
