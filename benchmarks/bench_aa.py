@@ -64,8 +64,11 @@ def main() -> None:
         copies.append(copy)
     jobs = []
     for job in range(1, args.jobs + 1):
-        pairs = [BenchPair(copy, untied, {"name": engine.name, **engine.settings},
-                           args.workdir / f"job{job}" / copy.name / "bench.json") for copy in copies]
+        folder = args.workdir / f"job{job}"
+        pairs = [BenchPair(f"{engine.id}/{copy.name}", copy, untied, {"name": engine.name, **engine.settings},
+                           folder / copy.name / "bench.json",
+                           {"arm": folder / copy.name / "bench.cache", "baseline": folder / "baseline.cache"})
+                 for copy in copies]
         jobs.append(bench_study(pairs, study.config["bench"], threads=args.cores,
                                 model_weights_sha256=weights))
         print(f"job {job}: {args.workdir / f'job{job}'}", flush=True)

@@ -15,5 +15,6 @@ compare_arm(
     dict(snakemake.params.fidelity),
     threads=snakemake.threads,
     model_weights_sha256=model_weights_sha256(Path(snakemake.input.source) / MANIFEST),
+    cache_roots=dict(snakemake.params.cache_roots),
     text_path=snakemake.input.text,
 )

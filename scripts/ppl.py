@@ -13,4 +13,5 @@ score_checkpoint(
     dict(snakemake.params.engine),
     threads=snakemake.threads,
     model_weights_sha256=model_weights_sha256(Path(snakemake.input.source) / MANIFEST),
+    cache_root=snakemake.params.cache_root,
 )

@@ -35,7 +35,7 @@ def test_greedy_summary_counts_identical_and_matching_prefixes():
 
 def test_settings_and_selection():
     assert resolve_settings({})["top_k"] == 20
-    with pytest.raises(ValueError, match="unknown key"):
+    with pytest.raises(ValueError, match="'prompt_token' was unexpected.*allowed keys: new_tokens"):
         resolve_settings({"prompt_token": 3})
     with pytest.raises(ValueError, match="fidelity.new_tokens"):
         resolve_settings({"new_tokens": 0})
@@ -73,7 +73,7 @@ def models(tmp_path_factory):
 def test_reference_copy_is_identical(models, tmp_path):
     out = compare_arm(models / "copy", models / "baseline", models / "windows.json",
                       tmp_path / "fidelity.json", REFERENCE, SMALL, threads=2,
-                      model_weights_sha256=WEIGHTS)
+                      model_weights_sha256=WEIGHTS, cache_roots=caches(tmp_path))
     assert json.loads((tmp_path / "fidelity.json").read_text()) == json.loads(json.dumps(out))
     assert out["method"] == FULL and out["bound"] == "exact" and out["computed"]
     assert out["model_weights_sha256"] == WEIGHTS
@@ -89,7 +89,7 @@ def test_reference_perturbed_copy_diverges(models, tmp_path):
 
     out = compare_arm(models / "perturbed", models / "baseline", models / "windows.json",
                       tmp_path / "fidelity.json", REFERENCE, SMALL, threads=2,
-                      model_weights_sha256=WEIGHTS)
+                      model_weights_sha256=WEIGHTS, cache_roots=caches(tmp_path))
     assert out["kl_mean"] > 1e-3 and out["kl_p99"] >= out["kl_median"]
     assert out["top1_agreement"] < 1.0
     # The same numbers, computed independently from transformers' logits.
@@ -129,7 +129,7 @@ def test_reference_quantized_arm(models, tmp_path):
     quantize_checkpoint(models / "baseline", tmp_path / "q", tmp_path / "arm.json", arm)
     out = compare_arm(tmp_path / "q", models / "baseline", models / "windows.json",
                       tmp_path / "fidelity.json", REFERENCE, SMALL, threads=2,
-                      model_weights_sha256=WEIGHTS)
+                      model_weights_sha256=WEIGHTS, cache_roots=caches(tmp_path))
     assert 0 < out["kl_mean"] < 1
     assert 0.5 < out["top1_agreement"] <= 1
     assert "tinygemm" in out["runtime"] and out["baseline_runtime"].endswith("dense")
@@ -141,7 +141,7 @@ def test_engine_without_it_writes_a_record_saying_so(models, tmp_path, monkeypat
                                                      fidelity=Fidelity.NOT_COMPARED))
     out = compare_arm(tmp_path / "absent", tmp_path / "absent-base", models / "windows.json",
                       tmp_path / "fidelity.json", {"name": "plain"}, {}, threads=2,
-                      model_weights_sha256=WEIGHTS)
+                      model_weights_sha256=WEIGHTS, cache_roots=caches(tmp_path))
     assert out["computed"] is False and out["method"] is None
     assert "not computed" in out["reason"] and out["model_weights_sha256"] == WEIGHTS
     assert json.loads((tmp_path / "fidelity.json").read_text())["computed"] is False
@@ -151,7 +151,7 @@ def test_a_weights_hash_that_is_not_one_is_refused(models, tmp_path):
     with pytest.raises(ValueError, match="model_weights_sha256 must be a sha256 in lowercase hex"):
         compare_arm(models / "copy", models / "baseline", models / "windows.json",
                     tmp_path / "fidelity.json", REFERENCE, SMALL, threads=2,
-                    model_weights_sha256="AB" * 32)
+                    model_weights_sha256="AB" * 32, cache_roots=caches(tmp_path))
     assert not (tmp_path / "fidelity.json").exists()
 
 
@@ -159,7 +159,12 @@ def test_engine_with_its_own_kl_mode_needs_the_text(models, tmp_path):
     with pytest.raises(ValueError, match="text_path"):
         compare_arm(tmp_path / "absent.gguf", tmp_path / "absent-base.gguf", models / "windows.json",
                     tmp_path / "fidelity.json", engine_settings("llamacpp", threads=2), {}, threads=2,
-                    model_weights_sha256=WEIGHTS)
+                    model_weights_sha256=WEIGHTS, cache_roots=caches(tmp_path))
+
+
+def caches(root):
+    """Compile-cache folders as the workflow names them (engines that do not compile ignore them)."""
+    return {"arm": root / "arm" / "fidelity.cache", "baseline": root / "baseline" / "fidelity.cache"}
 
 
 # --- vLLM: top-k lower bound ------------------------------------------------------------------
@@ -169,8 +174,10 @@ def test_engine_with_its_own_kl_mode_needs_the_text(models, tmp_path):
 def test_vllm_copy_is_identical(models, tmp_path, caplog):
     caplog.set_level("INFO")
     record = tmp_path / "vllm-x" / "arm-x" / "fidelity.json"  # the rule's <engine>/<arm>/ layout
+    baseline_cache = tmp_path / "vllm-x" / "baseline" / "fidelity.cache"
     out = compare_arm(models / "copy", models / "baseline", models / "windows.json", record,
-                      VLLM, SMALL, threads=2, model_weights_sha256=WEIGHTS)
+                      VLLM, SMALL, threads=2, model_weights_sha256=WEIGHTS,
+                      cache_roots={"arm": record.parent / "fidelity.cache", "baseline": baseline_cache})
     assert out["method"] == TOPK and out["bound"] == "lower bound"
     assert out["positions"] == 4 * 63
     assert out["kl_max"] == pytest.approx(0, abs=1e-6)
@@ -184,7 +191,9 @@ def test_vllm_copy_is_identical(models, tmp_path, caplog):
     assert len(kept) == 1
     second = compare_arm(models / "perturbed", models / "baseline", models / "windows.json",
                          tmp_path / "vllm-x" / "arm-y" / "fidelity.json", VLLM, SMALL, threads=2,
-                         model_weights_sha256=WEIGHTS)
+                         model_weights_sha256=WEIGHTS,
+                         cache_roots={"arm": tmp_path / "vllm-x" / "arm-y" / "fidelity.cache",
+                                      "baseline": baseline_cache})
     assert second["kl_mean"] > 0 and "baseline side read from" in caplog.text
     assert kept == list((tmp_path / "vllm-x" / "baseline" / "fidelity.cache").glob("side-*.json"))
 

@@ -29,7 +29,8 @@ def scored(tmp_path_factory):
 def test_the_record_carries_the_weights_hash_and_its_numbers(scored, tmp_path):
     out = tmp_path / "dense.ppl.json"
     record = score_checkpoint(scored / "model", scored / "windows.json", out, REFERENCE,
-                              threads=1, model_weights_sha256=WEIGHTS)
+                              threads=1, model_weights_sha256=WEIGHTS,
+                              cache_root=tmp_path / "ppl.cache")
     assert json.loads(out.read_text()) == record
     assert record["model_weights_sha256"] == WEIGHTS and record["token_ids_sha256"] == "test"
     assert record["window_tokens"] == [15, 15] and record["tokens"] == 30
@@ -39,5 +40,6 @@ def test_the_record_carries_the_weights_hash_and_its_numbers(scored, tmp_path):
 def test_a_weights_hash_that_is_not_one_is_refused_before_scoring(scored, tmp_path):
     with pytest.raises(ValueError, match="model_weights_sha256 must be a sha256 in lowercase hex"):
         score_checkpoint(scored / "model", scored / "windows.json", tmp_path / "x.ppl.json",
-                         REFERENCE, threads=1, model_weights_sha256="results/model/source")
+                         REFERENCE, threads=1, model_weights_sha256="results/model/source",
+                         cache_root=tmp_path / "ppl.cache")
     assert not (tmp_path / "x.ppl.json").exists()

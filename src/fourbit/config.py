@@ -102,6 +102,8 @@ def _validate(instance: Any, schema: dict, where: str) -> None:
             elif error.validator in ("enum", "const"):
                 allowed = error.schema.get("enum", [error.schema.get("const")])
                 hint = f"; allowed: {', '.join(map(str, allowed))}"
+            if not context and error.path and "description" in error.schema:
+                hint += f" ({error.schema['description'].strip()})"
             lines.append(f"{where}{'.' + path if path != '(top level)' else ''}: {error.message}{hint}")
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines))
 

@@ -127,6 +127,24 @@ def arm_and_baseline(engine_id, arm):
     }
 
 
+def compile_cache(engine_id, arm, step):
+    """Where an engine that compiles (vLLM) keeps one checkpoint's compile caches for one
+    step: beside that checkpoint's records, never shared with another checkpoint (a shared
+    cache can load another arm's graph); a baseline's is shared by its engine's arms."""
+    return f"{EVAL_DIR}/{engine_id}/{arm}/{step}.cache"
+
+
+def get_ppl_cache(wildcards):
+    return compile_cache(wildcards.engine, wildcards.arm, f"{wildcards.form}.ppl")
+
+
+def get_fidelity_caches(wildcards):
+    return {
+        side: compile_cache(wildcards.engine, arm, "fidelity")
+        for side, arm in (("arm", wildcards.arm), ("baseline", "baseline"))
+    }
+
+
 def bench_pairs():
     """Every arm each engine that can run here runs, with that engine's baseline and the
     arm's bench record: the one bench job times them all (rule bench)."""
@@ -136,10 +154,15 @@ def bench_pairs():
             checkpoints = arm_and_baseline(engine.id, arm_id)
             pairs.append(
                 {
+                    "name": f"{engine.id}/{arm_id}",
                     "arm": checkpoints["checkpoint"],
                     "baseline": checkpoints["baseline"],
                     "engine": engine_settings(engine),
                     "out": f"{EVAL_DIR}/{engine.id}/{arm_id}/bench.json",
+                    "caches": {
+                        "arm": compile_cache(engine.id, arm_id, "bench"),
+                        "baseline": compile_cache(engine.id, "baseline", "bench"),
+                    },
                 }
             )
     return pairs

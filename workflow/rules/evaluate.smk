@@ -38,5 +38,6 @@ rule ppl:
         runtime=per_attempt(240),
     params:
         engine=get_engine_settings,
+        cache_root=get_ppl_cache,
     script:
         "../../scripts/ppl.py"

@@ -26,5 +26,6 @@ rule fidelity:
     params:
         engine=get_engine_settings,
         fidelity=STUDY.config["fidelity"],
+        cache_roots=get_fidelity_caches,
     script:
         "../../scripts/fidelity.py"

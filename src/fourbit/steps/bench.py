@@ -54,7 +54,6 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
-from jsonschema import Draft202012Validator
 from safetensors import safe_open
 
 from fourbit.atomic import write_json
@@ -64,7 +63,7 @@ from fourbit.bench.passes import run_rounds
 from fourbit.bench.provenance import provenance
 from fourbit.bench.residency import warm_and_check
 from fourbit.checkpoints.hf import quantizable_linears, skeleton, weight_files
-from fourbit.config import load_schema
+from fourbit.config import block
 from fourbit.engines import Bench, EngineSpec, NotBenchmarked, engine_spec, get_engine
 from fourbit.hashing import require_sha256
 
@@ -81,18 +80,7 @@ def resolve_settings(given: dict, threads: int) -> dict:
     The workflow has already validated the config; this makes direct callers get the
     same defaults and the same refusals (e.g. fewer than 3 passes).
     """
-    block = load_schema()["properties"]["bench"]
-    settings = {name: spec["default"] for name, spec in block["properties"].items()} | dict(given)
-    errors = sorted(Draft202012Validator(block).iter_errors(settings), key=lambda e: list(e.path))
-    if errors:
-        problems = []
-        for error in errors:
-            key = ".".join(map(str, error.path))
-            meaning = block["properties"].get(key, {}).get("description")
-            problems.append(f"bench.{key or '(block)'}: {error.message}"
-                            + (f" ({meaning})" if meaning else ""))
-        raise ValueError(f"invalid bench settings: {'; '.join(problems)}; "
-                         f"allowed keys: {sorted(block['properties'])}")
+    settings = block("bench", given)
     settings["cores"] = choose_cores(settings["cores"], threads)
     return settings
 
@@ -194,17 +182,18 @@ def gguf_weight_bytes(checkpoint: str | os.PathLike) -> dict:
 
 @dataclass(frozen=True)
 class BenchPair:
-    """One arm of one engine, to be timed against that engine's baseline; ``out`` its record."""
+    """One arm of one engine, to be timed against that engine's baseline; ``out`` its record.
 
+    ``name`` ("<engine id>/<arm id>") and ``caches`` (compile caches, one per checkpoint:
+    {"arm": .., "baseline": ..}, the baseline's shared by its engine's arms) come from
+    the workflow, which knows the ids and where results go."""
+
+    name: str
     arm: Path
     baseline: Path
     engine: dict  # {"name": .., **the engine's settings}
     out: Path
-
-    @property
-    def name(self) -> str:
-        """``<engine id>/<arm id>``, from the record's place in the results tree."""
-        return f"{self.out.parent.parent.name}/{self.out.parent.name}"
+    caches: dict[str, Path]
 
 
 def bench_study(pairs: list[BenchPair], bench_settings: dict, threads: int, *,
@@ -219,11 +208,12 @@ def bench_study(pairs: list[BenchPair], bench_settings: dict, threads: int, *,
     failure leaves no record that looks finished.
     """
     require_sha256(model_weights_sha256)
-    pairs = [replace(p, arm=Path(p.arm), baseline=Path(p.baseline), out=Path(p.out)) for p in pairs]
+    pairs = [replace(p, arm=Path(p.arm), baseline=Path(p.baseline), out=Path(p.out),
+                     caches={side: Path(path) for side, path in p.caches.items()}) for p in pairs]
     names = [pair.name for pair in pairs]
     if len(set(names)) < len(names):
-        raise ValueError(f"bench pairs {names} repeat a name; each record needs a folder "
-                         "<engine id>/<arm id>/ of its own")
+        raise ValueError(f"bench pairs {names} repeat a name; each arm of an engine is timed "
+                         "once")
     specs = {pair.name: engine_spec(pair.engine["name"]) for pair in pairs}
     timed = [pair for pair in pairs if not isinstance(specs[pair.name].bench, NotBenchmarked)]
     records = {pair.name: _not_benchmarked(pair, specs[pair.name].bench)
@@ -297,14 +287,11 @@ def _side_key(pair: BenchPair, side: str) -> str:
 def _sides(pairs: list[BenchPair], specs: dict[str, EngineSpec]) -> dict[str, _Side]:
     sides = {}
     for pair in pairs:
-        # Compile caches per checkpoint: a cache shared between two can load the other's
-        # graph. An arm's sits by its record; a baseline's by the engine's baseline results.
-        caches = {"arm": pair.out.parent / "bench.cache",
-                  "baseline": pair.out.parent.parent / "baseline" / "bench.cache"}
+        # Compile caches per checkpoint: a cache shared between two can load the other's graph.
         for side, checkpoint in (("arm", pair.arm), ("baseline", pair.baseline)):
             key = _side_key(pair, side)
             if key not in sides:
-                sides[key] = _Side(checkpoint, {**pair.engine, "cache_root": str(caches[side])},
+                sides[key] = _Side(checkpoint, {**pair.engine, "cache_root": str(pair.caches[side])},
                                    get_engine(pair.engine["name"]), specs[pair.name].bench,
                                    decode_weight_bytes(checkpoint, pair.engine))
     return sides

@@ -82,16 +82,17 @@ def score_checkpoint(
     *,
     threads: int,
     model_weights_sha256: str,
+    cache_root: str | os.PathLike,
 ) -> dict:
     """Score ``checkpoint`` on the windows; write ``out_path``. ``model_weights_sha256``: the
     source model's weights this checkpoint was made from (fourbit.hashing.model_weights_sha256),
-    carried into the record so the report never mixes records of other weights."""
+    carried into the record so the report never mixes records of other weights.
+    ``cache_root``: the engine's compile and inductor caches for this checkpoint alone (a
+    cache shared between arms can load another arm's graph); the workflow names it."""
     require_sha256(model_weights_sha256)
     windows_file = json.loads(Path(windows_path).read_text())
     engine = get_engine(engine_settings["name"])
-    # Compile and inductor caches per scored checkpoint: a cache shared between
-    # arms can load another arm's graph.
-    settings = {**engine_settings, "cache_root": f"{Path(out_path).parent}/{Path(out_path).stem}.cache"}
+    settings = {**engine_settings, "cache_root": str(cache_root)}
     per_window = engine.score_windows(Path(checkpoint), windows_file["windows"], settings, threads)
     nll = [w["nll_sum"] for w in per_window]
     tokens = [w["tokens"] for w in per_window]

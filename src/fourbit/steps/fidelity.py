@@ -62,20 +62,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from fourbit.atomic import write_json
+from fourbit.config import block
 from fourbit.engines import Fidelity, engine_spec, get_engine
 from fourbit.hashing import require_sha256
 from fourbit.metrics.kl import FULL
 
 log = logging.getLogger("fourbit")
-
-# The `fidelity` block of the study config, with its defaults (the schema's, once it has one).
-DEFAULTS = {
-    "windows": 8,  # windows (from the start of the windows file) whose positions are compared
-    "prompts": 16,  # greedy prompts: the first prompt_tokens tokens of the first `prompts` windows
-    "prompt_tokens": 32,
-    "new_tokens": 32,  # tokens generated greedily per prompt, EOS ignored
-    "top_k": 20,  # logprobs per position for engines without full logits (vLLM)
-}
 
 DEFINITION = (
     "KL(P_base || P_arm) in nats and top-1 agreement of the next-token distributions at "
@@ -101,15 +93,8 @@ NOT_COMPARED = (
 
 
 def resolve_settings(given: Mapping) -> dict:
-    """``given`` over DEFAULTS; errors name the key and the fix."""
-    unknown = sorted(set(given) - set(DEFAULTS))
-    if unknown:
-        raise ValueError(f"fidelity: unknown key(s) {unknown}; allowed: {sorted(DEFAULTS)}")
-    settings = {**DEFAULTS, **given}
-    for key, value in settings.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"fidelity.{key}={value!r}; it must be a whole number >= 1")
-    return settings
+    """The config's ``fidelity`` block: ``given`` checked, the schema's defaults filled."""
+    return block("fidelity", given)
 
 
 def select(
@@ -204,12 +189,16 @@ def compare_arm(
     *,
     threads: int,
     model_weights_sha256: str,
+    cache_roots: Mapping[str, str | os.PathLike],
     text_path: str | os.PathLike | None = None,
 ) -> dict:
     """Compare one arm with the same engine's baseline; write ``out_path`` (JSON, atomically).
 
     ``model_weights_sha256``: the source model's weights both were made from
     (fourbit.hashing.model_weights_sha256), carried into the record, computed or not.
+    ``cache_roots``: compile caches for engines that compile (vLLM), {"arm": .., "baseline":
+    ..}, one per checkpoint and never shared between checkpoints; the workflow gives every
+    arm's job the same baseline folder, so only the first job compiles the baseline.
     ``text_path``, the evaluation text, is read only by engines with their own KL mode."""
     require_sha256(model_weights_sha256)
     settings = resolve_settings(fidelity_settings)
@@ -243,28 +232,20 @@ def compare_arm(
         log.info("%s: %s", engine_settings["name"], NOT_COMPARED)
         return record
 
+    run_settings = {**engine_settings, "cache_root": str(cache_roots["arm"]),
+                    "baseline_cache_root": str(cache_roots["baseline"])}
     return _per_position(engine, arm_checkpoint, baseline_checkpoint, out_path, record,
-                         engine_settings, compared_windows, prompts, threads=threads)
+                         run_settings, compared_windows, prompts, threads=threads)
 
 
 def _per_position(engine, arm_checkpoint, baseline_checkpoint, out_path, record: dict,
                   engine_settings: Mapping, windows: list[list[int]], prompts: list[list[int]],
                   *, threads: int) -> dict:
     """The engine's compare_with_baseline on the compared windows, summarized."""
-    # Compile caches for engines that compile (vLLM), one per checkpoint, never shared
-    # between checkpoints: the arm's next to its record, the baseline's next to the
-    # baseline's results (<engine>/baseline/), shared by every arm's job, so only the
-    # first job pays for the baseline's compilation.
-    out = Path(out_path)
-    run_settings = {
-        **engine_settings,
-        "cache_root": str(out.parent / "fidelity.cache"),
-        "baseline_cache_root": str(out.parent.parent / "baseline" / "fidelity.cache"),
-    }
     settings = record["settings"]
     start = time.perf_counter()
     compared = engine.compare_with_baseline(
-        Path(arm_checkpoint), Path(baseline_checkpoint), windows, run_settings, threads,
+        Path(arm_checkpoint), Path(baseline_checkpoint), windows, engine_settings, threads,
         prompts=prompts, new_tokens=settings["new_tokens"], top_k=settings["top_k"],
     )
     record.update(
