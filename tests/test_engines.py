@@ -29,7 +29,7 @@ def test_every_engine_module_has_what_its_spec_declares(name):
     spec = engine_spec(name)
     engine = get_engine(name)
     bench = [] if isinstance(spec.bench, NotBenchmarked) else CALLED[spec.bench]
-    for function in ["score_windows", "runtime", *bench, *CALLED[spec.fidelity]]:
+    for function in ["score_windows", "runtime", "numerics", *bench, *CALLED[spec.fidelity]]:
         assert callable(getattr(engine, function, None)), f"{spec.module} lacks {function}()"
     assert spec.reads in ("hf", "gguf")
     reason = unavailable_here(name)

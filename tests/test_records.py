@@ -4,7 +4,7 @@ import pytest
 
 from fourbit import records
 
-PPL = {"definition": "d", "runtime": "r", "ppl": 2.7, "mean_nll": 1.0, "tokens": 4,
+PPL = {"definition": "d", "runtime": "r", "numerics": "exact", "ppl": 2.7, "mean_nll": 1.0, "tokens": 4,
        "window_nll_sum": [2.0, 2.0], "window_tokens": [2, 2], "token_ids_sha256": "cd" * 32,
        "model_weights_sha256": "ab" * 32}
 

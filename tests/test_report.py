@@ -1,12 +1,13 @@
 """The report: every number from a result file, and a clear stop when one is missing or corrupt."""
 
+import csv
 import json
 import math
 
 import pytest
 
 from fourbit import records as records_schema
-from fourbit.config import load_schema
+from fourbit.config import block, load_schema
 from fourbit.report.records import RECORD_KINDS, ReportInputError, record_paths
 from fourbit.report.verdicts import Measure, compare_measure
 from fourbit.steps.report import write_report
@@ -16,6 +17,8 @@ ARM = "a-0000000000"
 SECOND = "b-0000000000"  # a second arm of the same engine
 WEIGHTS = "ab" * 32  # the model_weights_sha256 every record of a consistent study carries
 TOKENS = "cd" * 32  # the token_ids_sha256 of the one windows file every row scored
+# the schema's control tolerances, by numerics
+TOLERANCES = block("evaluation")["control_tolerance"]
 # The report's settings as the workflow passes them: the schema's defaults, its only source.
 SETTINGS = {key: spec["default"]
             for key, spec in load_schema()["properties"]["report"]["properties"].items()}
@@ -25,7 +28,7 @@ def study(source="builtin"):
     return {
         "model": {"id": "m", "source": source},
         "corpus": {"id": "c", "source": "builtin"},
-        "evaluation": {"control_tolerance": 0.001},
+        "evaluation": {"control_tolerance": TOLERANCES},
         "engines": {ENGINE: {"name": "reference", "reads": "hf", "arms": [ARM], "unavailable": None},
                     "vllm_native-0000000000": {"name": "vllm_native", "reads": "hf", "arms": [],
                                                "unavailable": "no avx512f: reason given"}},
@@ -62,7 +65,8 @@ def run_report(tmp_path, setup, records, manifests, tiny_untied, *, settings=SET
 
 def ppl_result(nll):
     windows = [nll, nll + 1.0, nll - 1.0, nll + 0.5]
-    return {"definition": "d", "token_ids_sha256": TOKENS, "runtime": "r", "window_nll_sum": windows,
+    return {"definition": "d", "token_ids_sha256": TOKENS, "runtime": "r", "numerics": "exact",
+            "window_nll_sum": windows,
             "window_tokens": [10] * 4, "tokens": 40, "mean_nll": sum(windows) / 40,
             "ppl": 2.718 ** (sum(windows) / 40), "model_weights_sha256": WEIGHTS}
 
@@ -278,13 +282,13 @@ def _centred(values):
 DIFFICULTY = _centred([0.3 * math.sin(1.7 * i) for i in range(WINDOWS)])
 
 
-def ppl_windows(ppl, scatter, phase=0.4):
+def ppl_windows(ppl, scatter, phase=0.4, numerics="exact"):
     pattern = _centred([math.cos(2.3 * i + phase) for i in range(WINDOWS)])
     nll = math.log(ppl)
     sums = [WINDOW_TOKENS * (nll + d + scatter * p) for d, p in zip(DIFFICULTY, pattern)]
     tokens = WINDOWS * WINDOW_TOKENS
-    return {"definition": "d", "token_ids_sha256": TOKENS, "runtime": "r", "window_nll_sum": sums,
-            "window_tokens": [WINDOW_TOKENS] * WINDOWS, "tokens": tokens,
+    return {"definition": "d", "token_ids_sha256": TOKENS, "runtime": "r", "numerics": numerics,
+            "window_nll_sum": sums, "window_tokens": [WINDOW_TOKENS] * WINDOWS, "tokens": tokens,
             "mean_nll": sum(sums) / tokens, "ppl": math.exp(sum(sums) / tokens),
             "model_weights_sha256": WEIGHTS}
 
@@ -351,12 +355,13 @@ LLAMACPP = "llamacpp-0000000000"
 
 
 def vllm_study(tmp_path, tiny_untied, arms, *, benches=None, control=None, settings=SETTINGS,
-               gguf_arms=None):
+               gguf_arms=None, gguf_control=0.0):
     """Write the records of ``arms`` (name -> ISSUE_ARMS-like tuple) on one vLLM-like engine
     and run the report; ``benches``: name -> (baseline tg128, arm tg128) per pass;
     ``control``: name -> the dense expansion's mean NLL offset (default 0, faithful);
     ``gguf_arms``: name -> (Δppl, scatter, own_kl_record's arguments) on a llama.cpp-like
-    engine."""
+    engine, whose runtime rounds activations to int8 (its dense expansion offset by
+    ``gguf_control``)."""
     benches, control, gguf_arms = benches or {}, control or {}, gguf_arms or {}
     root = tmp_path / "eval"
     records, manifests = {}, []
@@ -388,9 +393,10 @@ def vllm_study(tmp_path, tiny_untied, arms, *, benches=None, control=None, setti
     if gguf_arms:
         record("baseline", "ppl_dense", ppl_windows(BASE_PPL + 0.01, 0.0), LLAMACPP)
         for name, (delta, scatter, *fidelity) in gguf_arms.items():
-            quantized = ppl_windows(BASE_PPL + 0.01 + delta, scatter)
+            quantized = ppl_windows(BASE_PPL + 0.01 + delta, scatter, numerics="int8_activations")
             record(arm_id(name), "ppl_quantized", quantized, LLAMACPP)
-            record(arm_id(name), "ppl_dense", quantized, LLAMACPP)
+            record(arm_id(name), "ppl_dense", {**quantized, "numerics": "exact",
+                                               "mean_nll": quantized["mean_nll"] + gguf_control}, LLAMACPP)
             record(arm_id(name), "fidelity", own_kl_record(*fidelity), LLAMACPP)
             record(arm_id(name), "bench", {"measured": False, "reason": "not timed here",
                                            "model_weights_sha256": WEIGHTS}, LLAMACPP)
@@ -402,7 +408,7 @@ def vllm_study(tmp_path, tiny_untied, arms, *, benches=None, control=None, setti
                                             "size_mib": 10.1}))
     setup = {
         "model": {"id": "m", "source": "builtin"}, "corpus": {"id": "c", "source": "builtin"},
-        "evaluation": {"control_tolerance": 0.001}, "engines": engines, "arms": [],
+        "evaluation": {"control_tolerance": TOLERANCES}, "engines": engines, "arms": [],
     }
     return run_report(tmp_path, setup, records, manifests, tiny_untied, settings=settings,
                       gguf_base_storage=gguf_storage)
@@ -563,3 +569,19 @@ def test_a_record_missing_a_field_readers_need_is_named_before_any_output(tmp_pa
                                                r"property.*--forcerun ppl"):
         report(tmp_path, tiny_untied, records, manifest)
     assert not (tmp_path / "report.md").exists()
+
+
+def test_the_control_is_judged_at_the_tolerance_of_the_runtimes_numerics(tmp_path, tiny_untied):
+    """0.005 nats/token between an arm and its dense expansion: more than float32 summation
+    order explains (exact), less than llama.cpp's int8 activation rounding costs a real
+    model (0.004 measured)."""
+    arms = {"gptq_sym_g128": ISSUE_ARMS["gptq_sym_g128"]}
+    gguf = {"llamacpp_q4_k_m": (0.01, 0.004, 2e-4, 1e-5, 0.99, 0.002, first(14))}
+    markdown = vllm_study(tmp_path, tiny_untied, arms, control={"gptq_sym_g128": -0.005},
+                          gguf_arms=gguf, gguf_control=-0.005)
+    rows = {r["arm_id"]: r for r in csv.DictReader((tmp_path / "report.tsv").open(), delimiter="\t")}
+    exact, int8 = rows[arm_id("gptq_sym_g128")], rows[arm_id("llamacpp_q4_k_m")]
+    assert (exact["numerics"], exact["control"]) == ("exact", "NOT faithful")
+    assert (int8["numerics"], int8["control"]) == ("int8_activations", "faithful")
+    assert float(int8["control_tolerance"]) == TOLERANCES["int8_activations"]
+    assert "int8_activations 0.02" in markdown.split("## Definitions", 1)[1]

@@ -17,6 +17,7 @@ import torch
 from engine_settings import engine_settings
 
 from fourbit import formats
+from fourbit.kernels import tinygemm
 from fourbit.quant.qweight import QuantizedWeight
 
 GROUP = 64
@@ -402,3 +403,21 @@ def test_native_kernel_runs_the_gptq_checkpoint_without_the_plugin(root, cache_r
     nll = [sum(r["nll_sum"] for r in side) / sum(r["tokens"] for r in side) for side in (native, dense)]
     assert abs(nll[0] - nll[1]) <= 0.002 * nll[1], nll  # perplexity within ~0.2%
     assert "cpu_gemm_wna16" in vllm_native.runtime(quant_dir, settings)
+
+
+def test_numerics_name_what_each_path_rounds(monkeypatch):
+    """The control's tolerance class: windows at or above the threshold run the dense path
+    in the compute dtype; below it the kernel's own numerics."""
+    from fourbit.kernels import int4_cpu
+    from fourbit.vllm_plugin import DEFAULTS, numerics
+
+    monkeypatch.setattr(int4_cpu, "isa", lambda: "avx2")
+    w4a8 = {**DEFAULTS, "kernel": "w4a8"}
+    assert numerics(w4a8, "float32", rows=512) == "exact"  # dense path above the threshold
+    assert numerics(w4a8, "float32", rows=1) == "int8_activations"
+    assert numerics({**w4a8, "prefill_dequant": False}, "float32", rows=512) == "int8_activations"
+    assert numerics(DEFAULTS, "float32", rows=1) == "exact"  # W4A16
+    assert numerics({**DEFAULTS, "activation_dtype": "bfloat16"}, "float32", rows=512) == "bf16_activations"
+    monkeypatch.setattr(int4_cpu, "isa", lambda: "none")  # the fallback: tinygemm
+    bf16_vectorized = tinygemm.vectorized(torch.bfloat16)
+    assert numerics(DEFAULTS, "float32", rows=1) == ("bf16_activations" if bf16_vectorized else "exact")

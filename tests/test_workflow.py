@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import re
 import shutil
 import subprocess
@@ -100,6 +101,40 @@ def test_vllm_engine_runs_the_study_end_to_end(vllm_study):
             assert row["control"] == "faithful", row
             assert "fourbit" in row["runtime"], row  # the plugin ran the 4-bit weights
             assert float(row["kl_mean"]) >= 0 and 0 < float(row["top1_agreement"]) <= 1, row
+
+
+def test_a_mispacked_checkpoint_fails_the_control_at_every_tolerance(finished_study, tmp_path):
+    """The control catches a wrong runtime: the int4_g128 arm's checkpoint with the two codes
+    of every byte swapped (a nibble-order bug), scored by the reference engine on the
+    study's windows, is farther from the arm's dense expansion than any numerics' tolerance
+    allows, the loosest (int8 activations) included."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from fourbit.config import block
+    from fourbit.steps.evaluate import score_checkpoint
+
+    results = finished_study / "results"
+    arm = next(results.glob("*/arms/int4_g128-*/quantized"))
+    mispacked = tmp_path / "mispacked"
+    shutil.copytree(arm, mispacked, symlinks=True)
+    weights = mispacked / "model.safetensors"
+    with safe_open(weights, "pt") as stored:
+        metadata, tensors = stored.metadata(), {k: stored.get_tensor(k) for k in stored.keys()}
+    for name in [n for n in tensors if n.endswith(".qweight")]:
+        packed = tensors[name]  # uint8 [N, K/2], two 4-bit codes per byte
+        tensors[name] = ((packed >> 4) | (packed << 4)).to(torch.uint8)
+    weights.unlink()
+    save_file(tensors, weights, metadata=metadata)
+    reference = next(results.glob("*/eval/*/reference-*"))
+    dense = json.loads(next(reference.glob(f"{arm.parent.name}/dense.ppl.json")).read_text())
+    scored = score_checkpoint(
+        mispacked, next(results.glob("*/eval/*/windows.json")), tmp_path / "mispacked.ppl.json",
+        dense["engine"], threads=2, model_weights_sha256=dense["model_weights_sha256"],
+        cache_root=tmp_path / "cache")
+    loosest = max(block("evaluation")["control_tolerance"].values())
+    assert abs(scored["mean_nll"] - dense["mean_nll"]) > loosest, (scored["mean_nll"], dense["mean_nll"])
 
 def test_html_report_builds_with_captions(finished_study):
     run = snakemake(finished_study, "--report", "report.html")

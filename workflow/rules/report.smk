@@ -28,6 +28,9 @@ rule report:
         f"{RESULTS}/logs/report.log",
     conda:
         "../../envs/fourbit.yaml"
+    resources:
+        mem_mb=2000,
+        runtime=15,
     params:
         study=STUDY.summary(),
         report_settings=STUDY.config["report"],

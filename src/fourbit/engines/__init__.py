@@ -5,6 +5,9 @@ Every engine module provides
     score_windows(checkpoint: Path, windows: list[list[int]], settings: dict, threads: int)
         -> list[{"nll_sum": float, "tokens": int}]   (see fourbit.steps.evaluate for the definition)
     runtime(checkpoint: Path, settings: dict) -> str  (what actually executes the weights)
+    numerics(checkpoint: Path, settings: dict, rows: int) -> "exact" | "bf16_activations"
+        | "int8_activations"  (what a forward of that many rows rounds beyond the dense
+        expansion: the control's tolerance, evaluation.control_tolerance in the schema)
 
 and what its EngineSpec declares, for the bench step (fourbit.steps.bench):
 

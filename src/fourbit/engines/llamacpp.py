@@ -11,6 +11,7 @@ from pathlib import Path
 from fourbit.llamacpp import ARITHMETIC
 from fourbit.llamacpp.bench import llama_bench
 from fourbit.llamacpp.build import find_llamacpp
+from fourbit.llamacpp.quantize import gguf_bits_per_weight
 from fourbit.llamacpp.perplexity import greedy_continuations as llamacpp_greedy
 from fourbit.llamacpp.perplexity import kl_divergence
 from fourbit.llamacpp.perplexity import score_windows as llamacpp_score
@@ -45,6 +46,17 @@ def greedy_continuations(checkpoint: Path, prompts: list[list[int]], new_tokens:
 def runtime(checkpoint: Path, settings: dict) -> str:
     pinned = ", ".join(f"{k}={v}" for k, v in ARITHMETIC.items())
     return f"llama.cpp {_tools().commit[:7]} CPU ({Path(checkpoint).name}; {pinned})"
+
+
+def numerics(checkpoint: Path, settings: dict, rows: int) -> str:
+    """ggml's CPU dot products of a quantized tensor round the activations to 8 bits
+    (Q8_K for the K-quants, Q8_0 for the 32-blocks), at every batch size; F32 tensors
+    (the dense expansion) run in float32. F16 and BF16 ones round activations to
+    their 16-bit type, which the study's F32 controls never are."""
+    types = set(gguf_bits_per_weight(Path(checkpoint), _tools().gguf_py)["tensor_types"].values())
+    if types - {"F32", "F16", "BF16"}:
+        return "int8_activations"
+    return "exact" if types == {"F32"} else "bf16_activations"
 
 
 def throughput(checkpoint: Path, settings: dict, threads: int, *, prompt_tokens: int,

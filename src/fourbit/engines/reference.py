@@ -81,6 +81,12 @@ def runtime(checkpoint: Path, settings: dict) -> str:
     return f"transformers {settings['dtype']} {kind}"
 
 
+def numerics(checkpoint: Path, settings: dict, rows: int) -> str:
+    """Beyond the dense expansion, only the engine's own dtype rounds: at or above
+    DEQUANT_ROWS the weight is expanded exactly; below, tinygemm runs in that dtype."""
+    return "exact" if settings["dtype"] == "float32" else "bf16_activations"
+
+
 def load_model(checkpoint: Path, dtype: torch.dtype) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 

@@ -50,6 +50,10 @@ def runtime(checkpoint, settings):
     return vllm.runtime(checkpoint, vllm.VllmSettings.from_engine(settings, plugin=False))
 
 
+def numerics(checkpoint, settings, rows):
+    return vllm.numerics(checkpoint, vllm.VllmSettings.from_engine(settings, plugin=False), rows)
+
+
 def throughput(checkpoint, settings, threads, **kwargs):
     return vllm.throughput(checkpoint, _native(settings, checkpoint), threads, **kwargs)
 

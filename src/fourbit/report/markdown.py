@@ -79,7 +79,8 @@ def results_table(rows: list[dict]) -> list[str]:
                "ppl", f"Δppl vs baseline [{CONFIDENCE:.0%} CI]", "control (arm vs dense Δ nats/token)"]
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for r in rows:
-        control = f"{r['control']} ({fmt_value(r['control_delta_nll'])})" if r["control"] else "—"
+        control = (f"{r['control']} ({fmt_value(r['control_delta_nll'])}; {r['numerics']} "
+                   f"≤ {r['control_tolerance']})" if r["control"] else "—")
         delta = "—" if r["arm_id"] == "baseline" else (
             f"{fmt_value(r['delta_ppl'])} [{fmt_value(r['delta_ppl_ci_low'])}, {fmt_value(r['delta_ppl_ci_high'])}] "
             f"({r['delta_ppl_pct']:+.2f}%)"
@@ -265,11 +266,15 @@ def definitions(study: dict, facts: dict, settings: Mapping) -> list[str]:
         "quantized; the plain weights for the baseline) divided by their weight count; **file bits/param**: every stored tensor (embeddings, norms, the "
         "untied head's copy included) divided by the model's parameter count.",
         "- **control**: the arm run by its 4-bit runtime against its dense float32 expansion on the "
-        "same engine; the mean NLL difference in nats/token. *faithful* if within "
-        f"{study['evaluation']['control_tolerance']} nats/token; otherwise the runtime or the "
-        "packing, not the quantizer, is wrong. A llama.cpp arm's expansion is its GGUF with "
-        "every tensor decoded to F32 by llama-quantize; llama.cpp's quantized matmuls also round "
-        "the activations to 8 bits, which this difference includes.",
+        "same engine; the mean NLL difference in nats/token. *faithful* if within the tolerance "
+        "of what that runtime rounds beyond the expansion (its **numerics**: "
+        + "; ".join(f"{name} {value}" for name, value in
+                    sorted(study["evaluation"]["control_tolerance"].items()))
+        + " nats/token); otherwise the runtime or the packing, not the quantizer, is wrong. "
+        "*exact*: float32 on both sides; *bf16_activations*: activations rounded to bfloat16; "
+        "*int8_activations*: activations rounded to int8 per block before integer dot products "
+        "(fourbit's W4A8 kernel; llama.cpp's quantized matmuls, Q8_K / Q8_0). A llama.cpp arm's "
+        "expansion is its GGUF with every tensor decoded to F32 by llama-quantize.",
         "",
         "- **KL / top-1 / greedy identical**, as the fidelity records define them (a KL "
         "marked ≥ is a lower bound: that engine returns only its top-k logprobs):",

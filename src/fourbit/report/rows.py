@@ -21,7 +21,7 @@ COLUMNS = [
     "engine", "arm_id", "method", "group_size", "sym", "bits_per_weight", "file_bits_per_param",
     "size_mib", "ppl", "baseline_ppl", "delta_ppl", "delta_ppl_ci_low", "delta_ppl_ci_high",
     "delta_ppl_pct", "dense_ppl",
-    "control_delta_nll", "control", "runtime",
+    "control_delta_nll", "control", "numerics", "control_tolerance", "runtime",
     "pp512_median", "pp512_min", "pp512_max", "pp512_ratio",
     "tg128_median", "tg128_min", "tg128_max", "tg128_ratio",
     "decode_bandwidth_fraction", "max_busy_before_pass", "min_resident_fraction", "throughput_note",
@@ -39,7 +39,7 @@ def build_rows(
     ("hf", "gguf"), the unquantized baseline's storage; ``benches``: each engine's bench
     records (records.bench_records)."""
     arms = {m["id"]: m for m in manifests}
-    tolerance = study["evaluation"]["control_tolerance"]
+    tolerances = study["evaluation"]["control_tolerance"]  # by numerics
     rows = []
     for engine_id, engine in study["engines"].items():
         if engine["unavailable"]:
@@ -51,19 +51,20 @@ def build_rows(
             arm = records[engine_id][arm_id]
             fidelity = arm["fidelity"].data
             row = _row(engine_id, arm_id, arms[arm_id], arm["ppl_quantized"].data, baseline,
-                       arm["ppl_dense"].data, tolerance)
+                       arm["ppl_dense"].data, tolerances)
             engine_rows.append({**row, **_throughput([bench], "arm"), **_fidelity(fidelity),
                                 "_measures": distribution_measures(fidelity)})
-        base_row = _row(engine_id, "baseline", unquantized, baseline, baseline, None, tolerance)
+        base_row = _row(engine_id, "baseline", unquantized, baseline, baseline, None, tolerances)
         rows += [{**base_row, **_throughput(benches[engine_id], "baseline"), **_fidelity(None),
                   "_measures": None},
                  *engine_rows]
     return rows
 
 
-def _row(engine_id, arm_id, manifest, scored, baseline, dense, tolerance) -> dict:
+def _row(engine_id, arm_id, manifest, scored, baseline, dense, tolerances) -> dict:
     """Quality columns: perplexity, Δppl and its interval, and the control (``dense``,
-    the arm's dense expansion; None for a baseline, which has no control)."""
+    the arm's dense expansion; None for a baseline, which has no control), judged at the
+    tolerance of what the arm's runtime rounds (``tolerances`` by its record's numerics)."""
     if scored["token_ids_sha256"] != baseline["token_ids_sha256"]:
         raise ReportInputError(f"{arm_id} on {engine_id} scored other token ids than its baseline")
     quant, storage = manifest["quant"], manifest["storage"]
@@ -88,12 +89,16 @@ def _row(engine_id, arm_id, manifest, scored, baseline, dense, tolerance) -> dic
         "dense_ppl": dense["ppl"] if dense else None,
         "control_delta_nll": None,
         "control": None,
+        "numerics": scored["numerics"],
+        "control_tolerance": None,
         "runtime": scored["runtime"],
         "ppl_below_baseline": upper < 0,
     }
     if dense:
         delta = scored["mean_nll"] - dense["mean_nll"]
+        tolerance = tolerances[scored["numerics"]]
         row["control_delta_nll"] = delta
+        row["control_tolerance"] = tolerance
         row["control"] = "faithful" if abs(delta) <= tolerance else "NOT faithful"
     return row
 

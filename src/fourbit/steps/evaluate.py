@@ -104,6 +104,9 @@ def score_checkpoint(
         "engine": engine_settings,
         "checkpoint": str(checkpoint),
         "runtime": engine.runtime(Path(checkpoint), engine_settings),
+        # What the runtime rounds beyond the dense expansion, for the control's tolerance.
+        "numerics": engine.numerics(Path(checkpoint), engine_settings,
+                                    rows=min(len(w) for w in windows_file["windows"])),
         "window_nll_sum": nll,
         "window_tokens": tokens,
         "nll_sum": total_nll,

@@ -63,6 +63,29 @@ def describe(knobs: dict[str, Any], model_dtype: str) -> str:
     return f"{small} below {knobs['dequant_threshold']} rows, dense {compute} from {source} above"
 
 
+
+def numerics(knobs: dict[str, Any], model_dtype: str, rows: int) -> str:
+    """How a forward of ``rows`` rows rounds what the dense expansion would not (the
+    control's tolerance class, fourbit.report.rows): "exact", "bf16_activations" or
+    "int8_activations". At or above dequant_threshold rows the dense path runs W_hat in
+    the compute dtype; below it the small-batch kernel: W4A8 rounds activations to int8,
+    tinygemm runs in bfloat16 where only that is vectorized (kernels/tinygemm.py)."""
+    import torch
+
+    from fourbit.kernels import int4_cpu, tinygemm
+
+    requested = knobs["activation_dtype"]
+    compute = model_dtype if requested == "auto" else requested
+    if knobs["prefill_dequant"] and rows >= knobs["dequant_threshold"]:
+        dtype = compute
+    elif knobs["kernel"] in int4_cpu.NUMERICS and int4_cpu.isa() != "none":
+        if knobs["kernel"] == "w4a8":
+            return "int8_activations"
+        dtype = compute
+    else:
+        dtype = str(tinygemm.kernel_dtype(getattr(torch, compute), requested)).removeprefix("torch.")
+    return "exact" if dtype == model_dtype == "float32" else "bf16_activations"
+
 # Knobs an arm's quant block carries (hashed into its id) and the checkpoint then holds.
 ARM_KNOBS = ("kernel",)
 

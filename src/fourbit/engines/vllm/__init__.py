@@ -3,7 +3,7 @@
 One module per job:
 
     settings      VllmSettings, the engine's settings as one frozen object
-    lifecycle     the environment, opening and closing an LLM, runtime()
+    lifecycle     the environment, opening and closing an LLM, runtime(), numerics()
     score         score_windows (the perplexity step), prompt_logprobs, greedy
     bench         throughput, throughput_session (the bench step), bench_engine
     bench_worker  the process throughput_session runs one engine in (python -m)
@@ -16,7 +16,7 @@ when an engine opens.
 
 from fourbit.engines.vllm.bench import throughput, throughput_session
 from fourbit.engines.vllm.fidelity import compare_with_baseline
-from fourbit.engines.vllm.lifecycle import checkpoint_quant_method, open_llm, runtime
+from fourbit.engines.vllm.lifecycle import checkpoint_quant_method, numerics, open_llm, runtime
 from fourbit.engines.vllm.score import greedy, prompt_logprobs, score_windows
 from fourbit.engines.vllm.settings import VllmSettings
 
@@ -25,6 +25,7 @@ __all__ = [
     "checkpoint_quant_method",
     "compare_with_baseline",
     "greedy",
+    "numerics",
     "open_llm",
     "prompt_logprobs",
     "runtime",

