@@ -48,10 +48,10 @@ def checkpoints(tmp_path_factory):
     return root / "arm", root / "baseline"
 
 
-def pair_of(arm, baseline, engine, out, name="engine/arm"):
+def pair_of(arm, baseline, engine, out, name="engine/arm", refusal=None):
     """A BenchPair as the workflow makes it: its name, and compile caches by its record."""
     caches = {"arm": out.parent / "bench.cache", "baseline": out.parent.parent / "baseline" / "bench.cache"}
-    return benchmark.BenchPair(name, arm, baseline, engine, out, caches)
+    return benchmark.BenchPair(name, arm, baseline, engine, out, caches, refusal)
 
 
 def bench_one(arm, baseline, engine, bench, out, threads):
@@ -327,6 +327,17 @@ def test_reference_engine_is_not_benchmarked(checkpoints, tmp_path):
     assert record["model_weights_sha256"] == WEIGHTS
     assert record["reason"].startswith("not a deployment engine; not benchmarked")
     assert json.loads(out.read_text()) == record
+
+
+def test_a_pair_its_engine_cannot_time_is_recorded_with_the_reason(checkpoints, fake_host, tmp_path):
+    """The workflow found before any job that this engine cannot time this model (vLLM and
+    a prompt longer than the model's positions): the record says so, nothing is timed."""
+    calls, _ = fake_host
+    pair = pair_of(*checkpoints, ENGINE, tmp_path / "a" / "bench.json", refusal="not benchmarked: r")
+    [record] = benchmark.bench_study([pair], {}, threads=1, model_weights_sha256=WEIGHTS)
+    assert record == {"measured": False, "reason": "not benchmarked: r", "engine": ENGINE,
+                      "model_weights_sha256": WEIGHTS}
+    assert calls == []
 
 
 @pytest.mark.slow

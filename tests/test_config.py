@@ -464,3 +464,13 @@ def test_an_hf_tokenizer_the_converter_does_not_know_stops_before_the_download(t
     run = build()
     assert run.returncode != 0
     assert "is a BPE whose pre-tokenizer llama.cpp's converter does not recognise" in run.stderr
+
+
+def test_an_engine_that_cannot_time_the_model_is_known_before_any_job():
+    """The tiny builtin model holds 128 positions: vLLM refuses pp512's prompt, llama-bench
+    runs past them; the bench records the reason instead of failing the study."""
+    config = copy.deepcopy(BASE)
+    config["engines"] = {"vllm": {}, "llamacpp": {}}
+    refusals = study(config).bench_refusals
+    assert "512-token prompt (pp512) exceeds the model's 128 positions" in refusals["vllm"]
+    assert refusals["llamacpp"] is None

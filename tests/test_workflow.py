@@ -96,7 +96,9 @@ def test_vllm_engine_runs_the_study_end_to_end(vllm_study):
     assert len(rows) == 1 + arms
     for row in rows:
         assert float(row["ppl"]) > 0
-        assert float(row["tg128_median"]) > 0  # vLLM is a deployment engine: timed
+        # The tiny model holds 128 positions; vLLM refuses pp512's prompt, so the bench
+        # records why (found before any job) instead of failing the study.
+        assert row["tg128_median"] == "" and "exceeds the model's 128 positions" in row["throughput_note"]
         if row["arm_id"] != "baseline":
             assert row["control"] == "faithful", row
             assert "fourbit" in row["runtime"], row  # the plugin ran the 4-bit weights

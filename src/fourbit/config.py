@@ -209,6 +209,8 @@ class Study:
     # arms of the config that cannot apply to this model: {name, id, method, reason};
     # dropped from the DAG before any job, named in the report
     refused_arms: list[dict] = field(default_factory=list)
+    # engine name -> why it cannot time this model (None: it can); its bench records say so
+    bench_refusals: dict[str, str | None] = field(default_factory=dict)
 
     @classmethod
     def from_config(cls, config: dict, schema: dict | None = None) -> "Study":
@@ -257,6 +259,8 @@ class Study:
             arms=arms,
             unavailable={name: unavailable_here(name) for name in engines},
             refused_arms=refused,
+            bench_refusals={name: engine_spec(name).bench_refusal(
+                model_config, config["bench"]["prompt_tokens"]) for name in engines},
         )
 
     def arms_of_kind(self, kind: str) -> list[str]:

@@ -11,6 +11,9 @@ STUDY = Study.from_config(config)
 # config.json just now) has no jobs; the report names it with the same reason.
 for refused in STUDY.refused_arms:
     print(f"fourbit: not run: {refused['reason']}", file=sys.stderr)
+for engine_name, refusal in STUDY.bench_refusals.items():
+    if refusal:
+        print(f"fourbit: {engine_name}: {refusal}", file=sys.stderr)
 RESULTS = STUDY.results
 MODEL = STUDY.model_id
 CORPUS = STUDY.corpus_id
@@ -163,6 +166,7 @@ def bench_pairs():
                         "arm": compile_cache(engine.id, arm_id, "bench"),
                         "baseline": compile_cache(engine.id, "baseline", "bench"),
                     },
+                    "refusal": STUDY.bench_refusals[engine.name],
                 }
             )
     return pairs

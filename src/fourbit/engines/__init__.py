@@ -38,6 +38,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
+from fourbit.engines.limits import prompt_exceeds_positions
+
 
 class Bench(enum.Enum):
     """How fourbit.steps.bench times an engine: the module function it calls."""
@@ -69,6 +71,11 @@ def _any_host() -> str | None:
     return None
 
 
+def _times_any_model(model_config: dict, prompt_tokens: int) -> str | None:
+    return None
+
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """Everything the rest of fourbit asks of one engine (STYLE.md 19).
@@ -84,6 +91,9 @@ class EngineSpec:
     runs_arm: Callable[[dict], bool] = _every_arm
     # Why it cannot run on this host, or None; most need nothing of the host.
     host_check: Callable[[], str | None] = _any_host
+    # Why it cannot time this model (its config.json, the bench's prompt tokens), or None:
+    # checked before any job, so the bench records the reason instead of failing the study.
+    bench_refusal: Callable[[dict, int], str | None] = _times_any_model
 
 
 def _symmetric_gptq(quant: dict) -> bool:
@@ -106,10 +116,11 @@ ENGINES: dict[str, EngineSpec] = {
         ),
     ),
     "vllm": EngineSpec("fourbit.engines.vllm", reads="hf", bench=Bench.SESSION,
-                       fidelity=Fidelity.PER_POSITION),
+                       fidelity=Fidelity.PER_POSITION, bench_refusal=prompt_exceeds_positions),
     "vllm_native": EngineSpec("fourbit.engines.vllm_native", reads="hf", bench=Bench.SESSION,
                               fidelity=Fidelity.PER_POSITION, runs_arm=_symmetric_gptq,
-                              host_check=_vllm_native_kernel_missing),
+                              host_check=_vllm_native_kernel_missing,
+                              bench_refusal=prompt_exceeds_positions),
     "llamacpp": EngineSpec("fourbit.engines.llamacpp", reads="gguf", bench=Bench.PER_PASS,
                            fidelity=Fidelity.OWN_KL_MODE),
 }

@@ -98,6 +98,7 @@ def _builtin_config(spec: dict, source_dir: Path) -> dict:
         "num_attention_heads": resolved["num_heads"],
         "num_key_value_heads": resolved["num_kv_heads"],
         "head_dim": resolved["hidden_size"] // resolved["num_heads"],
+        "max_position_embeddings": resolved["seq_len"],
         "tie_word_embeddings": True,
     }
 

@@ -194,6 +194,9 @@ class BenchPair:
     engine: dict  # {"name": .., **the engine's settings}
     out: Path
     caches: dict[str, Path]
+    # Why this engine cannot time this model, found before any job (fourbit.config's
+    # bench_refusals); None: it is timed.
+    refusal: str | None = None
 
 
 def bench_study(pairs: list[BenchPair], bench_settings: dict, threads: int, *,
@@ -215,8 +218,10 @@ def bench_study(pairs: list[BenchPair], bench_settings: dict, threads: int, *,
         raise ValueError(f"bench pairs {names} repeat a name; each arm of an engine is timed "
                          "once")
     specs = {pair.name: engine_spec(pair.engine["name"]) for pair in pairs}
-    timed = [pair for pair in pairs if not isinstance(specs[pair.name].bench, NotBenchmarked)]
-    records = {pair.name: _not_benchmarked(pair, specs[pair.name].bench)
+    # Why a pair is not timed: its engine is not a deployment engine, or cannot time this model.
+    untimed = {pair.name: pair.refusal or _not_deployed(specs[pair.name]) for pair in pairs}
+    timed = [pair for pair in pairs if untimed[pair.name] is None]
+    records = {pair.name: _not_benchmarked(pair, untimed[pair.name])
                for pair in pairs if pair not in timed}
     if timed:
         records |= _time_pairs(timed, specs, resolve_settings(bench_settings, threads))
@@ -228,9 +233,13 @@ def bench_study(pairs: list[BenchPair], bench_settings: dict, threads: int, *,
     return [records[pair.name] for pair in pairs]
 
 
-def _not_benchmarked(pair: BenchPair, bench: NotBenchmarked) -> dict:
-    log.info("%s: not benchmarked (%s)", pair.engine["name"], bench.reason)
-    return {"measured": False, "reason": bench.reason, "engine": pair.engine}
+def _not_deployed(spec: EngineSpec) -> str | None:
+    return spec.bench.reason if isinstance(spec.bench, NotBenchmarked) else None
+
+
+def _not_benchmarked(pair: BenchPair, reason: str) -> dict:
+    log.info("%s: not benchmarked (%s)", pair.name, reason)
+    return {"measured": False, "reason": reason, "engine": pair.engine}
 
 
 def _time_pairs(pairs: list[BenchPair], specs: dict[str, EngineSpec],

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from fourbit.engines.limits import prompt_exceeds_positions
 from fourbit.engines.threads import torch_threads
 from fourbit.engines.vllm.lifecycle import dtype_name, llm_options, open_llm
 from fourbit.engines.vllm.settings import VllmSettings, resolve
@@ -39,13 +40,10 @@ def synthetic_prompt(length: int, vocab_size: int, seed: int = 0) -> list[int]:
 def _check_prompt_fits(checkpoint: str | os.PathLike, prompt_tokens: int) -> None:
     """Refuse a prompt longer than the model's positions; one that fills them all is fine
     (_engine_env allows the extra slot vLLM asks for the sampled token, never fed back)."""
-    config = json.loads((Path(checkpoint) / "config.json").read_text())
-    positions = config.get("max_position_embeddings")
-    if positions is not None and prompt_tokens > positions:
-        raise ValueError(
-            f"{checkpoint}: a {prompt_tokens}-token prompt exceeds the model's "
-            f"{positions} positions; bench a model with at least {prompt_tokens}"
-        )
+    refusal = prompt_exceeds_positions(json.loads((Path(checkpoint) / "config.json").read_text()),
+                                       prompt_tokens)
+    if refusal:
+        raise ValueError(f"{checkpoint}: {refusal}")
 
 
 # The KV cache a bench engine gets: room for its one sequence four times over (vLLM
