@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from fourbit.engines.threads import torch_threads
+
 ARRAYS_COUNTED = 3
 MIN_ARRAY_BYTES = 256 << 20
 LLC_MULTIPLE = 8
@@ -68,10 +70,7 @@ def measure_bandwidth(
     if repeats < 1:
         raise ValueError(f"repeats={repeats}; need at least 1 timed iteration")
     elements = size // _ELEMENT.itemsize
-    previous_threads = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         # Filled, not just allocated: the first touch of each page faults it in,
         # which would otherwise be timed as part of the first iteration.
         a, b, c = (torch.full((elements,), v, dtype=_ELEMENT) for v in (0.0, 1.0, 2.0))
@@ -82,8 +81,6 @@ def measure_bandwidth(
             torch.add(b, c, alpha=_SCALAR, out=a)
             times.append(time.perf_counter() - start)
         used_threads = torch.get_num_threads()
-    finally:
-        torch.set_num_threads(previous_threads)
     moved = ARRAYS_COUNTED * elements * _ELEMENT.itemsize
     return {
         "gbs": moved / min(times) / 1e9,
