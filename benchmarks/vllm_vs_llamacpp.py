@@ -44,8 +44,7 @@ from fourbit.bench.passes import MIN_PASSES
 QWEN_GPTQ = {"method": "rtn", "group_size": 128, "bits": 4, "sym": True, "quantize_head": True}
 # name -> (which checkpoint of the model, engine, its settings)
 VLLM_VARIANTS = {
-    "plugin fp32": ("vllm", "vllm", {"dtype": "float32"}),  # the arm's kernel: W4A16
-    "plugin fp32 w4a8": ("vllm", "vllm", {"dtype": "float32", "quant": {"kernel": "w4a8"}}),
+    "plugin fp32": ("vllm", "vllm", {"dtype": "float32"}),  # the arm's own kernel (W4A16 by default)
     "plugin bf16": ("vllm", "vllm", {"dtype": "bfloat16", "quant": {"activation_dtype": "bfloat16"}}),
     "native bf16": ("gptq", "vllm_native", {"dtype": "bfloat16"}),
 }
