@@ -43,10 +43,9 @@ def describe(knobs: dict[str, Any], model_dtype: str) -> str:
 
     from fourbit.kernels import int4_cpu, tinygemm
 
-    requested = knobs["activation_dtype"]
-    compute = model_dtype if requested == "auto" else requested
+    requested, compute = knobs["activation_dtype"], compute_dtype(knobs, model_dtype)
     kernel = knobs["kernel"]
-    if kernel in int4_cpu.NUMERICS and int4_cpu.isa() != "none":
+    if runs_fourbit_kernel(knobs):
         small = f"fourbit {kernel.upper()} kernel ({int4_cpu.isa()})"
         source = "its packed layout"
     else:
@@ -63,6 +62,18 @@ def describe(knobs: dict[str, Any], model_dtype: str) -> str:
     return f"{small} below {knobs['dequant_threshold']} rows, dense {compute} from {source} above"
 
 
+def compute_dtype(knobs: dict[str, Any], model_dtype: str) -> str:
+    """The dtype both paths compute in: the model's unless activation_dtype names one."""
+    requested = knobs["activation_dtype"]
+    return model_dtype if requested == "auto" else requested
+
+
+def runs_fourbit_kernel(knobs: dict[str, Any]) -> bool:
+    """Whether small batches run fourbit's kernel here (else tinygemm, the fallback)."""
+    from fourbit.kernels import int4_cpu
+
+    return knobs["kernel"] in int4_cpu.NUMERICS and int4_cpu.isa() != "none"
+
 
 def numerics(knobs: dict[str, Any], model_dtype: str, rows: int) -> str:
     """How a forward of ``rows`` rows rounds what the dense expansion would not (the
@@ -72,19 +83,20 @@ def numerics(knobs: dict[str, Any], model_dtype: str, rows: int) -> str:
     tinygemm runs in bfloat16 where only that is vectorized (kernels/tinygemm.py)."""
     import torch
 
-    from fourbit.kernels import int4_cpu, tinygemm
+    from fourbit.kernels import tinygemm
 
-    requested = knobs["activation_dtype"]
-    compute = model_dtype if requested == "auto" else requested
+    compute = compute_dtype(knobs, model_dtype)
     if knobs["prefill_dequant"] and rows >= knobs["dequant_threshold"]:
         dtype = compute
-    elif knobs["kernel"] in int4_cpu.NUMERICS and int4_cpu.isa() != "none":
+    elif runs_fourbit_kernel(knobs):
         if knobs["kernel"] == "w4a8":
             return "int8_activations"
         dtype = compute
     else:
-        dtype = str(tinygemm.kernel_dtype(getattr(torch, compute), requested)).removeprefix("torch.")
+        kernel = tinygemm.kernel_dtype(getattr(torch, compute), knobs["activation_dtype"])
+        dtype = str(kernel).removeprefix("torch.")
     return "exact" if dtype == model_dtype == "float32" else "bf16_activations"
+
 
 # Knobs an arm's quant block carries (hashed into its id) and the checkpoint then holds.
 ARM_KNOBS = ("kernel",)
