@@ -132,9 +132,9 @@ def decode_weight_bytes(checkpoint: str | os.PathLike, engine_settings: dict) ->
     embeddings (one row per token), norms and biases are left out: together well under
     1% of the bytes.
     """
-    by_kind = {"hf": lambda: linear_weight_bytes(checkpoint, engine_settings["dtype"]),
-               "gguf": lambda: gguf_weight_bytes(checkpoint)}
-    return by_kind[engine_spec(engine_settings["name"]).reads]()
+    if engine_spec(engine_settings["name"]).reads == "gguf":
+        return gguf_weight_bytes(checkpoint)
+    return linear_weight_bytes(checkpoint, engine_settings["dtype"])
 
 
 def linear_weight_bytes(checkpoint: str | os.PathLike, dense_dtype: str) -> dict:
