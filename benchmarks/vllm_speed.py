@@ -101,6 +101,14 @@ def vllm_settings(given: dict, cache_root: Path, engine: str = "vllm") -> dict:
     return {"name": engine, **block(f"engines.{engine}", given), "cache_root": str(cache_root)}
 
 
+def llama_bench_sizes() -> dict[str, int]:
+    """pp512 and tg128 as the study's bench block defines them (the schema's constants)."""
+    from fourbit.config import block
+
+    settings = block("bench")
+    return {"prompt_tokens": settings["prompt_tokens"], "decode_tokens": settings["decode_tokens"]}
+
+
 def engine_settings(variant: str, workdir: Path) -> dict:
     _, settings = VARIANTS[variant]
     return vllm_settings(settings, workdir / "cache" / variant.replace(" ", "_"))
@@ -122,7 +130,7 @@ def timed_passes(checkpoints, workdir, passes, warmup, cores, threshold) -> dict
             started = time.monotonic()
             cpu = {}
             wall = throughput(checkpoints[VARIANTS[name][0]], engine_settings(name, workdir),
-                              len(cores), cpu_rates=cpu)
+                              len(cores), cpu_rates=cpu, **llama_bench_sizes())
             label = f"pass {number}" if number > 0 else "warm-up"
             busy = max(gate["busy"].values())
             print(f"  {label}: {name:28s} pp512 {wall['pp512_tok_s']:7.1f} "

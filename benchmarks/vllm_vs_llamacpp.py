@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 from vllm_speed import QUANT as QWEN_QUANT  # its cpu_int4 g128 arm (shrink_steps 1, head quantized)
-from vllm_speed import summary, vllm_settings  # the same folder: python puts it on sys.path
+from vllm_speed import llama_bench_sizes, summary, vllm_settings  # the same folder: python puts it on sys.path
 
 from fourbit.bench.passes import MIN_PASSES
 
@@ -138,7 +138,8 @@ def one_run(variant: str, model: dict, cores: list[int], workdir: Path) -> dict:
     checkpoint, engine, given = VLLM_VARIANTS[variant]
     settings = vllm_settings(given, workdir / "cache" / variant.replace(" ", "_"), engine)
     with pinned(cores):
-        return get_engine(engine).throughput(model[checkpoint], settings, len(cores))
+        return get_engine(engine).throughput(model[checkpoint], settings, len(cores),
+                                             **llama_bench_sizes())
 
 
 def side_by_side(model: dict, cores: list[int], passes: int, threshold: float,

@@ -22,7 +22,7 @@ import pytest
 from engine_settings import engine_settings
 
 from fourbit.bench.contention import ContentionError, check_quiet
-from fourbit.config import canonical_quant, load_schema
+from fourbit.config import block, canonical_quant, load_schema
 from fourbit.engines import ENGINES, Bench, EngineSpec, Fidelity
 from fourbit.steps import bench as benchmark
 from fourbit.steps.quantize import quantize_checkpoint
@@ -31,6 +31,7 @@ ENGINE = {"name": "fake", "dtype": "float32"}  # registered by the fixtures belo
 RATES = {"arm": {"pp512_tok_s": 400.0, "tg128_tok_s": 40.0},
          "baseline": {"pp512_tok_s": 200.0, "tg128_tok_s": 20.0}}
 BANDWIDTH = {"gbs": 10.0, "threads": 1}
+LLAMA_BENCH_SIZES = {key: block("bench")[key] for key in ("prompt_tokens", "decode_tokens")}
 WEIGHTS = "ab" * 32  # the source model's model_weights_sha256, carried into every record
 
 
@@ -371,7 +372,7 @@ def test_a_bench_worker_that_fails_names_the_checkpoint_and_the_error(tmp_path):
     missing = tmp_path / "no-such-model"
     settings = engine_settings("vllm", kv_cache_gib=0.0625)
     with (pytest.raises(RuntimeError, match=r"(?s)bench worker for .*no-such-model failed.*config"),
-          throughput_session(missing, settings, 1) as one_pass):
+          throughput_session(missing, settings, 1, **LLAMA_BENCH_SIZES) as one_pass):
         one_pass()
 
 
@@ -390,7 +391,7 @@ def test_a_bench_worker_is_stopped_between_its_passes_and_ends_with_the_session(
         return found
 
     settings = engine_settings("vllm", kv_cache_gib=0.0625)
-    with throughput_session(checkpoints[1], settings, 1) as one_pass:
+    with throughput_session(checkpoints[1], settings, 1, **LLAMA_BENCH_SIZES) as one_pass:
         for _ in range(2):
             assert one_pass()["tg128_tok_s"] > 0
             assert list(workers().values()) == ["T"]

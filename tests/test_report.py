@@ -248,16 +248,28 @@ def test_records_from_other_weights_under_one_model_id_are_refused(tmp_path, tin
     assert not (tmp_path / "report.md").exists()
 
 
-@pytest.mark.parametrize("kind, rule", [("ppl_dense", "ppl"), ("bench", "bench"), ("fidelity", "fidelity")])
-def test_a_record_without_the_weights_hash_is_refused_as_older(tmp_path, tiny_untied, results, kind, rule):
+@pytest.mark.parametrize("kind, field, says", [
+    # without the weights hash: written before records carried it
+    ("ppl_dense", "model_weights_sha256", r"has no model_weights_sha256, so it was written by an "
+                                          r"older fourbit.*--forcerun ppl$"),
+    ("bench", "model_weights_sha256", r"has no model_weights_sha256, so it was written by an "
+                                      r"older fourbit.*--forcerun bench$"),
+    ("fidelity", "model_weights_sha256", r"has no model_weights_sha256, so it was written by an "
+                                         r"older fourbit.*--forcerun fidelity$"),
+    # any other field a reader needs: the record's schema names it
+    ("ppl_quantized", "window_tokens", r"not a valid ppl record .*'window_tokens' is a required "
+                                       r"property.*--forcerun ppl"),
+])
+def test_a_record_missing_a_field_readers_need_is_named_before_any_output(
+        tmp_path, tiny_untied, results, kind, field, says):
     records, manifest = results
     path = records[ENGINE][ARM][kind]
     record = json.loads(path.read_text())
-    del record["model_weights_sha256"]
+    del record[field]
     path.write_text(json.dumps(record))
-    with pytest.raises(ReportInputError, match=rf"{path}: has no model_weights_sha256, so it "
-                                               rf"was written by an older fourbit.*--forcerun {rule}$"):
+    with pytest.raises(ReportInputError, match=rf"{path}: {says}"):
         report(tmp_path, tiny_untied, records, manifest)
+    assert not (tmp_path / "report.md").exists()
 
 
 # --- the verdicts ------------------------------------------------------------------------------
@@ -557,18 +569,6 @@ def test_speed_skips_an_arm_whose_control_failed(tmp_path, tiny_untied):
     assert speed.startswith(f"- **For speed: `{arm_id('rtn_sym_g128')}`")  # the default bound: 1 point
     assert f"Faster but its control did not pass: `{arm_id('gptq_sym_g128')}` on {VLLM}" in speed
     assert "report.speed_quality_bound_pct" in markdown.split("## Definitions", 1)[1]
-
-
-def test_a_record_missing_a_field_readers_need_is_named_before_any_output(tmp_path, tiny_untied, results):
-    records, manifest = results
-    path = records[ENGINE][ARM]["ppl_quantized"]
-    record = json.loads(path.read_text())
-    del record["window_tokens"]
-    path.write_text(json.dumps(record))
-    with pytest.raises(ReportInputError, match=r"not a valid ppl record .*'window_tokens' is a required "
-                                               r"property.*--forcerun ppl"):
-        report(tmp_path, tiny_untied, records, manifest)
-    assert not (tmp_path / "report.md").exists()
 
 
 def test_the_control_is_judged_at_the_tolerance_of_the_runtimes_numerics(tmp_path, tiny_untied):

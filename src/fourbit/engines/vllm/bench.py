@@ -73,8 +73,8 @@ def bench_engine(
     settings: Mapping[str, Any] | VllmSettings,
     threads: int,
     *,
-    prompt_tokens: int = 512,
-    decode_tokens: int = 128,
+    prompt_tokens: int,
+    decode_tokens: int,
 ) -> Iterator[Callable[[], tuple[dict[str, float], dict[str, float]]]]:
     """An engine opened for timing; yields a function that times one pass in it.
 
@@ -163,8 +163,8 @@ def throughput(
     settings: Mapping[str, Any] | VllmSettings,
     threads: int,
     *,
-    prompt_tokens: int = 512,
-    decode_tokens: int = 128,
+    prompt_tokens: int,
+    decode_tokens: int,
     cpu_rates: dict[str, float] | None = None,
 ) -> dict[str, float]:
     """One timed pass in an engine of its own (see bench_engine); wall-clock rates.
@@ -202,8 +202,8 @@ def throughput_session(
     settings: Mapping[str, Any] | VllmSettings,
     threads: int,
     *,
-    prompt_tokens: int = 512,
-    decode_tokens: int = 128,
+    prompt_tokens: int,
+    decode_tokens: int,
 ) -> Iterator[Callable[[], dict[str, float]]]:
     """One engine held open for a whole bench job; each call times one pass in it.
 
