@@ -4,8 +4,8 @@
         --corpus results/corpus/<corpus id> [--windows 64 --samples 32 --heldout 16]
 
 Quantizes the model with cpu_int4 / rtn / gptq arms that differ only by ``search``
-(calibrated ones with ``--samples`` calibration and ``--heldout`` held-out windows, so
-not the default config's 128), expands each to float32 (the dense control, exact), and
+(calibrated ones with ``--samples`` calibration windows, and every search checked per
+layer against minmax on ``--heldout`` held-out windows, so not the default config's 128), expands each to float32 (the dense control, exact), and
 scores the first ``--windows`` windows of 512 tokens of the evaluation split on the
 reference engine: perplexity, mean next-token KL(base || arm) in nats/token (with the
 standard error over windows) and top-1 agreement with the unquantized model.
@@ -95,12 +95,12 @@ def main() -> None:
     print(f"{args.model}: first {args.windows} x 512 evaluation tokens, base ppl "
           f"{math.exp(base_nll):.4f}\n")
     schema = load_schema()
-    calibration = {"samples": args.samples, "seq_len": 512, "heldout": args.heldout}
     with tempfile.TemporaryDirectory() as tmp:
         for i, (label, quant) in enumerate(ARMS.items()):
-            if quant["method"] == "gptq" or quant.get("importance") == "activation":
-                quant = {**quant, "calibration": calibration}
             quant = canonical_quant(quant, schema)
+            if "calibration" in quant:  # fitted (samples) and/or a search checked on held-out windows
+                fitted = {"samples": args.samples} if "samples" in quant["calibration"] else {}
+                quant["calibration"] = {**quant["calibration"], "heldout": args.heldout, **fitted}
             folder = Path(tmp) / str(i)
             manifest = quantize_checkpoint(
                 args.model, folder / "q", folder / "arm.json",

@@ -4,7 +4,8 @@
 
 Random weights at the architecture's shapes (quality is irrelevant here): a dense
 float32 checkpoint with its head untied, and its cpu_int4 g128 quantization
-(shrink_steps 1, head and input embedding quantized). Measured side by side in one
+(plain min/max rounding, which speed does not depend on; head and input
+embedding quantized). Measured side by side in one
 run, batch 1, as llama-bench counts pp512 and tg128 (fourbit.engines.vllm.throughput):
 dense float32, dense bfloat16, and the int4 arm through fourbit's plugin with bfloat16
 activations (tinygemm in float32 is tens of times slower for multi-row batches),
@@ -44,7 +45,7 @@ import torch
 
 from fourbit.bench.passes import MIN_PASSES
 
-QUANT = {"method": "cpu_int4", "group_size": 128, "bits": 4, "sym": False, "shrink_steps": 1,
+QUANT = {"method": "cpu_int4", "group_size": 128, "bits": 4, "sym": False, "search": "minmax",
          "importance": "none", "quantize_head": True, "quantize_embedding": True}
 KV_CACHE_BYTES = 64 << 20  # 513 tokens of this model's KV need ~6 MiB; the same for every variant
 INT4 = {"dtype": "bfloat16", "quant": {"activation_dtype": "bfloat16", "direct_dequant": True}}

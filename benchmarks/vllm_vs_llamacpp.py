@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 import torch
-from vllm_speed import QUANT as QWEN_QUANT  # its cpu_int4 g128 arm (shrink_steps 1, head quantized)
+from vllm_speed import QUANT as QWEN_QUANT  # its cpu_int4 g128 arm (minmax, head quantized)
 from vllm_speed import llama_bench_sizes, summary, vllm_settings  # the same folder: python puts it on sys.path
 
 from fourbit.bench.passes import MIN_PASSES

@@ -42,7 +42,7 @@ def checkpoints(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("bench")
     save_tiny_llama(root / "baseline", tied=False)
-    quant = canonical_quant({"method": "cpu_int4", "group_size": 64, "shrink_steps": 1},
+    quant = canonical_quant({"method": "cpu_int4", "group_size": 64, "search": "minmax"},
                             load_schema())
     arm = {"name": "t", "id": "t-0000000000", "quant": quant}
     quantize_checkpoint(root / "baseline", root / "arm", root / "arm.json", arm)

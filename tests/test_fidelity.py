@@ -125,7 +125,8 @@ def test_reference_quantized_arm(models, tmp_path):
     from fourbit.steps.quantize import quantize_checkpoint
 
     arm = {"name": "t", "id": "t-0000000000",
-           "quant": canonical_quant({"method": "cpu_int4", "group_size": 64}, load_schema())}
+           "quant": canonical_quant({"method": "cpu_int4", "group_size": 64, "search": "minmax"},
+                                   load_schema())}
     quantize_checkpoint(models / "baseline", tmp_path / "q", tmp_path / "arm.json", arm)
     out = compare_arm(tmp_path / "q", models / "baseline", models / "windows.json",
                       tmp_path / "fidelity.json", REFERENCE, SMALL, threads=2,

@@ -22,7 +22,7 @@ def arm(**quant):
 @pytest.mark.parametrize(
     "quant, fmt",
     [
-        ({"method": "cpu_int4", "group_size": 64, "shrink_steps": 4}, "fourbit_int4"),
+        ({"method": "cpu_int4", "group_size": 64, "search": "minmax"}, "fourbit_int4"),
         ({"method": "rtn", "group_size": 128, "sym": True}, "gptq"),
         ({"method": "rtn", "group_size": 32, "sym": False}, "compressed-tensors"),
     ],
@@ -48,7 +48,7 @@ def test_arm_runs_in_4_bits_and_matches_its_dense_control(tiny_untied, tmp_path,
 
 
 def test_dense_expansion_is_exactly_the_quantizers_weights(tiny_untied, tmp_path):
-    quantize_checkpoint(tiny_untied, tmp_path / "q", tmp_path / "arm.json", arm(method="cpu_int4"))
+    quantize_checkpoint(tiny_untied, tmp_path / "q", tmp_path / "arm.json", arm(method="cpu_int4", search="minmax"))
     dequantize_checkpoint(tmp_path / "q", tmp_path / "d")
     _, _, qweights = read_quantized(tmp_path / "q")
     dense = load_tensors(tmp_path / "d")
@@ -61,20 +61,20 @@ def test_group_that_does_not_divide_a_layer_names_the_layer(tmp_path):
 
     save_tiny_llama(tmp_path / "m", tied=False, hidden=256, intermediate=320)
     with pytest.raises(GroupSizeError, match=r"mlp.down_proj: K=320 is not a multiple of group_size 128"):
-        quantize_checkpoint(tmp_path / "m", tmp_path / "q", tmp_path / "arm.json", arm(method="cpu_int4"))
+        quantize_checkpoint(tmp_path / "m", tmp_path / "q", tmp_path / "arm.json", arm(method="cpu_int4", search="minmax"))
     assert not (tmp_path / "q").exists()
 
 
 def test_quantize_head_off_keeps_the_head_dense(tiny_untied, tmp_path):
     manifest = quantize_checkpoint(
-        tiny_untied, tmp_path / "q", tmp_path / "arm.json", arm(method="cpu_int4", quantize_head=False)
+        tiny_untied, tmp_path / "q", tmp_path / "arm.json", arm(method="cpu_int4", search="minmax", quantize_head=False)
     )
     assert "lm_head" not in manifest["quantized_modules"]
 
 
 def test_both_int4_paths_agree(tiny_untied, tmp_path):
     """Decoding-sized inputs run the int4 kernel; window-sized ones the expanded packed weight."""
-    quantize_checkpoint(tiny_untied, tmp_path / "q", tmp_path / "arm.json", arm(method="cpu_int4"))
+    quantize_checkpoint(tiny_untied, tmp_path / "q", tmp_path / "arm.json", arm(method="cpu_int4", search="minmax"))
     model = reference.load_model(tmp_path / "q", torch.float32)
     linear = model.model.layers[0].mlp.down_proj
     x = torch.randn(reference.DEQUANT_ROWS, linear.in_features, generator=torch.Generator().manual_seed(0))
@@ -89,12 +89,12 @@ def test_quantized_embedding_is_looked_up_from_4_bits(tiny_untied, tmp_path):
     """quantize_embedding: the table [V, H] is stored like a linear and read back exactly."""
     manifest = quantize_checkpoint(
         tiny_untied, tmp_path / "q", tmp_path / "arm.json",
-        arm(method="cpu_int4", group_size=64, quantize_embedding=True),
+        arm(method="cpu_int4", search="minmax", group_size=64, quantize_embedding=True),
     )
     assert "model.embed_tokens" in manifest["quantized_modules"]
     table_size = load_tensors(tiny_untied)["model.embed_tokens.weight"].numel()
     without = quantize_checkpoint(tiny_untied, tmp_path / "q0", tmp_path / "arm0.json",
-                                  arm(method="cpu_int4", group_size=64))
+                                  arm(method="cpu_int4", search="minmax", group_size=64))
     assert manifest["storage"]["linear_weights"] == without["storage"]["linear_weights"] + table_size
     assert manifest["storage"]["size_bytes"] < without["storage"]["size_bytes"]
     assert manifest["method_facts"]["embedding"] == "rtn"
@@ -180,34 +180,42 @@ def test_split_hessian_keeps_the_held_out_rows_apart():
     assert split.n == 120 and split.heldout.n == 80
 
 
+HELDOUT_ONLY = {"seq_len": 64, "heldout": 3}  # a search that fits nothing: only held-out windows
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "quant",
+    "quant, calibration",
     [
-        {"method": "cpu_int4", "group_size": 64, "importance": "activation"},
-        {"method": "gptq", "group_size": 32, "sym": False},
-        {"method": "gptq", "group_size": 128, "sym": True, "head_method": "rtn"},
+        ({"method": "cpu_int4", "group_size": 64, "importance": "activation"}, CALIBRATION),
+        ({"method": "gptq", "group_size": 32, "sym": False}, CALIBRATION),
+        ({"method": "gptq", "group_size": 128, "sym": True, "head_method": "rtn"}, CALIBRATION),
+        # searches without importance: the held-out windows are all they read
+        ({"method": "cpu_int4", "group_size": 64, "quantize_embedding": True}, HELDOUT_ONLY),
+        ({"method": "rtn", "group_size": 32, "sym": True, "search": "weighted"}, HELDOUT_ONLY),
     ],
 )
-def test_calibrated_arm_keeps_the_better_of_search_and_minmax_per_layer(calibrated, tmp_path,
-                                                                        quant, one_thread):
+def test_every_searched_arm_keeps_the_better_of_search_and_minmax_per_layer(
+        calibrated, tmp_path, quant, calibration, one_thread):
     """Every layer's stored weight is no worse on held-out output error than plain min/max
     rounding of the same grid: checked against the first layer's inputs recomputed here
     from the unquantized model (nothing before them is quantized), and for every layer
-    against what the guard recorded."""
+    against what the guard recorded; a quantized embedding likewise, on the held-out
+    windows' tokens."""
     from transformers import AutoModelForCausalLM
 
     from fourbit.quant.grid import Grid, quantize_rtn
     from fourbit.quant.hessian import Hessian
-    from fourbit.quant.methods import QuantizeJob, calibration_tokens, heldout_error
+    from fourbit.quant.methods import QuantizeJob, calibration_tokens, heldout_error, lookup_error
 
     model_dir, text = calibrated
-    spec = arm(**quant, calibration=CALIBRATION)
+    spec = arm(**quant, calibration=calibration)
+    fitted = calibration.get("samples", 0)
     manifest = quantize_checkpoint(model_dir, tmp_path / "q", tmp_path / "arm.json", spec,
                                    calibration_text=text)
     facts = manifest["method_facts"]
     guard = facts["heldout_guard"]
-    assert facts["tokens"] == 6 * 64 and facts["heldout_tokens"] == 3 * 64
+    assert facts["tokens"] == fitted * 64 and facts["heldout_tokens"] == 3 * 64
     assert guard["search"] == "weighted" and guard["heldout_windows"] == 3
     layers = set(manifest["quantized_modules"])
     assert set(guard["kept_search"]) | set(guard["kept_minmax"]) == layers
@@ -219,22 +227,73 @@ def test_calibrated_arm_keeps_the_better_of_search_and_minmax_per_layer(calibrat
 
     # Independently: layer 0's q/k/v read the unquantized embedding's normed output.
     windows = calibration_tokens(QuantizeJob(model_dir, {}, spec["quant"], text, 1), 3)
+    assert len(windows) == fitted + 3
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     h_held = Hessian(model.config.hidden_size)
     hook = model.model.layers[0].self_attn.q_proj.register_forward_pre_hook(
         lambda _m, args: h_held.add_batch(args[0]))
     with torch.no_grad():
-        for ids in windows[6:]:
+        for ids in windows[fitted:]:
             model(ids.unsqueeze(0))
     hook.remove()
     _, _, qweights = read_quantized(tmp_path / "q")
-    grid = Grid(group_size=quant["group_size"], sym=quant.get("sym", False))
+    grid = Grid(group_size=quant["group_size"], sym=spec["quant"]["sym"])
+    if quant.get("quantize_embedding"):
+        name, table = "model.embed_tokens", model.model.embed_tokens.weight.detach()
+        counts = torch.bincount(windows[fitted:].flatten(), minlength=len(table)).float()
+        stored = lookup_error(table, qweights[name].dequantize(), counts)
+        plain = lookup_error(table, quantize_rtn(table, grid, search="minmax").dequantize(), counts)
+        assert stored <= plain * (1 + 1e-6)
+        kept = "weighted" if name in guard["kept_search"] else "minmax"
+        assert stored == pytest.approx(guard["heldout_relative_error"][name][kept], rel=1e-4)
     for proj in ("q_proj", "k_proj", "v_proj"):
         name = f"model.layers.0.self_attn.{proj}"
         w = getattr(model.model.layers[0].self_attn, proj).weight.detach()
         stored = heldout_error(w, qweights[name].dequantize(), h_held.h)
         kept = "weighted" if name in guard["kept_search"] else "minmax"
         assert stored == pytest.approx(guard["heldout_relative_error"][name][kept], rel=1e-4)
-        if quant["method"] == "cpu_int4":  # plain rounding, recomputed here
+        if quant["method"] != "gptq":  # plain rounding, recomputed here
             plain = heldout_error(w, quantize_rtn(w, grid, search="minmax").dequantize(), h_held.h)
             assert stored <= plain * (1 + 1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quant, calibration", [
+    ({"method": "cpu_int4", "group_size": 64, "quantize_embedding": True}, HELDOUT_ONLY),
+    ({"method": "rtn", "group_size": 64, "sym": True, "search": "shrink"}, HELDOUT_ONLY),
+    ({"method": "gptq", "group_size": 64, "sym": False}, CALIBRATION),
+])
+def test_a_search_worse_than_plain_rounding_is_dropped_layer_by_layer(
+        calibrated, tmp_path, monkeypatch, quant, calibration, one_thread):
+    """A search that makes every grid worse (its codes shifted one level, a fault injected
+    here) is kept nowhere: every tensor is stored exactly as plain min/max rounding of
+    the same grid would store it (for gptq: as its minmax pass would)."""
+    from fourbit.quant import gptq, methods
+    from fourbit.quant.grid import quantize_rtn
+    from fourbit.quant.qweight import QuantizedWeight
+
+    def one_level_off(quantize):
+        def searched_badly(weight, hessian_or_grid, *args, search="weighted", **kwargs):
+            result = quantize(weight, hessian_or_grid, *args, search=search, **kwargs)
+            qweight = result[0] if isinstance(result, tuple) else result
+            if search == "minmax":
+                return result
+            worse = QuantizedWeight((qweight.codes.int() + 1).clamp(max=15).to(torch.uint8),
+                                    qweight.scales, qweight.zeros, qweight.group_size)
+            return (worse, result[1]) if isinstance(result, tuple) else worse
+        return searched_badly
+
+    monkeypatch.setattr(methods, "quantize_rtn", one_level_off(quantize_rtn))
+    monkeypatch.setattr(gptq, "gptq_quantize", one_level_off(gptq.gptq_quantize))
+    manifest = quantize_checkpoint(calibrated[0], tmp_path / "q", tmp_path / "arm.json",
+                                   arm(**quant, calibration=calibration), calibration_text=calibrated[1])
+    guard = manifest["method_facts"]["heldout_guard"]
+    assert guard["kept_search"] == []
+    assert set(guard["kept_minmax"]) == set(manifest["quantized_modules"])
+    if quant["method"] != "gptq":  # plain rounding needs no walk to recompute
+        _, _, qweights = read_quantized(tmp_path / "q")
+        weights = load_tensors(calibrated[0])
+        grid = methods.grid_of(arm(**quant, calibration=calibration)["quant"])
+        for name, qweight in qweights.items():
+            plain = quantize_rtn(weights[f"{name}.weight"].float(), grid, search="minmax")
+            assert torch.equal(qweight.codes, plain.codes), name

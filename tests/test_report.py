@@ -88,10 +88,13 @@ def results(tmp_path):
     })
     manifest = tmp_path / "arm.json"
     manifest.write_text(json.dumps({"id": ARM, "name": ARM.partition("-")[0], "format": "cpu_int4",
-                                    "quant": {"method": "cpu_int4", "group_size": 128, "sym": False},
+                                    "quant": {"method": "cpu_int4", "group_size": 128, "sym": False,
+                                              "calibration": {"heldout": 16, "seq_len": 512, "seed": 0}},
                                     "storage": {"quantized_bits_per_weight": 4.19, "file_bits_per_param": 5.0,
                                                 "size_mib": 1.0},
-                                    "method_facts": {"algorithm": "rtn, shrink search", "head": "rtn"},
+                                    "method_facts": {"algorithm": "rtn, shrink search", "head": "rtn",
+                                                     "heldout_guard": {"search": "shrink", "kept_minmax": ["b"],
+                                                                       "kept_search": ["a", "c"]}},
                                     "quantize_seconds": 1.25, "peak_rss_mib": 700.4}))
     return records, manifest
 
@@ -110,8 +113,10 @@ def test_report_rows_come_from_the_result_files(tmp_path, tiny_untied, results):
     assert "timed in one bench job" not in markdown  # no job was timed
     # the fidelity definition is the record's, not restated by the report
     assert f"  - {ENGINE}: KL over the first windows (full logits, exact)" in markdown
-    # how the arm was made, from its manifest: algorithm, head, calibration, time, peak RSS
-    assert f"| `{ARM}` | rtn, shrink search | rtn | dense | — | none | 1.2 s | 700 MiB |" in markdown
+    # how the arm was made, from its manifest: algorithm, head, calibration, what the held-out
+    # check kept, time, peak RSS
+    assert (f"| `{ARM}` | rtn, shrink search | rtn | dense | — | none fitted; 16 held out × 512 tokens, "
+            "seed 0 | shrink in 2 of 3 tensors, minmax in 1 | 1.2 s | 700 MiB |") in markdown
     # An engine that could not run here has no rows, and the report says why.
     assert "Not run on this host: vllm_native-0000000000** (vllm_native): no avx512f" in markdown
 

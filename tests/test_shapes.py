@@ -166,7 +166,8 @@ def test_fallback_dense_writes_a_checkpoint_the_control_and_the_reference_engine
     from fourbit.steps.quantize import dequantize_checkpoint, quantize_checkpoint
 
     save_tiny_llama(tmp_path / "m", tied=False, hidden=256, intermediate=320)
-    quant = canonical_quant({"method": method, "group_size": 128, "fallback": "dense"}, load_schema())
+    quant = canonical_quant({"method": method, "group_size": 128, "fallback": "dense", "search": "minmax"},
+                            load_schema())
     arm = {"name": "t", "id": "t-0000000000", "quant": quant}
     manifest = quantize_checkpoint(tmp_path / "m", tmp_path / "q", tmp_path / "arm.json", arm)
     down = [f"model.layers.{i}.mlp.down_proj" for i in (0, 1)]

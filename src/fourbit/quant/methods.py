@@ -67,7 +67,8 @@ def grid_of(quant: dict) -> Grid:
 
 def calibration_tokens(job: QuantizeJob, heldout: int = 0) -> torch.Tensor:
     """Token windows [S + heldout, T] from the corpus's calibration split, as the arm's
-    config says: S = calibration.samples windows to fit, then ``heldout`` more to judge by.
+    config says: S = calibration.samples windows to fit (0 where the block has none: a
+    method that fits nothing), then ``heldout`` more to judge by.
 
     All S + heldout windows are one draw (calibration_samples, so none overlap), split
     by a permutation seeded like it; each part stays in stream order.
@@ -77,14 +78,18 @@ def calibration_tokens(job: QuantizeJob, heldout: int = 0) -> torch.Tensor:
     from fourbit.quant.calibration import calibration_samples
 
     if job.calibration_text is None:
-        raise ValueError(f"method {job.quant['method']} needs the corpus's calibration split")
+        raise ValueError(
+            f"method {job.quant['method']} with search {job.quant.get('search')!r} reads the corpus's "
+            "calibration split (its windows fit the arm or check its search), and none was given; "
+            "pass calibration_text, or use search minmax without importance, which reads no data")
     spec = job.quant["calibration"]
+    fitted = spec.get("samples", 0)  # none for a search that only the held-out windows check
     tokenizer = AutoTokenizer.from_pretrained(job.model_dir)
     ids = tokenizer(job.calibration_text.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
     try:
-        windows = calibration_samples(ids, spec["samples"] + heldout, spec["seq_len"], spec["seed"])
+        windows = calibration_samples(ids, fitted + heldout, spec["seq_len"], spec["seed"])
     except ValueError as error:
-        held = f"calibration.samples {spec['samples']} + {heldout} held out"
+        held = f"calibration.samples {fitted} + {heldout} held out"
         raise ValueError(f"{error} ({held})") from None
     if not heldout:
         return windows
@@ -107,15 +112,6 @@ def quantize_each(job: QuantizeJob, quantize_one) -> dict[str, QuantizedWeight]:
 def search_of(quant: dict) -> dict:
     """The arm's grid search as Grid.find_params / quantize_rtn / gptq_quantize take it."""
     return {"search": quant["search"], "shrink_steps": quant["shrink_steps"]}
-
-
-def quantize_embedding(job: QuantizeJob, grid: Grid, search: dict) -> dict[str, QuantizedWeight]:
-    """The input embedding [V, H] by RTN when the arm asks for it: a row per token, groups
-    along H. Calibration says nothing about it (its input is a token id, not activations)."""
-    if job.embedding is None:
-        return {}
-    table = TensorReader(job.model_dir).get(f"{job.embedding}.weight").float()  # [V, H]
-    return {job.embedding: quantize_rtn(table, grid, **search)}
 
 
 class _HeldOutHessian(Hessian):
@@ -206,8 +202,12 @@ class HeldOutGuard:
         self.kept: dict[str, str] = {}
 
     def choose(self, name, weight, h_heldout, searched: QuantizedWeight, plain: QuantizedWeight):
-        e_search = heldout_error(weight, searched.dequantize(), h_heldout)
-        e_plain = heldout_error(weight, plain.dequantize(), h_heldout)
+        return self.keep(name, heldout_error(weight, searched.dequantize(), h_heldout),
+                         heldout_error(weight, plain.dequantize(), h_heldout), searched, plain)
+
+    def keep(self, name, e_search: float, e_plain: float, searched: QuantizedWeight,
+             plain: QuantizedWeight) -> QuantizedWeight:
+        """The one of the two with the smaller held-out error (the search on a tie)."""
         self.errors[name] = {self.search: e_search, "minmax": e_plain}
         self.kept[name] = self.search if e_search <= e_plain else "minmax"
         return searched if e_search <= e_plain else plain
@@ -234,43 +234,84 @@ ALGORITHM = {  # what the manifest (and the report's table) calls each search
 }
 
 
+def quantize_embedding(job: QuantizeJob, grid: Grid, search: dict,
+                       guard: HeldOutGuard | None) -> dict[str, QuantizedWeight]:
+    """The input embedding [V, H] by RTN when the arm asks for it: a row per token, groups
+    along H. Its input is a token id, not activations, so the search is unweighted; with
+    a ``guard``, the table keeps the searched grid or plain min/max rounding, whichever
+    looks up the held-out windows' tokens with the smaller error."""
+    if job.embedding is None:
+        return {}
+    table = TensorReader(job.model_dir).get(f"{job.embedding}.weight").float()  # [V, H]
+    searched = quantize_rtn(table, grid, **search)
+    if guard is None:
+        return {job.embedding: searched}
+    held = calibration_tokens(job, job.quant["calibration"]["heldout"])
+    held = held[len(held) - job.quant["calibration"]["heldout"]:]  # [heldout, T]
+    counts = torch.bincount(held.flatten(), minlength=len(table)).float()  # [V]
+    plain = quantize_rtn(table, grid, search="minmax")
+    return {job.embedding: guard.keep(job.embedding, lookup_error(table, searched.dequantize(), counts),
+                                      lookup_error(table, plain.dequantize(), counts), searched, plain)}
+
+
+def lookup_error(table: torch.Tensor, table_hat: torch.Tensor, counts: torch.Tensor) -> float:
+    """heldout_error for an embedding: its output for token v is row v, so the relative
+    output error over tokens seen ``counts`` [V] times is sum_v c_v ||dW_v||^2 / sum_v c_v ||W_v||^2."""
+    total = (counts @ table.square()).sum().item()  # [V] @ [V, H] -> [H]
+    return (counts @ (table - table_hat).square()).sum().item() / total if total > 0 else 0.0
+
+
+def quantize_rtn_arm(job: QuantizeJob, *, weigh_by_activations: bool
+                     ) -> tuple[dict[str, QuantizedWeight], dict, HeldOutGuard | None]:
+    """Round-to-nearest of every chosen linear, each group's grid found by the arm's search.
+
+    Plain min/max rounding reads no data. Any other search walks the calibration split as
+    GPTQ does (layer i measured on layers 0..i-1 as quantized), and each layer keeps the
+    searched grid only if it beats plain min/max on the held-out windows (HeldOutGuard):
+    a search fits a proxy (weight error, weighted or not), the guard judges the output.
+    ``weigh_by_activations``: the search weights each input column by diag(H) of the
+    fitted calibration windows. Returns the weights, the manifest's facts and the guard
+    (None when nothing is searched), which the embedding goes through too.
+    """
+    grid, search = grid_of(job.quant), search_of(job.quant)
+    algorithm = f"rtn, {ALGORITHM[search['search']]}" + (" weighted by diag(H)" * weigh_by_activations)
+    guarded = search["search"] != "minmax"
+    if not guarded and not weigh_by_activations:
+        return quantize_each(job, lambda name, w: quantize_rtn(w, grid, **search)), {"algorithm": algorithm}, None
+    guard = HeldOutGuard(search["search"])
+
+    def quantize_one(name, weight, hessian, h_heldout):
+        importance = hessian.diagonal().float() if weigh_by_activations else None
+        searched = quantize_rtn(weight, grid, **search, importance=importance)
+        if not guarded:
+            return searched
+        return guard.choose(name, weight, h_heldout, searched, quantize_rtn(weight, grid, search="minmax"))
+
+    qweights, info = quantize_walking(job, quantize_one, heldout=guarded)
+    facts = {**info, "algorithm": algorithm}
+    if guarded:
+        facts["heldout_guard"] = guard.facts(job.quant["calibration"]["heldout"])
+    return qweights, facts, guard if guarded else None
+
+
 @register_method("cpu_int4")
 class CpuInt4:
-    """Asymmetric round-to-nearest per group, each group's grid found by ``search``.
-
-    With ``importance: activation`` the search weights each input column by the
-    calibration activations' second moment (diag of H, as llama.cpp's imatrix),
-    measured sequentially like GPTQ, and each layer keeps the searched grid only
-    if it beats plain min/max on held-out activations (HeldOutGuard).
+    """Asymmetric round-to-nearest per group, each group's grid found by ``search``
+    (quantize_rtn_arm); with ``importance: activation`` the search weights each input
+    column by the calibration activations' second moment (diag of H, as llama.cpp's
+    imatrix). The embedding, if asked for, is rounded on the same grid and guarded too.
     """
 
     def format(self, quant: dict) -> str:
         return "cpu_int4"
 
     def quantize(self, job: QuantizeJob) -> tuple[dict[str, QuantizedWeight], dict]:
-        grid, search = grid_of(job.quant), search_of(job.quant)
-        embedding = quantize_embedding(job, grid, search)
-        table = {"embedding": "rtn" if embedding else "dense"}
-        algorithm = f"rtn, {ALGORITHM[search['search']]}"
-        if job.quant["importance"] == "none":
-            qweights = quantize_each(job, lambda name, w: quantize_rtn(w, grid, **search))
-            return {**qweights, **embedding}, {"algorithm": algorithm, "head": "rtn", **table}
-
-        guarded = search["search"] != "minmax"
-        guard = HeldOutGuard(search["search"])
-
-        def weighted(name, weight, hessian, h_heldout):
-            searched = quantize_rtn(weight, grid, **search, importance=hessian.diagonal().float())
-            if not guarded:
-                return searched
-            return guard.choose(name, weight, h_heldout, searched,
-                                quantize_rtn(weight, grid, search="minmax"))
-
-        qweights, info = quantize_walking(job, weighted, heldout=guarded)
-        facts = {**info, "algorithm": f"{algorithm} weighted by diag(H)", "head": "rtn", **table}
-        if guarded:
+        qweights, facts, guard = quantize_rtn_arm(
+            job, weigh_by_activations=job.quant["importance"] == "activation")
+        embedding = quantize_embedding(job, grid_of(job.quant), search_of(job.quant), guard)
+        if guard is not None and embedding:
             facts["heldout_guard"] = guard.facts(job.quant["calibration"]["heldout"])
-        return {**qweights, **embedding}, facts
+        return {**qweights, **embedding}, {**facts, "head": "rtn", "embedding": "rtn" if embedding else "dense"}
 
 
 @register_method("rtn")
@@ -280,9 +321,8 @@ class RoundToNearest:
     format = staticmethod(symmetric_gptq_else_compressed)
 
     def quantize(self, job: QuantizeJob) -> tuple[dict[str, QuantizedWeight], dict]:
-        grid, search = grid_of(job.quant), search_of(job.quant)
-        qweights = quantize_each(job, lambda name, w: quantize_rtn(w, grid, **search))
-        return qweights, {"algorithm": f"rtn, {ALGORITHM[search['search']]}", "head": "rtn"}
+        qweights, facts, _ = quantize_rtn_arm(job, weigh_by_activations=False)
+        return qweights, {**facts, "head": "rtn"}
 
 
 @register_method("gptq")

@@ -205,18 +205,34 @@ def _bandwidth_measured(bandwidth: dict) -> str:
 def quantization_table(manifests: list[dict]) -> list[str]:
     """How each fourbit-quantized arm was made, from what its quantize job recorded."""
     header = ("| arm | algorithm | head | embedding | act-order / static groups | calibration | "
-              "time | peak RSS |")
-    lines = [header, "|---|---|---|---|---|---|---|---|"]
+              "search kept (held-out check) | time | peak RSS |")
+    lines = [header, "|---|---|---|---|---|---|---|---|---|"]
     for m in manifests:
         facts, quant = m["method_facts"], m["quant"]
-        calibration = quant.get("calibration")
-        drawn = (f"{calibration['samples']} × {calibration['seq_len']} tokens, seed {calibration['seed']}"
-                 if calibration else "none")
         order = (f"{facts['act_order']} / {facts['static_groups']}" if "act_order" in facts else "—")
         embedding = facts.get("embedding", "dense")  # only cpu_int4 can quantize it
         lines.append(f"| `{m['id']}` | {facts['algorithm']} | {facts['head']} | {embedding} | {order} | "
-                     f"{drawn} | {m['quantize_seconds']:.1f} s | {m['peak_rss_mib']:.0f} MiB |")
+                     f"{_calibration_drawn(quant.get('calibration'))} | "
+                     f"{_search_kept(facts.get('heldout_guard'))} | "
+                     f"{m['quantize_seconds']:.1f} s | {m['peak_rss_mib']:.0f} MiB |")
     return lines
+
+
+def _calibration_drawn(calibration: dict | None) -> str:
+    if calibration is None:
+        return "none"
+    held = f"{calibration['heldout']} held out"
+    if "samples" not in calibration:  # a search that only the held-out windows check
+        return f"none fitted; {held} × {calibration['seq_len']} tokens, seed {calibration['seed']}"
+    return f"{calibration['samples']} × {calibration['seq_len']} tokens, seed {calibration['seed']}; {held}"
+
+
+def _search_kept(guard: dict | None) -> str:
+    """How many tensors kept the searched grid; the rest beat it with plain min/max rounding."""
+    if guard is None:
+        return "—"
+    kept, total = len(guard["kept_search"]), len(guard["kept_search"]) + len(guard["kept_minmax"])
+    return f"{guard['search']} in {kept} of {total} tensors, minmax in {total - kept}"
 
 
 def unavailable_engines(study: dict) -> list[str]:
