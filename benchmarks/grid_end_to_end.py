@@ -81,8 +81,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from fourbit.config import canonical_quant, load_schema
-    from fourbit.steps.quantize import dequantize_checkpoint
-    from fourbit.steps.quantize import quantize_checkpoint
+    from fourbit.steps.quantize import dequantize_checkpoint, quantize_checkpoint
 
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(args.model)

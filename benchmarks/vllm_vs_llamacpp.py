@@ -46,6 +46,9 @@ QWEN_GPTQ = {"method": "rtn", "group_size": 128, "bits": 4, "sym": True, "quanti
 VLLM_VARIANTS = {
     "plugin fp32": ("vllm", "vllm", {"dtype": "float32"}),  # the arm's own kernel (W4A16 by default)
     "plugin bf16": ("vllm", "vllm", {"dtype": "bfloat16", "quant": {"activation_dtype": "bfloat16"}}),
+    # compiled (torch.compile over the traced graph, fourbit::int4_linear opaque in it): vLLM's
+    # per-step Python and dtype-conversion overhead is what an eager decode step spends most on
+    "plugin fp32 compiled": ("vllm", "vllm", {"dtype": "float32", "enforce_eager": False}),
     "native bf16": ("gptq", "vllm_native", {"dtype": "bfloat16"}),
 }
 LLAMA = "llama.cpp Q4_K_M"
@@ -111,12 +114,13 @@ def qwen_shaped_model(workdir: Path, threads: int) -> dict:
     return {"vllm": paths["int4"], "gptq": paths["gptq"], "gguf": q4km}
 
 
-def variants(model: dict) -> list[str]:
-    """The vLLM variants this model and host can run: the native kernel needs a GPTQ
-    checkpoint and AVX-512 (fourbit.bench.hostprobe)."""
+def variants(model: dict, chosen: list[str]) -> list[str]:
+    """The ``chosen`` vLLM variants this model and host can run: the native kernel needs a
+    GPTQ checkpoint and AVX-512 (fourbit.bench.hostprobe)."""
     from fourbit.engines import unavailable_here
 
-    names = [name for name, (checkpoint, _, _) in VLLM_VARIANTS.items() if checkpoint in model]
+    names = [name for name, (checkpoint, _, _) in VLLM_VARIANTS.items()
+             if checkpoint in model and name in chosen]
     reason = unavailable_here("vllm_native")
     if reason and "native bf16" in names:
         print(f"native bf16: not run on this host: {reason}")
@@ -143,11 +147,11 @@ def one_run(variant: str, model: dict, cores: list[int], workdir: Path) -> dict:
 
 
 def side_by_side(model: dict, cores: list[int], passes: int, threshold: float,
-                 workdir: Path) -> dict:
+                 workdir: Path, chosen: list[str]) -> dict:
     from fourbit.bench.contention import check_quiet
     from fourbit.bench.residency import warm_and_check
 
-    names = [*variants(model), LLAMA]
+    names = [*variants(model, chosen), LLAMA]
     rates = {name: [] for name in names}
     flagged = 0
     for number in range(1, passes + 1):
@@ -213,7 +217,12 @@ def main() -> None:
                         default=sorted(os.sched_getaffinity(0)),
                         help="CPU ids to pin both engines to, one thread per core")
     parser.add_argument("--busy-threshold", type=float, default=0.25)
+    parser.add_argument("--variants", default=",".join(VLLM_VARIANTS),
+                        help=f"comma-separated vLLM variants (default all: {', '.join(VLLM_VARIANTS)})")
     args = parser.parse_args()
+    unknown = sorted(set(args.variants.split(",")) - set(VLLM_VARIANTS))
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; choose from {', '.join(VLLM_VARIANTS)}")
     if args.passes < MIN_PASSES:
         parser.error(f"--passes must be at least {MIN_PASSES}: a single pass is never a result")
     models = args.models.split(",")
@@ -237,7 +246,8 @@ def main() -> None:
           flush=True)
     for name, model in built.items():
         print(f"\n{name}: {model['vllm']} vs {model['gguf']}", flush=True)
-        timed = side_by_side(model, cores, args.passes, args.busy_threshold, args.workdir / name)
+        timed = side_by_side(model, cores, args.passes, args.busy_threshold, args.workdir / name,
+                             args.variants.split(","))
         report(name, timed, model, cores, args.workdir / name)
     print(f"total {time.monotonic() - started:.0f} s")
 
