@@ -9,7 +9,7 @@ ENV_FILES := envs/requirements.txt envs/vllm-deps.txt envs/fourbit.post-deploy.s
 	setup.py src/fourbit/kernels/csrc/int4_cpu.cpp
 STAMP := $(VENV)/.installed-$(shell cat $(ENV_FILES) | sha256sum | cut -c1-16)
 
-.PHONY: venv llamacpp report test dry-run
+.PHONY: venv llamacpp report test dry-run architectures
 venv: $(STAMP)
 
 # llama.cpp's tools, built once per machine from the llama-cpp-python sdist and
@@ -32,3 +32,13 @@ test: venv llamacpp
 
 dry-run: venv
 	$(BIN)/snakemake --cores $(CORES) -n results/report.md
+
+# The real-architecture tier (configs/architectures/): every method on random weights at
+# the shapes of four model families, each end to end or its arms refused before any job;
+# one report per family in results/architectures/<family>/.
+ARCHITECTURES := llama-3.2-1b qwen2.5-0.5b smollm-135m smollm-360m
+architectures: venv
+	for family in $(ARCHITECTURES); do \
+	  $(BIN)/snakemake --cores $(CORES) --configfile configs/architectures/common.yaml \
+	    configs/architectures/$$family.yaml -- results/architectures/$$family/report.md || exit 1; \
+	done

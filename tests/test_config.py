@@ -474,3 +474,28 @@ def test_an_engine_that_cannot_time_the_model_is_known_before_any_job():
     refusals = study(config).bench_refusals
     assert "512-token prompt (pp512) exceeds the model's 128 positions" in refusals["vllm"]
     assert refusals["llamacpp"] is None
+
+
+ARCHITECTURE_TIER = ROOT / "configs" / "architectures"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, width", [("llama-3.2-1b", None), ("qwen2.5-0.5b", None),
+                                           ("smollm-135m", 576), ("smollm-360m", 960)])
+def test_every_arm_of_the_architecture_tier_is_scheduled_or_refused_at_dag_time(tmp_path, family, width):
+    """The tier's configs (make architectures): on each family every arm gets its jobs, or
+    none and its reason in the dry run; only the group-128 arms without a fallback are
+    refused, on the families whose hidden width is not a multiple of 128."""
+    import yaml
+
+    config = yaml.safe_load((ARCHITECTURE_TIER / "common.yaml").read_text())
+    config.update(yaml.safe_load((ARCHITECTURE_TIER / f"{family}.yaml").read_text()))
+    config["results"] = "results"
+    run = dry_run(tmp_path, config)
+    assert run.returncode == 0, run.stderr[-3000:]
+    arms = {arm["name"] for arm in config["arms"]}
+    refused = {"cpu_int4_g128", "gptq_sym_g128"} if width else set()
+    assert scheduled_arms(run.stdout) == arms - refused
+    for name in refused:
+        assert f"not run: arm {name} (" in run.stderr
+        assert f"K={width} is not a multiple of group_size 128" in run.stderr

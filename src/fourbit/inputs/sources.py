@@ -218,7 +218,14 @@ def _architecture_file(spec: dict) -> Path:
 
 
 def _synthetic_config(spec: dict, source_dir: Path) -> dict:
-    return json.loads(_architecture_file(spec).read_text())
+    """The architecture's config.json, with ``layers`` decoder layers where the spec sets it."""
+    config = json.loads(_architecture_file(spec).read_text())
+    if spec["layers"] is not None:
+        config["num_hidden_layers"] = spec["layers"]
+        config.pop("layer_types", None)  # one entry per layer; transformers rebuilds it
+        if "max_window_layers" in config:  # Qwen2: layers from this index use sliding windows
+            config["max_window_layers"] = min(config["max_window_layers"], spec["layers"])
+    return config
 
 
 @register_source("synthetic", config=_synthetic_config)
@@ -229,9 +236,10 @@ def _synthetic(spec: dict, folder: Path, corpus_dir: Path, threads: int) -> None
 
     from fourbit.inputs.tokenizer import train_tokenizer
 
-    config = AutoConfig.from_pretrained(_architecture_file(spec))
+    given = _synthetic_config(spec, folder)
+    config = AutoConfig.for_model(given.pop("model_type"), **given)
     config.torch_dtype = "float32"
-    torch.manual_seed(spec.get("seed", 0))
+    torch.manual_seed(spec["seed"])
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(folder)
     # A real tokenizer so every engine tokenizes the evaluation text; its ids

@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 
 from fourbit.atomic import atomic_dir
+from fourbit.config import block
 from fourbit.checkpoints.hf import (
     load_tensors,
     module_name,
@@ -55,6 +56,9 @@ def prepare_corpus(spec: dict, out_dir: Path) -> dict:
 
 
 def fetch_model(spec: dict, target: str | os.PathLike, corpus_dir: str | os.PathLike, threads: int) -> None:
+    """The model ``spec`` names (the config's model block, its defaults filled here if a
+    caller left them out), written to ``target`` with a manifest of its weights' hashes."""
+    spec = block("model", spec)
     source = sources.source_of(spec)
     with atomic_dir(target) as folder:
         source.fetch(spec, folder, Path(corpus_dir), threads)
