@@ -50,12 +50,18 @@ ARMS = {
     "rtn sym g128 minmax": {"method": "rtn", "group_size": 128},
     "rtn sym g128 weighted": {"method": "rtn", "group_size": 128, "search": "weighted",
                               "shrink_steps": 20},
-    "cpu_int4 g128 act shrink+H guarded": {"method": "cpu_int4", "group_size": 128,
-                                           "importance": "activation", "search": "shrink"},
-    "cpu_int4 g128 act weighted+H guarded": {"method": "cpu_int4", "group_size": 128,
-                                             "importance": "activation"},
+    "cpu_int4 g128 act shrink+H": {"method": "cpu_int4", "group_size": 128,
+                                   "importance": "activation", "search": "shrink"},
+    "cpu_int4 g128 act weighted+H": {"method": "cpu_int4", "group_size": 128,
+                                     "importance": "activation"},
     "gptq sym g128 minmax": {"method": "gptq", "group_size": 128, "search": "minmax"},
-    "gptq sym g128 weighted guarded": {"method": "gptq", "group_size": 128},
+    "gptq sym g128 weighted": {"method": "gptq", "group_size": 128},
+    "gptq asym g128 weighted": {"method": "gptq", "group_size": 128, "sym": False},
+    # what a head at higher precision is worth (the upper bound: not quantized at all)
+    "gptq asym g128, head dense": {"method": "gptq", "group_size": 128, "sym": False,
+                                   "quantize_head": False},
+    "cpu_int4 g64 weighted, head dense": {"method": "cpu_int4", "group_size": 64,
+                                          "quantize_head": False},
 }
 
 
@@ -114,7 +120,10 @@ def main() -> None:
             kept = f"  minmax kept on {guard['kept_minmax']}" if guard else ""
             se = kl.mean(-1).std().item() / args.windows**0.5  # over windows
             delta = math.exp(nll) - math.exp(base_nll)
-            print(f"{label:38s} ppl {math.exp(nll):.4f} ({delta:+.4f})  KL "
+            storage = manifest["storage"]
+            print(f"{label:38s} {storage['quantized_bits_per_weight']:.3f} bits/weight "
+                  f"({storage['file_bits_per_param']:.3f} per parameter of the file)  "
+                  f"ppl {math.exp(nll):.4f} ({delta:+.4f})  KL "
                   f"{kl.mean().item() * 1e3:.3f}e-3 (s.e. {se * 1e3:.3f}e-3)  top-1 {top1:.2%}"
                   + kept, flush=True)
 
