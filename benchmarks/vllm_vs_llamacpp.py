@@ -14,9 +14,11 @@ Two models, each on the same cores with the same thread count for both engines:
   GPTQ checkpoint (for vLLM's own kernel) and, from its f16 GGUF, to Q4_K_M with the
   same llama.cpp build as the study.
 
-vLLM variants: the plugin's arm with the study's float32 engine and with bfloat16
-activations (faster here; tinygemm keeps bf16 scales then), and, where the host has
-it (AVX-512), the GPTQ checkpoint on vLLM's own cpu_gemm_wna16 in bfloat16. The best
+vLLM variants: the plugin's arm with the study's float32 engine (eager, and compiled),
+with bfloat16 activations (tinygemm keeps bf16 scales then), the same weights with the
+arm's kernel knob at w4a8 (Qwen-shaped model only: a checkpoint of its own), and,
+where the host has it (AVX-512), the GPTQ checkpoint on vLLM's own cpu_gemm_wna16 in
+bfloat16; ``--variants`` picks a subset. The best
 of them by median decode is "the best vLLM 4-bit arm". Each pass runs every
 variant once, the order rotated from pass to pass, and the decode ratio vLLM /
 llama.cpp is taken within a pass: pp512 and tg128 as llama-bench defines them
@@ -37,7 +39,11 @@ from pathlib import Path
 
 import torch
 from vllm_speed import QUANT as QWEN_QUANT  # its cpu_int4 g128 arm (minmax, head quantized)
-from vllm_speed import llama_bench_sizes, summary, vllm_settings  # the same folder: python puts it on sys.path
+from vllm_speed import (  # the same folder: python puts it on sys.path
+    llama_bench_sizes,
+    summary,
+    vllm_settings,
+)
 
 from fourbit.bench.passes import MIN_PASSES
 
@@ -49,6 +55,9 @@ VLLM_VARIANTS = {
     # compiled (torch.compile over the traced graph, fourbit::int4_linear opaque in it): vLLM's
     # per-step Python and dtype-conversion overhead is what an eager decode step spends most on
     "plugin fp32 compiled": ("vllm", "vllm", {"dtype": "float32", "enforce_eager": False}),
+    # the same weights with the arm's kernel knob at w4a8 (activations rounded to int8 per
+    # 32 columns, integer dot products, as llama.cpp's Q8_0): a checkpoint of its own
+    "plugin fp32 w4a8": ("vllm_w4a8", "vllm", {"dtype": "float32"}),
     "native bf16": ("gptq", "vllm_native", {"dtype": "bfloat16"}),
 }
 LLAMA = "llama.cpp Q4_K_M"
@@ -97,7 +106,9 @@ def qwen_shaped_model(workdir: Path, threads: int) -> dict:
                     paths["corpus"], threads)
     if not paths["untied"].exists():
         untie_head(paths["tied"], paths["untied"])
-    for key, name, quant in (("int4", "cpu_int4_g128", QWEN_QUANT), ("gptq", "rtn_sym_g128", QWEN_GPTQ)):
+    arms = (("int4", "cpu_int4_g128", QWEN_QUANT), ("gptq", "rtn_sym_g128", QWEN_GPTQ),
+            ("int4_w4a8", "cpu_int4_g128_w4a8", {**QWEN_QUANT, "kernel": "w4a8"}))
+    for key, name, quant in arms:
         canonical = canonical_quant(quant, load_schema())
         # Named by the quant's hash: a changed QUANT builds anew instead of reusing a stale one.
         paths[key] = workdir / f"{key}-{short_hash('quant', canonical)}"
@@ -111,7 +122,7 @@ def qwen_shaped_model(workdir: Path, threads: int) -> dict:
         convert_to_gguf(paths["untied"], f16, "f16", tools=tools)
     if not q4km.is_file():
         quantize_gguf(f16, q4km, "Q4_K_M", tools=tools, threads=threads)
-    return {"vllm": paths["int4"], "gptq": paths["gptq"], "gguf": q4km}
+    return {"vllm": paths["int4"], "vllm_w4a8": paths["int4_w4a8"], "gptq": paths["gptq"], "gguf": q4km}
 
 
 def variants(model: dict, chosen: list[str]) -> list[str]:
