@@ -264,7 +264,8 @@ def test_an_unknown_synthetic_architecture_fails_the_dry_run_naming_the_shipped_
               "arms": [G64]}
     run = dry_run(tmp_path, config)
     assert run.returncode != 0
-    assert "model.architecture 'qwen9-7b': not a shipped name (qwen2.5-0.5b" in run.stdout + run.stderr
+    assert ("model.architecture 'qwen9-7b': not a shipped name (llama-3.2-1b, qwen2.5-0.5b, "
+            "smollm-135m, smollm-360m)") in run.stdout + run.stderr
     assert not (tmp_path / "results").exists()
 
 

@@ -37,9 +37,10 @@ def test_every_engine_module_has_what_its_spec_declares(name):
 
 
 def test_vllm_native_runs_only_symmetric_gptq_arms():
-    native = {"method": "gptq", "sym": True}
+    native = {"method": "gptq", "sym": True, "quantize_head": True}
     runs = engine_spec("vllm_native").runs_arm
     assert runs(native) and not runs({**native, "sym": False})
+    assert not runs({**native, "quantize_head": 8})  # fourbit's 8-bit layout is not GPTQ
     assert engine_spec("vllm").runs_arm({"method": "rtn"})
 
 

@@ -457,3 +457,36 @@ def test_vllm_quantizes_lm_head_only_when_asked(vllm_tp1, lm_head):
         128, 256, params_dtype=torch.float16, quant_config=quant_config, prefix="lm_head"
     )
     assert (type(head.quant_method).__name__ == "CompressedTensorsLinearMethod") == lm_head
+
+
+# --- the 8-bit layout (quantize_head: 8) ----------------------------------------------------
+
+def test_int8_layout_round_trip_is_exact_and_its_table_counts_what_it_stores():
+    from fourbit.formats import INT8
+    from fourbit.quant.int8 import quantize_int8
+
+    weight = torch.randn(24, 128, generator=torch.Generator().manual_seed(0))
+    qw = quantize_int8(weight, 32)
+    packed = INT8.pack(qw)
+    assert {s: tuple(t.shape) for s, t in packed.items()} == INT8.shapes(24, 128, 32)
+    assert INT8.unpack(packed, 24, 128, 32).equal(qw)
+    stored = sum(t.numel() * t.element_size() * 8 for t in packed.values())
+    assert stored == INT8.stored_bits(24, 128, 32) == 24 * 128 * (8 + 16 / 32)
+    with pytest.raises(ValueError, match="weight_int8 has dtype torch.uint8"):
+        INT8.unpack({**packed, "weight_int8": packed["weight_int8"].view(torch.uint8)}, 24, 128, 32)
+
+
+def test_int8_grid_is_symmetric_per_group_and_exact_in_float32():
+    """Each group's largest |w| lands on code ±127 (its scale rounded to float16 first), and
+    W_hat = code * scale is the same number in float32 as in float64."""
+    from fourbit.quant.int8 import quantize_int8
+
+    weight = torch.randn(16, 64, generator=torch.Generator().manual_seed(1)) * 0.02
+    weight[3, :32] = 0.0  # an all-zero group stays zero
+    qw = quantize_int8(weight, 32)
+    assert qw.codes.abs().view(16, 2, 32).amax(-1)[[0, 3]].tolist() == [[127, 127], [0, 127]]
+    assert qw.scales.dtype == torch.float16
+    exact = qw.codes.double().view(16, 2, 32) * qw.scales.double().unsqueeze(-1)
+    assert torch.equal(qw.dequantize(torch.float32).double(), exact.view(16, 64))
+    step = qw.scales.float().repeat_interleave(32, dim=1)
+    assert ((qw.dequantize() - weight).abs() <= step / 2 * 1.001 + 1e-12).all()  # nearest level

@@ -297,3 +297,46 @@ def test_a_search_worse_than_plain_rounding_is_dropped_layer_by_layer(
         for name, qweight in qweights.items():
             plain = quantize_rtn(weights[f"{name}.weight"].float(), grid, search="minmax")
             assert torch.equal(qweight.codes, plain.codes), name
+
+
+@pytest.mark.parametrize("quant, fmt", [
+    ({"method": "cpu_int4", "group_size": 64, "search": "minmax"}, "fourbit_int4"),
+    ({"method": "rtn", "group_size": 64, "sym": True}, "gptq"),
+    ({"method": "rtn", "group_size": 64, "sym": False}, "compressed-tensors"),
+])
+def test_an_8_bit_head_is_stored_in_its_layout_counted_and_expanded_exactly(tiny_untied, tmp_path,
+                                                                            quant, fmt):
+    """quantize_head: 8 keeps the head on the 8-bit grid inside any format: listed in the
+    quantization_config, its bits counted from the file, and the dense control and the
+    reference engine read the very same W_hat."""
+    from fourbit.formats import INT8_MODULES
+    from fourbit.quant.int8 import quantize_int8
+
+    manifest = quantize_checkpoint(tiny_untied, tmp_path / "q", tmp_path / "arm.json",
+                                   arm(**quant, quantize_head=8))
+    four_bit = quantize_checkpoint(tiny_untied, tmp_path / "q4", tmp_path / "arm4.json", arm(**quant))
+    config = read_config(tmp_path / "q")["quantization_config"]
+    assert config["quant_method"] == fmt and config[INT8_MODULES] == ["lm_head"]
+    assert manifest["method_facts"]["head"] == "rtn, 8 bits" and "lm_head" in manifest["quantized_modules"]
+    head = load_tensors(tiny_untied)["lm_head.weight"]  # [512, 256]
+    _, _, qweights = read_quantized(tmp_path / "q")
+    assert qweights["lm_head"].equal(quantize_int8(head, 64))
+    # 4 bits more per head weight (8-bit codes; one float16 scale per group either way,
+    # the 4-bit grid's zero points and GPTQ's index aside), over every quantized weight
+    extra = manifest["storage"]["quantized_bits_per_weight"] - four_bit["storage"]["quantized_bits_per_weight"]
+    share = head.numel() / manifest["storage"]["linear_weights"]
+    assert 3.5 * share < extra < 4.1 * share
+    dequantize_checkpoint(tmp_path / "q", tmp_path / "d")
+    assert torch.equal(load_tensors(tmp_path / "d")["lm_head.weight"], qweights["lm_head"].dequantize())
+    quantized = reference.score_windows(tmp_path / "q", WINDOWS, SETTINGS, 2)
+    dense = reference.score_windows(tmp_path / "d", WINDOWS, SETTINGS, 2)
+    for q, d in zip(quantized, dense):
+        assert abs(q["nll_sum"] - d["nll_sum"]) / q["tokens"] < 1e-5
+
+
+def test_vllm_native_is_not_given_an_arm_with_an_8_bit_head():
+    from fourbit.engines import ENGINES
+
+    runs = ENGINES["vllm_native"].runs_arm
+    assert runs(arm(method="gptq", group_size=128, sym=True)["quant"])
+    assert not runs(arm(method="gptq", group_size=128, sym=True, quantize_head=8)["quant"])

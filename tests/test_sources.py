@@ -117,9 +117,17 @@ def test_path_config_is_the_folders_and_a_folder_without_one_is_named(tmp_path):
 def test_synthetic_config_of_a_shipped_name_and_of_an_unknown_one():
     from fourbit.inputs.sources import model_config
 
-    assert model_config({"source": "synthetic", "architecture": "qwen2.5-0.5b"}, Path("."))["hidden_size"] == 896
-    with pytest.raises(ValueError, match="'nope': not a shipped name \\(qwen2.5-0.5b"):
-        model_config({"source": "synthetic", "architecture": "nope"}, Path("."))
+    from fourbit.config import block
+
+    def spec(**given):
+        return block("model", {"source": "synthetic", **given})
+
+    assert model_config(spec(architecture="qwen2.5-0.5b"), Path("."))["hidden_size"] == 896
+    short = model_config(spec(architecture="qwen2.5-0.5b", layers=2), Path("."))
+    assert (short["num_hidden_layers"], short["max_window_layers"], short["hidden_size"]) == (2, 2, 896)
+    with pytest.raises(ValueError, match="'nope': not a shipped name \\(llama-3.2-1b, qwen2.5-0.5b, "
+                                         "smollm-135m, smollm-360m\\)"):
+        model_config(spec(architecture="nope"), Path("."))
 
 
 def test_hf_config_before_any_job_comes_from_the_pinned_revision_and_refuses_remote_code(tmp_path):

@@ -54,12 +54,16 @@ def _save_model(folder, arch: str, seed: int, vocab: int):
     return model
 
 
-def build_pair(root, fmt_name: str, *, arch: str = "llama", quantize_head: bool = True,
+def build_pair(root, fmt_name: str, *, arch: str = "llama", quantize_head: bool | int = True,
                vocab: int = 512, seed: int = 0, embedding: bool = False):
-    """(quantized folder, dense-control folder) from one random model."""
+    """(quantized folder, dense-control folder) from one random model; ``quantize_head``
+    as an arm's (8: the head in the 8-bit layout, rounded from the model's own head)."""
     from safetensors.torch import save_file
 
-    tag = f"{arch}{vocab}-{fmt_name}-{'head' if quantize_head else 'nohead'}{'-emb' * embedding}"
+    from fourbit.quant.int8 import quantize_int8
+
+    head = {True: "head", False: "nohead", 8: "head8"}[quantize_head]
+    tag = f"{arch}{vocab}-{fmt_name}-{head}{'-emb' * embedding}"
     if (root / tag).exists():
         return root / tag, root / f"dense-{tag}"
     src = root / f"source-{arch}{vocab}"
@@ -75,9 +79,10 @@ def build_pair(root, fmt_name: str, *, arch: str = "llama", quantize_head: bool 
     qws = {
         name[: -len(".weight")]: _random_qweight(*t.shape, sym=sym, gen=gen)
         for name, t in sorted(state.items())
-        if name.endswith("_proj.weight") or (quantize_head and name == "lm_head.weight")
+        if name.endswith("_proj.weight") or (quantize_head is True and name == "lm_head.weight")
         or (embedding and name == "model.embed_tokens.weight")
     }
+    eight_bit = {"lm_head": quantize_int8(state["lm_head.weight"], GROUP)} if quantize_head == 8 else {}
 
     def write(folder, tensors, cfg):
         folder.mkdir()
@@ -87,12 +92,17 @@ def build_pair(root, fmt_name: str, *, arch: str = "llama", quantize_head: bool 
         shutil.copy(src / "generation_config.json", folder / "generation_config.json")
         return folder
 
-    quant = {k: v for k, v in state.items() if k[: -len(".weight")] not in qws}
+    quant = {k: v for k, v in state.items() if k[: -len(".weight")] not in qws | eight_bit}
     dense = dict(state)
     for module, qw in qws.items():
         quant.update({f"{module}.{s}": t for s, t in fmt.pack(qw).items()})
         dense[f"{module}.weight"] = qw.dequantize(torch.float32)
-    qc = fmt.quantization_config(GROUP, sym, lm_head=quantize_head, embedding=embedding)
+    for module, qw in eight_bit.items():
+        quant.update({f"{module}.{s}": t for s, t in formats.INT8.pack(qw).items()})
+        dense[f"{module}.weight"] = qw.dequantize(torch.float32)
+    qc = fmt.quantization_config(GROUP, sym, lm_head=quantize_head is True, embedding=embedding)
+    if eight_bit:
+        qc[formats.INT8_MODULES] = sorted(eight_bit)
     qcfg = dict(config, quantization_config=qc)
     return write(root / tag, quant, qcfg), write(root / f"dense-{tag}", dense, config)
 
@@ -288,6 +298,7 @@ CASES = [(f, "llama", True, 512, False, "w4a16") for f in FORMATS] + [
     ("cpu_int4", "llama", True, 488, False, "w4a16"),  # vLLM pads the head to 512 rows
     ("cpu_int4", "llama", True, 488, True, "w4a16"),  # the input embedding from 4 bits too
     ("cpu_int4", "qwen2", True, 512, True, "w4a16"),  # ... where vLLM names the embedding
+] + [(f, "llama", 8, 488, False, "w4a16") for f in FORMATS] + [  # the head at 8 bits, padded
 ] + [(f, "llama", True, 512, False, "w4a8") for f in FORMATS] + [
     ("cpu_int4", "llama", True, 488, False, "tinygemm"),  # bfloat16 where vectorized
 ]

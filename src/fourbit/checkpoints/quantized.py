@@ -24,7 +24,8 @@ from fourbit.checkpoints.hf import (
     weight_files,
     write_checkpoint,
 )
-from fourbit.formats import format_for_config, get_format
+from fourbit.formats import INT8, INT8_MODULES, format_for_config, get_format, int8_modules
+from fourbit.quant.int8 import Int8Weight
 from fourbit.quant.qweight import QuantizedWeight
 
 
@@ -46,19 +47,28 @@ def write_quantized(
     head = module_name(model, model.get_output_embeddings())
     embedding = module_name(model, model.get_input_embeddings())
     tensors = load_tensors(source)
+    eight_bit = sorted(name for name, qweight in qweights.items() if isinstance(qweight, Int8Weight))
     for name, qweight in qweights.items():
         del tensors[f"{name}.weight"]
-        for suffix, tensor in fmt.pack(qweight).items():
+        layout = INT8 if name in eight_bit else fmt
+        for suffix, tensor in layout.pack(qweight).items():
             tensors[f"{name}.{suffix}"] = tensor
+    four_bit = set(qweights) - set(eight_bit)
     config = read_config(source)
     config["quantization_config"] = fmt.quantization_config(
-        quant["group_size"], quant["sym"], lm_head=head in qweights, embedding=embedding in qweights
+        quant["group_size"], quant["sym"], lm_head=head in four_bit, embedding=embedding in four_bit
     )
+    if eight_bit:
+        config["quantization_config"][INT8_MODULES] = eight_bit
     write_checkpoint(folder, tensors, config, copy_from=source)
 
 
-def read_quantized(folder: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
-    """(config, dense tensors, QuantizedWeight by module name) of a quantized checkpoint."""
+def read_quantized(
+    folder: str | os.PathLike,
+) -> tuple[dict, dict[str, torch.Tensor], dict[str, QuantizedWeight | Int8Weight]]:
+    """(config, dense tensors, the stored weight by module name) of a quantized checkpoint:
+    a QuantizedWeight for each matrix in the checkpoint's format, an Int8Weight for each
+    one in the 8-bit layout (fourbit.formats.int8)."""
     config = read_config(folder)
     if "quantization_config" not in config:
         raise ValueError(f"{folder}: config.json has no quantization_config; not a quantized checkpoint")
@@ -71,9 +81,11 @@ def read_quantized(folder: str | os.PathLike) -> tuple[dict, dict[str, torch.Ten
         raise ValueError(f"{folder}: {fmt.name} checkpoint without any '*{marker}' tensor")
     model = skeleton(folder)
     qweights = {}
-    for name in modules:
-        parts = {spec.suffix: tensors.pop(f"{name}.{spec.suffix}") for spec in fmt.layout}
-        qweights[name] = fmt.unpack(parts, *matrix_shape(model.get_submodule(name)), group_size)
+    layouts = {**{name: fmt for name in modules},
+               **{name: INT8 for name in int8_modules(config["quantization_config"])}}
+    for name, layout in layouts.items():
+        parts = {spec.suffix: tensors.pop(f"{name}.{spec.suffix}") for spec in layout.layout}
+        qweights[name] = layout.unpack(parts, *matrix_shape(model.get_submodule(name)), group_size)
     return config, tensors, qweights
 
 

@@ -20,6 +20,7 @@ from fourbit.engines.threads import torch_threads
 from fourbit.kernels import tinygemm
 from fourbit.metrics.kl import FULL, kl_full
 from fourbit.progress import Progress
+from fourbit.quant.int8 import Int8Weight
 from fourbit.quant.qweight import QuantizedWeight
 
 log = logging.getLogger("fourbit")
@@ -101,6 +102,9 @@ def load_model(checkpoint: Path, dtype: torch.dtype) -> torch.nn.Module:
     for name, qweight in qweights.items():
         parent_name, _, child = name.rpartition(".")
         module = model.get_submodule(name)
+        if isinstance(qweight, Int8Weight):  # no 8-bit kernel here: its exact W_hat, dense
+            module.weight = torch.nn.Parameter(qweight.dequantize(dtype), requires_grad=False)
+            continue
         if isinstance(module, torch.nn.Embedding):
             # A lookup reads rows, no kernel: the table's W_hat holds exactly those rows.
             # The module itself stays (an architecture's embedding may scale its output).

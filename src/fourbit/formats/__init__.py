@@ -15,12 +15,15 @@ format that reads a given one, ``stored_bits`` counts what the table says is sto
 so bits per weight come from the bytes on disk, not from a nominal "4".
 
 Extend by registration: subclass ``Format``, decorate it with ``@register_format``.
+``INT8`` (fourbit.formats.int8) is a Layout, not a Format: the 8-bit matrices an arm
+keeps inside a checkpoint of any format.
 """
 
 from fourbit.formats.base import (
     CODES_PER_INT32,
     FORMATS,
     Format,
+    Layout,
     TensorSpec,
     check_nibbles,
     format_for_config,
@@ -33,15 +36,20 @@ from fourbit.formats.base import (
 
 # Importing each format registers it.
 from fourbit.formats import compressed_tensors, cpu_int4, gptq  # noqa: E402, F401
+from fourbit.formats.int8 import INT8, INT8_MODULES, int8_modules  # noqa: E402
 
 __all__ = [
     "CODES_PER_INT32",
     "FORMATS",
     "Format",
+    "INT8",
+    "INT8_MODULES",
+    "Layout",
     "TensorSpec",
     "check_nibbles",
     "format_for_config",
     "get_format",
+    "int8_modules",
     "pack_nibbles_int32",
     "refuse_quantized_embedding",
     "register_format",

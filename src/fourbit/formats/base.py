@@ -1,5 +1,6 @@
-"""The base of every on-disk format: the layout table's rows (TensorSpec), the Format
-class, the registry, and the nibble packing the formats share."""
+"""The base of every on-disk format: the layout table's rows (TensorSpec), the Layout of
+one matrix and the Format of a checkpoint built on it, the registry, and the nibble
+packing the formats share."""
 
 from __future__ import annotations
 
@@ -54,15 +55,15 @@ class TensorSpec:
         return torch.empty((), dtype=dtype).element_size() * 8
 
 
-class Format(abc.ABC):
-    """An on-disk format: ``layout`` (the table) plus pack/unpack and its config."""
+class Layout(abc.ABC):
+    """How one matrix is stored: ``layout`` (the table) plus pack/unpack."""
 
     name: str
     layout: tuple[TensorSpec, ...]
 
     @abc.abstractmethod
-    def pack(self, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
-        """QuantizedWeight -> {suffix: tensor}, exactly the tensors of ``layout``."""
+    def pack(self, qw: Any) -> dict[str, torch.Tensor]:
+        """The in-memory weight -> {suffix: tensor}, exactly the tensors of ``layout``."""
 
     @abc.abstractmethod
     def unpack(
@@ -71,31 +72,8 @@ class Format(abc.ABC):
         out_features: int,
         in_features: int,
         group_size: int,
-    ) -> QuantizedWeight:
+    ) -> Any:
         """The exact inverse of ``pack``."""
-
-    @abc.abstractmethod
-    def quantization_config(
-        self, group_size: int, sym: bool, *, lm_head: bool = False, embedding: bool = False
-    ) -> dict[str, Any]:
-        """config.json["quantization_config"] for a checkpoint in this format.
-
-        ``embedding``: the input embedding table is stored quantized too; a format whose
-        ecosystem has no way to say so (its loaders would read a table that is not there)
-        raises ValueError.
-        """
-
-    @abc.abstractmethod
-    def reads_config(self, cfg: Mapping[str, Any]) -> bool:
-        """True if a checkpoint with this quantization_config is stored in this format."""
-
-    @abc.abstractmethod
-    def group_size_from_config(self, cfg: Mapping[str, Any]) -> int:
-        """The G that ``unpack`` needs, read from a quantization_config this format reads."""
-
-    def supports(self, sym: bool) -> bool:
-        """Whether the format (as its loader reads it) can express this kind of grid."""
-        return True
 
     def shapes(
         self, out_features: int, in_features: int, group_size: int
@@ -148,6 +126,34 @@ class Format(abc.ABC):
                 )
             out[spec.suffix] = t
         return out
+
+
+class Format(Layout):
+    """An on-disk checkpoint format: a Layout for every quantized matrix, plus the
+    config.json quantization_config that names it and that its readers find it by."""
+
+    @abc.abstractmethod
+    def quantization_config(
+        self, group_size: int, sym: bool, *, lm_head: bool = False, embedding: bool = False
+    ) -> dict[str, Any]:
+        """config.json["quantization_config"] for a checkpoint in this format.
+
+        ``embedding``: the input embedding table is stored quantized too; a format whose
+        ecosystem has no way to say so (its loaders would read a table that is not there)
+        raises ValueError.
+        """
+
+    @abc.abstractmethod
+    def reads_config(self, cfg: Mapping[str, Any]) -> bool:
+        """True if a checkpoint with this quantization_config is stored in this format."""
+
+    @abc.abstractmethod
+    def group_size_from_config(self, cfg: Mapping[str, Any]) -> int:
+        """The G that ``unpack`` needs, read from a quantization_config this format reads."""
+
+    def supports(self, sym: bool) -> bool:
+        """Whether the format (as its loader reads it) can express this kind of grid."""
+        return True
 
 
 FORMATS: dict[str, Format] = {}

@@ -15,6 +15,7 @@ import logging
 import os
 import resource
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,6 +35,7 @@ from fourbit.checkpoints.quantized import (
     storage_stats,
     write_quantized,
 )
+from fourbit.quant.int8 import quantize_int8
 from fourbit.quant.methods import QuantizeJob, get_method
 from fourbit.quant.shapes import Matrices, plan_arm
 from fourbit.vllm_plugin import write_arm_knobs
@@ -45,11 +47,18 @@ class GroupSizeError(ValueError):
     """A layer whose input width the group size does not divide."""
 
 
-def select_modules(
-    model_dir: str | os.PathLike, quant: dict
-) -> tuple[dict[str, tuple[int, int]], str | None, dict[str, tuple[int, int]]]:
-    """(module name -> (N, K) for every linear the arm quantizes, the input embedding's
-    name if the arm quantizes it too, the linears its ``fallback: dense`` keeps dense).
+@dataclass(frozen=True)
+class Selection:
+    """What an arm quantizes on this model, and how."""
+
+    linears: dict[str, tuple[int, int]]  # module name -> (N, K): the method's 4-bit matrices
+    embedding: str | None  # the input embedding's name, if the arm quantizes it too
+    kept_dense: dict[str, tuple[int, int]]  # the linears its ``fallback: dense`` keeps dense
+    eight_bit: dict[str, tuple[int, int]]  # the head, with ``quantize_head: 8``
+
+
+def select_modules(model_dir: str | os.PathLike, quant: dict) -> Selection:
+    """Which matrices the arm quantizes, on the 4-bit grid of its method or on the 8-bit one.
 
     The plan is fourbit.quant.shapes.plan_arm's, the one the workflow made from
     config.json before any job, here on the model's real module tree."""
@@ -64,9 +73,15 @@ def select_modules(
     plan = plan_arm(matrices, quant)
     if plan.refusal:
         raise GroupSizeError(plan.refusal)
-    chosen = {name: shape for name, shape in plan.quantized.items() if name != matrices.embedding}
-    embedding = matrices.embedding if matrices.embedding in plan.quantized else None
-    return chosen, embedding, plan.kept_dense
+    eight_bit = [matrices.head] if quant["quantize_head"] == 8 else []  # (True == 8 is False)
+    chosen = {name: shape for name, shape in plan.quantized.items()
+              if name != matrices.embedding and name not in eight_bit}
+    return Selection(
+        linears=chosen,
+        embedding=matrices.embedding if matrices.embedding in plan.quantized else None,
+        kept_dense=plan.kept_dense,
+        eight_bit={name: plan.quantized[name] for name in eight_bit if name in plan.quantized},
+    )
 
 
 def _fallback_stats(folder: Path, stats: dict, kept_dense: dict[str, tuple[int, int]]) -> dict:
@@ -96,11 +111,17 @@ def quantize_checkpoint(
 ) -> dict:
     quant = arm["quant"]
     method = get_method(quant["method"])
-    linears, embedding, kept_dense = select_modules(model_dir, quant)  # fails before any expensive work
+    selection = select_modules(model_dir, quant)  # fails before any expensive work
+    kept_dense = selection.kept_dense
     started = time.monotonic()
     calibration = Path(calibration_text) if calibration_text else None
-    job = QuantizeJob(Path(model_dir), linears, quant, calibration, threads, embedding)
+    job = QuantizeJob(Path(model_dir), selection.linears, quant, calibration, threads, selection.embedding)
     qweights, facts = method.quantize(job)
+    if selection.eight_bit:  # nothing is measured after the head: it needs no walk
+        reader = TensorReader(model_dir)
+        for name in selection.eight_bit:
+            qweights[name] = quantize_int8(reader.get(f"{name}.weight"), quant["group_size"])
+        facts = {**facts, "head": "rtn, 8 bits"}
     seconds = time.monotonic() - started
     with atomic_dir(out_dir) as folder:
         write_quantized(folder, model_dir, qweights, method.format(quant), quant)

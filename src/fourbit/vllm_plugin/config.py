@@ -38,8 +38,11 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     VocabParallelEmbedding,
 )
 
+import torch.nn.functional as F
+
 from fourbit import formats
 from fourbit.kernels import int4_cpu, tinygemm
+from fourbit.quant.int8 import Int8Weight
 from fourbit.quant.qweight import QuantizedWeight
 from fourbit.vllm_plugin.knobs import DEFAULTS, KERNELS, KNOBS, QUANT_METHOD
 from fourbit.vllm_plugin.loading import StoredTensors, layer_name
@@ -142,6 +145,9 @@ class FourbitInt4Config(QuantizationConfig):
         # Module names (HF naming, then vLLM's after apply_vllm_mapper) that the
         # checkpoint stores quantized; None until maybe_update_config has read it.
         self.quantized_modules: set[str] | None = None
+        # Those it stores in the 8-bit layout instead (fourbit.formats.int8: the head of
+        # a quantize_head: 8 arm), named by its quantization_config.
+        self.int8_modules: set[str] = set(formats.int8_modules(self.checkpoint_config))
 
     def __repr__(self) -> str:
         knobs = ", ".join(f"{k}={getattr(self, k)!r}" for k in KNOBS)
@@ -226,6 +232,8 @@ class FourbitInt4Config(QuantizationConfig):
         if self.quantized_modules is not None:
             mapped = hf_to_vllm_mapper.apply_list(sorted(self.quantized_modules))
             self.quantized_modules = set(self.quantized_modules) | set(mapped)
+        mapped = hf_to_vllm_mapper.apply_list(sorted(self.int8_modules))
+        self.int8_modules = self.int8_modules | set(mapped)
 
     def is_quantized(self, prefix: str, layer: torch.nn.Module) -> bool:
         if self.quantized_modules is None:
@@ -244,6 +252,11 @@ class FourbitInt4Config(QuantizationConfig):
         return all(flags)
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        if prefix in self.int8_modules:
+            if not isinstance(layer, ParallelLMHead):  # what quantize_head: 8 writes, and only that
+                raise ValueError(f"{QUANT_METHOD}: {prefix} is stored in the 8-bit layout; "
+                                 "only an untied head can be")
+            return FourbitInt8LinearMethod(self)
         if isinstance(layer, ParallelLMHead):
             return FourbitLinearMethod(self) if self.is_quantized(prefix, layer) else None
         if isinstance(layer, VocabParallelEmbedding):
@@ -411,3 +424,25 @@ class FourbitLinearMethod(_Method, LinearMethodBase):
         if bias is not None:
             y = y + bias
         return y
+
+
+class FourbitInt8LinearMethod(StoredTensors, LinearMethodBase):
+    """A head stored in the 8-bit layout (fourbit.formats.int8): loaded, then expanded once
+    to its exact W_hat in the model's dtype and multiplied densely. The file holds about
+    8 bits per weight; the process holds the dense matrix, since neither fourbit's kernel
+    nor tinygemm has an 8-bit path yet (the report's runtime says so)."""
+
+    def __init__(self, config: FourbitInt4Config) -> None:
+        super().__init__(formats.INT8, config.group_size)
+        self.config = config
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        qw: Int8Weight = self.take_loaded(layer)  # [V, H], the checkpoint's vocab
+        rows = sum(layer.fourbit_out_sizes)  # vLLM pads the head's vocab
+        w = torch.zeros(rows, qw.shape[1], dtype=layer.fourbit_params_dtype)
+        w[: qw.shape[0]] = qw.dequantize(layer.fourbit_params_dtype)  # exact in float32
+        layer.register_buffer("fourbit_weight", w, persistent=False)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, layer.fourbit_weight.to(x.dtype), bias)  # [M, H] x [V', H] -> [M, V']

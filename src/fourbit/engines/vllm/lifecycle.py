@@ -279,6 +279,7 @@ def runtime(checkpoint: str | os.PathLike, settings: Mapping[str, Any] | VllmSet
 
     import torch
 
+    from fourbit.formats.int8 import int8_modules
     from fourbit.vllm_plugin import describe  # no vllm import: this stays cheap
 
     try:
@@ -296,8 +297,11 @@ def runtime(checkpoint: str | os.PathLike, settings: Mapping[str, Any] | VllmSet
     if settings.quantization is None:
         return f"{where}, vLLM's own {qc['quant_method']} method (cpu_gemm_wna16), no plugin"
 
+    eight_bit = int8_modules(qc)
+    held = (f"; {', '.join(eight_bit)} stored at 8 bits, expanded to dense {dtype} at load"
+            if eight_bit else "")
     return (f"{where}, fourbit_int4 plugin on {qc['quant_method']} weights "
-            f"({describe(_plugin_knobs(qc, settings), dtype)})")
+            f"({describe(_plugin_knobs(qc, settings), dtype)}{held})")
 
 
 def numerics(checkpoint: str | os.PathLike, settings: Mapping[str, Any] | VllmSettings,
