@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fourbit.quant.qweight import check_groups
+
 BITS = 8
 MAX_CODE = (1 << (BITS - 1)) - 1  # 127: codes -127..127, symmetric around 0
 
@@ -30,13 +32,7 @@ class Int8Weight:
     group_size: int
 
     def __post_init__(self) -> None:
-        n, k = self.codes.shape
-        g = self.group_size
-        if k % g:
-            raise ValueError(f"K={k} is not a multiple of group {g}")
-        if tuple(self.scales.shape) != (n, k // g):
-            raise ValueError(f"scales has shape {tuple(self.scales.shape)}, expected {(n, k // g)} "
-                             f"for codes {n}x{k} at group {g}")
+        check_groups(self.codes, self.group_size, scales=self.scales)
         if self.codes.dtype != torch.int8:
             raise ValueError(f"codes must be int8, got {self.codes.dtype}")
 

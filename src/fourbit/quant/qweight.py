@@ -30,6 +30,18 @@ LEVELS = 1 << BITS  # 16 codes: 0..15
 SYMMETRIC_ZERO = LEVELS // 2  # 8
 
 
+def check_groups(codes: torch.Tensor, group_size: int, **per_group: torch.Tensor) -> None:
+    """Codes [N, K] in groups of ``group_size`` along K, and one [N, K/G] tensor per group."""
+    n, k = codes.shape
+    if k % group_size:
+        raise ValueError(f"K={k} is not a multiple of group {group_size}")
+    want = (n, k // group_size)
+    for name, tensor in per_group.items():
+        if tuple(tensor.shape) != want:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {want} for codes "
+                             f"{n}x{k} at group {group_size}")
+
+
 @dataclass
 class QuantizedWeight:
     codes: torch.Tensor  # uint8 [N, K]
@@ -38,15 +50,7 @@ class QuantizedWeight:
     group_size: int
 
     def __post_init__(self) -> None:
-        n, k = self.codes.shape
-        g = self.group_size
-        if k % g:
-            raise ValueError(f"K={k} is not a multiple of group {g}")
-        want = (n, k // g)
-        for name in ("scales", "zeros"):
-            got = tuple(getattr(self, name).shape)
-            if got != want:
-                raise ValueError(f"{name} has shape {got}, expected {want} for codes {n}x{k} at group {g}")
+        check_groups(self.codes, self.group_size, scales=self.scales, zeros=self.zeros)
         if self.codes.dtype != torch.uint8 or self.zeros.dtype != torch.uint8:
             raise ValueError("codes and zeros must be uint8")
 
