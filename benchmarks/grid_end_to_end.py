@@ -31,11 +31,16 @@ where minmax won; bits/weight of the quantized matrices, from the files):
     gptq asym g128 weighted             4.157  +0.0159   0.075 (0.003)     99.02%  10 of 29
     gptq asym g128, head dense          4.157  -0.0125   0.038 (0.002)     99.42%  9 of 28
     cpu_int4 g64 weighted, head dense   4.375  -0.0181   0.249 (0.010)     98.62%  0 of 28
+    gptq asym g128, head 8-bit          5.149  -0.0253   0.042 (0.002)     99.37%  10 of 28
+    cpu_int4 g64 weighted, head 8-bit   5.344  -0.0183   0.251 (0.010)     98.60%  0 of 28
 
 By KL every search beats minmax of its own grid (by 3-40%), but on this small model the
 ppl deltas do not follow KL. The head is a fifth of this model's weights: kept dense
 (float32, so 15.3-15.4 bits per parameter of the file) it halves gptq asym's KL and cuts
-cpu_int4 g64's by 4.5x, which is what an 8-bit head would buy for about 0.8 bits more.
+cpu_int4 g64's by 4.5x; on the 8-bit grid (quantize_head: 8) it keeps nearly all of
+that for one bit per quantized weight more (the bits column counts the head's 8-bit
+codes; the dense rows count only the 4-bit matrices). llama.cpp's Q4_K_M spends 5.241
+bits per weight on this model (docs/default-study-2026-12-01).
 """
 
 from __future__ import annotations
@@ -68,6 +73,11 @@ ARMS = {
                                    "quantize_head": False},
     "cpu_int4 g64 weighted, head dense": {"method": "cpu_int4", "group_size": 64,
                                           "quantize_head": False},
+    # ... and what the 8-bit head (quantize_head: 8) keeps of that, for about 0.8 bits
+    "gptq asym g128, head 8-bit": {"method": "gptq", "group_size": 128, "sym": False,
+                                   "quantize_head": 8},
+    "cpu_int4 g64 weighted, head 8-bit": {"method": "cpu_int4", "group_size": 64,
+                                          "quantize_head": 8},
 }
 
 
@@ -88,6 +98,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=64)
     parser.add_argument("--samples", type=int, default=32)
     parser.add_argument("--heldout", type=int, default=16)
+    parser.add_argument("--arms", default="", help="only the arms whose label contains this text")
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
@@ -108,6 +119,8 @@ def main() -> None:
     schema = load_schema()
     with tempfile.TemporaryDirectory() as tmp:
         for i, (label, quant) in enumerate(ARMS.items()):
+            if args.arms not in label:
+                continue
             quant = canonical_quant(quant, schema)
             if "calibration" in quant:  # fitted (samples) and/or a search checked on held-out windows
                 fitted = {"samples": args.samples} if "samples" in quant["calibration"] else {}
