@@ -262,7 +262,7 @@ def lookup_error(table: torch.Tensor, table_hat: torch.Tensor, counts: torch.Ten
 
 
 def quantize_rtn_arm(job: QuantizeJob, *, weigh_by_activations: bool
-                     ) -> tuple[dict[str, QuantizedWeight], dict, HeldOutGuard | None]:
+                     ) -> tuple[dict[str, QuantizedWeight], dict]:
     """Round-to-nearest of every chosen linear, each group's grid found by the arm's search.
 
     Plain min/max rounding reads no data. Any other search walks the calibration split as
@@ -270,14 +270,17 @@ def quantize_rtn_arm(job: QuantizeJob, *, weigh_by_activations: bool
     searched grid only if it beats plain min/max on the held-out windows (HeldOutGuard):
     a search fits a proxy (weight error, weighted or not), the guard judges the output.
     ``weigh_by_activations``: the search weights each input column by diag(H) of the
-    fitted calibration windows. Returns the weights, the manifest's facts and the guard
-    (None when nothing is searched), which the embedding goes through too.
+    fitted calibration windows. The input embedding, if the job has one, is rounded on
+    the same grid and goes through the same guard. Returns the weights and the
+    manifest's facts.
     """
     grid, search = grid_of(job.quant), search_of(job.quant)
     algorithm = f"rtn, {ALGORITHM[search['search']]}" + (" weighted by diag(H)" * weigh_by_activations)
     guarded = search["search"] != "minmax"
+    table = {"embedding": "rtn" if job.embedding else "dense"}
     if not guarded and not weigh_by_activations:
-        return quantize_each(job, lambda name, w: quantize_rtn(w, grid, **search)), {"algorithm": algorithm}, None
+        qweights = quantize_each(job, lambda name, w: quantize_rtn(w, grid, **search))
+        return {**qweights, **quantize_embedding(job, grid, search, None)}, {"algorithm": algorithm, **table}
     guard = HeldOutGuard(search["search"])
 
     def quantize_one(name, weight, hessian, h_heldout):
@@ -288,10 +291,11 @@ def quantize_rtn_arm(job: QuantizeJob, *, weigh_by_activations: bool
         return guard.choose(name, weight, h_heldout, searched, quantize_rtn(weight, grid, search="minmax"))
 
     qweights, info = quantize_walking(job, quantize_one, heldout=guarded)
-    facts = {**info, "algorithm": algorithm}
+    qweights.update(quantize_embedding(job, grid, search, guard if guarded else None))
+    facts = {**info, "algorithm": algorithm, **table}
     if guarded:
         facts["heldout_guard"] = guard.facts(job.quant["calibration"]["heldout"])
-    return qweights, facts, guard if guarded else None
+    return qweights, facts
 
 
 @register_method("cpu_int4")
@@ -306,12 +310,8 @@ class CpuInt4:
         return "cpu_int4"
 
     def quantize(self, job: QuantizeJob) -> tuple[dict[str, QuantizedWeight], dict]:
-        qweights, facts, guard = quantize_rtn_arm(
-            job, weigh_by_activations=job.quant["importance"] == "activation")
-        embedding = quantize_embedding(job, grid_of(job.quant), search_of(job.quant), guard)
-        if guard is not None and embedding:
-            facts["heldout_guard"] = guard.facts(job.quant["calibration"]["heldout"])
-        return {**qweights, **embedding}, {**facts, "head": "rtn", "embedding": "rtn" if embedding else "dense"}
+        qweights, facts = quantize_rtn_arm(job, weigh_by_activations=job.quant["importance"] == "activation")
+        return qweights, {**facts, "head": "rtn"}
 
 
 @register_method("rtn")
@@ -321,7 +321,7 @@ class RoundToNearest:
     format = staticmethod(symmetric_gptq_else_compressed)
 
     def quantize(self, job: QuantizeJob) -> tuple[dict[str, QuantizedWeight], dict]:
-        qweights, facts, _ = quantize_rtn_arm(job, weigh_by_activations=False)
+        qweights, facts = quantize_rtn_arm(job, weigh_by_activations=False)
         return qweights, {**facts, "head": "rtn"}
 
 

@@ -445,4 +445,4 @@ class FourbitInt8LinearMethod(StoredTensors, LinearMethodBase):
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x, layer.fourbit_weight.to(x.dtype), bias)  # [M, H] x [V', H] -> [M, V']
+        return F.linear(x, layer.fourbit_weight, bias)  # [M, H] x [V', H] -> [M, V'], the model dtype
