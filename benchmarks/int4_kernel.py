@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/int4_kernel.py [--threads 2] [--group-size 128] [--json out.json]
     .venv/bin/python benchmarks/int4_kernel.py --instructions   # callgrind counts instead
-    .venv/bin/python benchmarks/int4_kernel.py --activation-error  # W4A8's rounding vs ggml's
+    .venv/bin/python benchmarks/int4_kernel.py --activation-error  # W4A8's roundings vs ggml's
 
 For each linear shape of Qwen2.5-0.5B as vLLM runs it (q/k/v merged: 1152 x 896, o: 896 x
 896, gate/up merged: 9728 x 896, down: 896 x 4864, the untied lm_head: 151936 x 896) it
@@ -10,7 +10,7 @@ times one row x [1, K] through
 
     dense fp32 / dense bf16    F.linear on W_hat (what the unquantized baselines run)
     tinygemm bf16 / fp32       aten._weight_int4pack_mm_for_cpu (bf16 is vectorized on x86)
-    fourbit W4A16 / W4A8       kernels/int4_cpu.py
+    fourbit W4A16 / W4A8 / W4A8_GROUP   kernels/int4_cpu.py
 
 on random 4-bit weights (asymmetric, float16 scales). Decode streams every weight from
 memory once per token, so each measurement cycles through enough copies of the weights
@@ -61,7 +61,7 @@ SHAPES = [
     ("lm_head", 151936, 896, 1),
 ]
 METHODS = ("dense fp32", "dense bf16", "tinygemm bf16", "tinygemm fp32", "fourbit W4A16",
-           "fourbit W4A8")
+           "fourbit W4A8", "fourbit W4A8_GROUP")
 
 
 def random_qweight(n: int, k: int, g: int, seed: int) -> QuantizedWeight:
@@ -85,7 +85,7 @@ def build(method: str, qw: QuantizedWeight):
         return (lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, g, sz)), [
             packed, sz]
     packed = int4_cpu.repack(qw)
-    numerics = "w4a8" if method.endswith("W4A8") else "w4a16"
+    numerics = method.removeprefix("fourbit ").lower()
     assert packed.shape[0] == n
     return (lambda x: int4_cpu.linear(x, packed, numerics)), [
         packed.packed, packed.scales, packed.zeros]
@@ -161,7 +161,7 @@ def count_instructions(group_size: int) -> dict[str, float]:
         script.write_text(_ONE_CALL)
         for numerics in int4_cpu.NUMERICS:
             count = _callgrind([sys.executable, str(script), numerics, str(n), str(k),
-                                str(group_size)], f"*rows_{numerics}*", tmp / numerics)
+                                str(group_size)], f"*::rows_{numerics}(*", tmp / numerics)
             per_weight[f"fourbit {numerics.upper()} (G={group_size})"] = count / (n * k)
         built = find_llamacpp()
         if built is None:
@@ -189,10 +189,11 @@ def count_instructions(group_size: int) -> dict[str, float]:
 
 
 def activation_error() -> None:
-    """Relative output error ||W x_rounded - W x|| / ||W x|| at down_proj's shape for W4A8's
-    activation rounding (Q8_0 per 32 columns, float32 d, run by the kernel itself) and for
-    the ones llama.cpp applies (Q8_0 with a float16 d; Q8_K per 256 columns, which Q4_K_M's
-    dot products use), on Gaussian and heavy-tailed (Student t, 3 dof) activations."""
+    """Relative output error ||W x_rounded - W x|| / ||W x|| at down_proj's shape for the
+    kernel's activation roundings (run by the kernel itself, float32 d: W4A8 per 32
+    columns, W4A8_GROUP per group of 128) and for the ones llama.cpp applies (Q8_0 with a
+    float16 d; Q8_K per 256 columns, which Q4_K_M's dot products use), on Gaussian and
+    heavy-tailed (Student t, 3 dof) activations."""
 
     def q8(x: torch.Tensor, block: int, fp16_d: bool) -> torch.Tensor:
         m, k = x.shape
@@ -213,11 +214,12 @@ def activation_error() -> None:
     for name, x in inputs.items():
         exact = x.double() @ w.T
         rows = {"fourbit W4A8 (kernel)": int4_cpu.linear(x, packed, "w4a8").double(),
+                "fourbit W4A8_GROUP (kernel)": int4_cpu.linear(x, packed, "w4a8_group").double(),
                 "Q8_0, fp16 d (ggml)": q8(x, 32, True).double() @ w.T,
                 "Q8_K, per 256 (ggml)": q8(x, 256, False).double() @ w.T}
         for label, y in rows.items():
             err = ((y - exact).norm() / exact.norm()).item()
-            print(f"  {name:<18} {label:<24} relative output error {err:.2e}")
+            print(f"  {name:<18} {label:<28} relative output error {err:.2e}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -233,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--instructions", action="store_true",
                         help="count instructions per weight under callgrind instead of timing")
     parser.add_argument("--activation-error", action="store_true",
-                        help="W4A8's activation rounding error against llama.cpp's Q8_0/Q8_K")
+                        help="the int8 activation roundings' error against llama.cpp's Q8_0/Q8_K")
     args = parser.parse_args(argv)
     if args.activation_error:
         n, k = COUNT_SHAPE

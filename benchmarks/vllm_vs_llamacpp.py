@@ -16,7 +16,8 @@ Two models, each on the same cores with the same thread count for both engines:
 
 vLLM variants: the plugin's arm with the study's float32 engine (eager, and compiled),
 with bfloat16 activations (tinygemm keeps bf16 scales then), the same weights with the
-arm's kernel knob at w4a8 (Qwen-shaped model only: a checkpoint of its own), and,
+arm's kernel knob at w4a8 or w4a8_group (Qwen-shaped model only: a checkpoint of its
+own each; eager and compiled), and,
 where the host has it (AVX-512), the GPTQ checkpoint on vLLM's own cpu_gemm_wna16 in
 bfloat16; ``--variants`` picks a subset. The best
 of them by median decode is "the best vLLM 4-bit arm". Each pass runs every
@@ -56,11 +57,18 @@ VLLM_VARIANTS = {
     # per-step Python and dtype-conversion overhead is what an eager decode step spends most on
     "plugin fp32 compiled": ("vllm", "vllm", {"dtype": "float32", "enforce_eager": False}),
     # the same weights with the arm's kernel knob at w4a8 (activations rounded to int8 per
-    # 32 columns, integer dot products, as llama.cpp's Q8_0): a checkpoint of its own
+    # 32 columns, integer dot products, as llama.cpp's Q8_0) or w4a8_group (per weight
+    # group, as Q8_K does per 256): a checkpoint of its own each
     "plugin fp32 w4a8": ("vllm_w4a8", "vllm", {"dtype": "float32"}),
+    "plugin fp32 w4a8 compiled": ("vllm_w4a8", "vllm", {"dtype": "float32", "enforce_eager": False}),
+    "plugin fp32 w4a8_group": ("vllm_w4a8_group", "vllm", {"dtype": "float32"}),
+    "plugin fp32 w4a8_group compiled": ("vllm_w4a8_group", "vllm",
+                                        {"dtype": "float32", "enforce_eager": False}),
     "native bf16": ("gptq", "vllm_native", {"dtype": "bfloat16"}),
 }
 LLAMA = "llama.cpp Q4_K_M"
+# the kernel knobs with a Qwen-shaped checkpoint of their own (the default, w4a16, is "vllm")
+KERNEL_CHECKPOINTS = ("w4a8", "w4a8_group")
 
 
 def default_model(study: Path) -> dict:
@@ -107,7 +115,8 @@ def qwen_shaped_model(workdir: Path, threads: int) -> dict:
     if not paths["untied"].exists():
         untie_head(paths["tied"], paths["untied"])
     arms = (("int4", "cpu_int4_g128", QWEN_QUANT), ("gptq", "rtn_sym_g128", QWEN_GPTQ),
-            ("int4_w4a8", "cpu_int4_g128_w4a8", {**QWEN_QUANT, "kernel": "w4a8"}))
+            *((f"int4_{kernel}", f"cpu_int4_g128_{kernel}", {**QWEN_QUANT, "kernel": kernel})
+              for kernel in KERNEL_CHECKPOINTS))
     for key, name, quant in arms:
         canonical = canonical_quant(quant, load_schema())
         # Named by the quant's hash: a changed QUANT builds anew instead of reusing a stale one.
@@ -122,7 +131,8 @@ def qwen_shaped_model(workdir: Path, threads: int) -> dict:
         convert_to_gguf(paths["untied"], f16, "f16", tools=tools)
     if not q4km.is_file():
         quantize_gguf(f16, q4km, "Q4_K_M", tools=tools, threads=threads)
-    return {"vllm": paths["int4"], "vllm_w4a8": paths["int4_w4a8"], "gptq": paths["gptq"], "gguf": q4km}
+    return {"vllm": paths["int4"], "gptq": paths["gptq"], "gguf": q4km,
+            **{f"vllm_{kernel}": paths[f"int4_{kernel}"] for kernel in KERNEL_CHECKPOINTS}}
 
 
 def variants(model: dict, chosen: list[str]) -> list[str]:

@@ -3,9 +3,9 @@
 Shapes sweep odd N (a last row block shorter than the kernel's 4 rows), K at every group
 size including K % 64 == 32 (the half chunk at G = 32), symmetric and asymmetric zeros,
 and batches of 1 to 9 rows. W4A16 is held to float32 summation error of x @ W_hat.T;
-W4A8 to the same bound against x_rounded @ W_hat.T, where x_rounded is recomputed here
-from Q8_0's definition, so both the kernel's integer arithmetic and its rounding are
-checked. The ISA tests skip where the host has no AVX2 (the fallback test runs anywhere).
+W4A8 and W4A8_GROUP to the same bound against x_rounded @ W_hat.T, where x_rounded is
+recomputed here from Q8_0's definition (per 32 columns, or per group), so both the
+kernel's integer arithmetic and its rounding are checked. The ISA tests skip where the host has no AVX2 (the fallback test runs anywhere).
 """
 
 from __future__ import annotations
@@ -29,16 +29,22 @@ def random_qweight(n: int, k: int, g: int, sym: bool, seed: int) -> QuantizedWei
     return draw(n, k, g, sym=sym, gen=torch.Generator().manual_seed(seed))
 
 
-def q8_reference(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] rounded as Q8_0 defines it: per 32 columns d = amax/127, q = round(x*127/amax)
-    (ties to even), x_rounded = d * q; computed in float32 like the kernel."""
+def q8_reference(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """x [M, K] rounded as Q8_0 defines it, per ``block`` columns: d = amax/127,
+    q = round(x*127/amax) (ties to even), x_rounded = d * q; computed in float32 like the
+    kernel."""
     m, k = x.shape
-    blocks = x.float().reshape(m, k // 32, 32)  # [M, K] -> [M, K/32, 32]
+    blocks = x.float().reshape(m, k // block, block)  # [M, K] -> [M, K/block, block]
     amax = blocks.abs().amax(dim=-1, keepdim=True)
     inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
     q = torch.round(blocks * inv)
     d = amax / 127.0
-    return q.reshape(m, k), d.reshape(m, k // 32), (q * d).reshape(m, k)
+    return q.reshape(m, k), d.reshape(m, k // block), (q * d).reshape(m, k)
+
+
+def activation_block(numerics: str, group_size: int) -> int:
+    """The columns one int8 activation scale covers (kernels/int4_cpu.py numerics)."""
+    return group_size if numerics == "w4a8_group" else 32
 
 
 def error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -103,15 +109,16 @@ def test_w4a16_matches_float_reference(n, k, g, sym, rows):
 
 
 @needs_kernel
-def test_w4a8_rounding_is_q8_0():
+@pytest.mark.parametrize("block", [32, 64, 128, 256])
+def test_int8_rounding_is_q8_0_per_block(block):
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(5, 256, generator=gen) * torch.logspace(-3, 2, 256)  # blocks of every scale
-    x[1, :32] = 0  # an all-zero block: d = 0, q = 0
+    x = torch.randn(5, 512, generator=gen) * torch.logspace(-3, 2, 512)  # blocks of every scale
+    x[1, :block] = 0  # an all-zero block: d = 0, q = 0
     x[2, 40] = 1000.0  # one outlier owns its block's scale
-    q, d = int4_cpu.quantize_activations(x)
-    q_ref, d_ref, _ = q8_reference(x)
+    q, d = int4_cpu.quantize_activations(x, block)
+    q_ref, d_ref, _ = q8_reference(x, block)
     assert q.dtype == torch.int8 and torch.equal(q.float(), q_ref)
-    assert torch.equal(d, d_ref)
+    assert d.shape == (5, 512 // block) and torch.equal(d, d_ref)
     assert q.abs().max() == 127
 
 
@@ -119,12 +126,13 @@ def test_w4a8_rounding_is_q8_0():
 @pytest.mark.parametrize(("n", "k", "g"), SHAPES)
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("rows", [1, 3])
-def test_w4a8_matches_rounded_reference(n, k, g, sym, rows):
+@pytest.mark.parametrize("numerics", ["w4a8", "w4a8_group"])
+def test_int8_numerics_match_rounded_reference(n, k, g, sym, rows, numerics):
     qw = random_qweight(n, k, g, sym, seed=11 * n + k)
     w_hat = qw.dequantize()
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + 5))
-    y = int4_cpu.linear(x, int4_cpu.repack(qw), "w4a8")
-    _, _, x_rounded = q8_reference(x)
+    y = int4_cpu.linear(x, int4_cpu.repack(qw), numerics)
+    _, _, x_rounded = q8_reference(x, activation_block(numerics, g))
     err = (y.double() - x_rounded.double() @ w_hat.double().T).abs()
     assert torch.all(err <= error_bound(x_rounded, w_hat)), err.max()
     # and the rounding itself is the only other difference: at most d/2 per activation

@@ -40,6 +40,11 @@ the codes stay unsigned, and sum x is one number per group shared by every row.
            block products sum q*qy in int32 by _mm256_maddubs_epi16 (codes unsigned,
            activations signed) and _mm256_madd_epi16, as ggml's Q4_1 x Q8_1 dot does. The
            result is W_hat @ x_rounded: the only error is the activation rounding.
+    w4a8_group  the same rounding per weight group instead of per 32 columns (one d per G
+           columns: per 128 at G = 128, finer than the Q8_K, per 256, that Q4_K_M's dot
+           products use). A group's products then need one scale, so a row sums the whole
+           group in int32 and converts and scales it once (s * d), where w4a8 converts
+           and scales every 32 columns. At G = 32 it is w4a8.
 
 W4A8's tolerance. Its rounding moves a linear's output by ~0.5% (relative L2 at down_proj's
 896 x 4864 on random 4-bit weights: 5.5e-3 for Gaussian activations, 8.7e-3 for heavy-
@@ -55,9 +60,14 @@ callgrind on the 2-core AVX2-only AMD EPYC this was written on (benchmarks/int4_
 -mavx2 -mfma):
 
     fourbit W4A8   G=128 0.253, G=64 0.298, G=32 0.373
+    fourbit W4A8_GROUP  G=128 0.208
     fourbit W4A16  G=128 0.532, G=64 0.591, G=32 0.630
     ggml Q4_K x Q8_K row dot 0.400, Q4_K 8x8 GEMV (repacked) 0.422,
     Q4_0 8x8 GEMV (repacked) 0.411, Q4_0 x Q8_0 and Q4_1 x Q8_1 row dots 0.698
+
+At batch 1 the time falls less than the count: at Qwen2.5-0.5B's shapes, 2 threads, a
+whole token's linears took 23.9 ms with W4A8_GROUP against 26.3 ms with W4A8 (benchmarks/
+int4_kernel.py, head included), the weights' reads being most of it.
 
 W4A8 is cheaper than ggml's row dots because a 32-byte load feeds two blocks with no
 lane-crossing unpack, codes stay unsigned (no sign tricks before maddubs), four rows share
@@ -86,8 +96,8 @@ from fourbit.quant.qweight import QuantizedWeight
 
 log = logging.getLogger(__name__)
 
-NUMERICS = ("w4a16", "w4a8")
-_NUMERICS_CODE = {"w4a16": 0, "w4a8": 1}
+NUMERICS = ("w4a16", "w4a8", "w4a8_group")
+_NUMERICS_CODE = {"w4a16": 0, "w4a8": 1, "w4a8_group": 2}
 BLOCK = 32  # activation block (W4A8) and the K granularity of the layout
 CHUNK = 64  # columns per 32 packed bytes
 
@@ -198,7 +208,8 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     return _ext().dequantize(packed, scales, zeros, group_size)
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """W4A8's rounding of x [M, K]: (int8 [M, K], d float32 [M, K/32]), as the kernel does it."""
-    q, d = _ext().quantize_activations(x)
+def quantize_activations(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 numerics' rounding of x [M, K] per ``block`` columns (32: w4a8; the group:
+    w4a8_group): (int8 [M, K], d float32 [M, K/block]), as the kernel does it."""
+    q, d = _ext().quantize_activations(x, block)
     return q, d

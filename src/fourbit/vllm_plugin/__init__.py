@@ -31,7 +31,7 @@ engines/vllm/lifecycle.py ``quant_overrides``):
                        outputs back); with "auto" and a float32 model tinygemm runs in
                        bfloat16 where torch vectorizes only that (x86 AVX2/AVX-512,
                        kernels/tinygemm.py kernel_dtype); fourbit's kernel computes in float32
-    kernel             "w4a16" (default), "w4a8" or "tinygemm": what runs batches below
+    kernel             "w4a16" (default), "w4a8", "w4a8_group" or "tinygemm": what runs batches below
                        the threshold (DEFAULTS in knobs.py; kernels/int4_cpu.py)
 The dense path computes W_hat in float32 (exact) and casts it to activation_dtype; in
 float32 it reproduces the dense expansion of the checkpoint up to matmul summation

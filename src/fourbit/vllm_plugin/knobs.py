@@ -24,13 +24,14 @@ DEFAULTS: dict[str, Any] = {
     # Which kernel runs batches below the threshold, and with which numerics (kernels/
     # int4_cpu.py): "w4a16" fourbit's kernel, float activations, exact against the dense
     # control; "w4a8" the same weights with activations rounded to int8 per 32 columns,
-    # integer dot products (the fast path); "tinygemm" PyTorch's kernel. An arm sets it in
+    # integer dot products; "w4a8_group" rounded per weight group instead (one integer sum
+    # per group: the fastest); "tinygemm" PyTorch's kernel. An arm sets it in
     # its quant block (hashed), the checkpoint carries it; w4a16 when absent because it is
     # the exact one. Falls back to tinygemm by name (logged) where the ISA or shape is missing.
     "kernel": "w4a16",
 }
 KNOBS = tuple(DEFAULTS)
-KERNELS = ("w4a16", "w4a8", "tinygemm")
+KERNELS = ("w4a16", "w4a8", "w4a8_group", "tinygemm")
 
 
 def describe(knobs: dict[str, Any], model_dtype: str) -> str:
@@ -89,7 +90,7 @@ def numerics(knobs: dict[str, Any], model_dtype: str, rows: int) -> str:
     if knobs["prefill_dequant"] and rows >= knobs["dequant_threshold"]:
         dtype = compute
     elif runs_fourbit_kernel(knobs):
-        if knobs["kernel"] == "w4a8":
+        if knobs["kernel"] in ("w4a8", "w4a8_group"):
             return "int8_activations"
         dtype = compute
     else:

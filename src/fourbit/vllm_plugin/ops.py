@@ -57,10 +57,12 @@ NO_THRESHOLD = 1 << 62  # "never switch to the dense path"
 KERNEL_TINYGEMM = 0
 KERNEL_W4A16 = 1  # fourbit's kernel, float32 activations
 KERNEL_W4A8 = 2  # fourbit's kernel, activations rounded to int8 per 32 columns
-KERNEL_CODE = {"tinygemm": KERNEL_TINYGEMM, "w4a16": KERNEL_W4A16, "w4a8": KERNEL_W4A8}
+KERNEL_W4A8_GROUP = 3  # fourbit's kernel, activations rounded to int8 per weight group
+KERNEL_CODE = {"tinygemm": KERNEL_TINYGEMM, "w4a16": KERNEL_W4A16, "w4a8": KERNEL_W4A8,
+               "w4a8_group": KERNEL_W4A8_GROUP}
 KERNEL_NAME = {v: k for k, v in KERNEL_CODE.items()}
 
-# Calls per path in this process ("w4a16", "w4a8", "tinygemm", "direct", "kept", and
+# Calls per path in this process ("w4a16", "w4a8", "w4a8_group", "tinygemm", "direct", "kept", and
 # "embedding" for a quantized table's lookups): for tests and sanity checks.
 calls: Counter[str] = Counter()
 

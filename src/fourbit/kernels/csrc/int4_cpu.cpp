@@ -21,6 +21,10 @@
 //          block in integers (maddubs + madd: |q*qy| pair sums <= 2*15*127, no saturation),
 //          then * d in float32; sum x is taken over the rounded activations, so the result
 //          is W_hat @ x_rounded up to float summation order.
+//   W4A8_GROUP  x rounded to int8 per weight group instead (d = amax / 127 over the G
+//          columns of a group, as llama.cpp's Q8_K does per 256): a group's whole dot
+//          product is one int32 sum, converted and scaled once (s * d) per row and group,
+//          instead of once per 32 columns. At G = 32 it is W4A8.
 //
 // ISA: only an AVX2+FMA path exists (runtime check, __builtin_cpu_supports); it also runs
 // on AVX-512 hosts. No AVX-512 code is shipped: the host this was written on has no
@@ -47,7 +51,7 @@ constexpr int QK = 32;       // activation block (W4A8) and the K granularity of
 constexpr int CHUNK = 64;    // k per 32 packed bytes
 constexpr int ROWS = 4;      // output rows computed together (shares activation loads)
 
-enum Numerics : int64_t { W4A16 = 0, W4A8 = 1 };
+enum Numerics : int64_t { W4A16 = 0, W4A8 = 1, W4A8_GROUP = 2 };
 
 bool cpu_has_avx2() {
   __builtin_cpu_init();
@@ -140,22 +144,21 @@ FOURBIT_AVX2 inline void groups_w4a8(const uint8_t* const* w, const float* sb, c
   }
 }
 
-// x [K] float32 -> qy [K] int8, d [K/32], and per group the sum of the rounded values
-// d * sum(qy) ([K/G]): q = round-half-even(x * (127 / amax)) in float32, as ggml's
+// x [K] float32 -> qy [K] int8, d [K/block], and per group the sum of the rounded values
+// d * sum(qy) ([K/G]); block is 32 (W4A8) or G (W4A8_GROUP), g a multiple of block:
+// q = round-half-even(x * (127 / amax)) in float32 over each block, as ggml's
 // quantize_row_q8_0 computes it. Vectorized because it runs on one thread before the rows
 // are split over threads; so it is under 1% of a down_proj call's instructions (callgrind).
-FOURBIT_AVX2 void quantize_q8_avx2(const float* x, int64_t k, int64_t g, int8_t* qy, float* d,
-                                   float* xsum) {
-  const int64_t per_group = g / QK;
+FOURBIT_AVX2 void quantize_q8_avx2(const float* x, int64_t k, int64_t block, int64_t g,
+                                   int8_t* qy, float* d, float* xsum) {
+  const int64_t per_group = g / block;
   for (int64_t gi = 0; gi < k / g; ++gi) xsum[gi] = 0.f;
   const __m256 sign = _mm256_set1_ps(-0.0f);
-  for (int64_t b = 0; b < k / QK; ++b) {
-    const float* xb = x + b * QK;
-    __m256 v[4];
+  for (int64_t b = 0; b < k / block; ++b) {
+    const float* xb = x + b * block;
     __m256 amax = _mm256_setzero_ps();
-    for (int j = 0; j < 4; ++j) {
-      v[j] = _mm256_loadu_ps(xb + 8 * j);
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+    for (int64_t j = 0; j < block; j += 8) {
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + j)));
     }
     __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(amax, 1), _mm256_castps256_ps128(amax));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
@@ -163,23 +166,63 @@ FOURBIT_AVX2 void quantize_q8_avx2(const float* x, int64_t k, int64_t g, int8_t*
     const float top = _mm_cvtss_f32(m4);
     const __m256 inv = _mm256_set1_ps(top != 0.f ? 127.f / top : 0.f);
     d[b] = top / 127.f;
-    __m256i q[4];
-    for (int j = 0; j < 4; ++j) {
-      q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], inv),
-                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    __m256i total = _mm256_setzero_si256();
+    for (int64_t j = 0; j < block; j += QK) {  // 32 values at a time: 4 x 8 -> 32 int8
+      __m256i q[4];
+      for (int v = 0; v < 4; ++v) {
+        q[v] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + j + 8 * v), inv),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      }
+      total = _mm256_add_epi32(total, _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]),
+                                                       _mm256_add_epi32(q[2], q[3])));
+      // int32 -> int16 -> int8 packs work per 128-bit lane; the permute restores k order
+      const __m256i p16a = _mm256_packs_epi32(q[0], q[1]);
+      const __m256i p16b = _mm256_packs_epi32(q[2], q[3]);
+      const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b),
+                                                     _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qy + b * block + j), p8);
     }
-    const __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]),
-                                           _mm256_add_epi32(q[2], q[3]));
     __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
     t = _mm_add_epi32(t, _mm_unpackhi_epi64(t, t));
     t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 1));
-    // int32 -> int16 -> int8 packs work per 128-bit lane; the permute restores k order
-    const __m256i p16a = _mm256_packs_epi32(q[0], q[1]);
-    const __m256i p16b = _mm256_packs_epi32(q[2], q[3]);
-    const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16a, p16b),
-                                                   _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qy + b * QK), p8);
     xsum[b / per_group] += d[b] * static_cast<float>(_mm_cvtsi128_si32(t));
+  }
+}
+
+// W4A8_GROUP for G = 64 * CPG (CPG = 0: any multiple of 64, given as `chunks`): one d
+// per group, so a row's products are summed in int32 over the whole group (maddubs, then
+// madd to int32 per chunk: no int16 sum grows past 2 * 15 * 127) and converted and scaled
+// by s * d once per group.
+template <int CPG>
+FOURBIT_AVX2 inline void groups_w4a8_group(const uint8_t* const* w, const float* sb,
+                                           const uint8_t* zb, const int8_t* qy, const float* d,
+                                           const float* xsum, int64_t groups, __m256* acc,
+                                           __m128& corr, int64_t chunks = CPG) {
+  constexpr int R = ROWS;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t per = CPG ? CPG : chunks;
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    __m256i sum[R];
+    for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int64_t j = 0; j < per; ++j) {
+      const int64_t c = gi * per + j;
+      const __m256i y0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qy + c * CHUNK));
+      const __m256i y1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qy + c * CHUNK + QK));
+      for (int r = 0; r < R; ++r) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + c * 32));
+        const __m256i p0 = _mm256_maddubs_epi16(_mm256_and_si256(raw, low), y0);
+        const __m256i p1 =
+            _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), y1);
+        sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[r]), _mm256_set1_ps(sb[gi * R + r] * d[gi]),
+                               acc[r]);
+    }
+    corr = add_zero_term(corr, sb, zb, gi, xsum[gi]);
   }
 }
 
@@ -226,6 +269,31 @@ FOURBIT_AVX2 void rows_w4a8(const uint8_t* const* w, const float* sb, const uint
     groups_w4a8<1>(w, sb, zb, qy, d, xsum, groups, acc, corr);
   } else {
     groups_w4a8<0>(w, sb, zb, qy, d, xsum, groups, acc, corr, g / CHUNK);
+  }
+  float c4[4];
+  _mm_storeu_ps(c4, corr);
+  for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]) - c4[r];
+}
+
+// ROWS rows of W4A8_GROUP (d per group); at G = 32 the group is the block: W4A8's code.
+FOURBIT_AVX2 void rows_w4a8_group(const uint8_t* const* w, const float* sb, const uint8_t* zb,
+                                  const int8_t* qy, const float* d, const float* xsum,
+                                  int64_t k, int64_t g, float* out) {
+  if (g == QK) {
+    rows_w4a8(w, sb, zb, qy, d, xsum, k, g, out);
+    return;
+  }
+  constexpr int R = ROWS;
+  __m256 acc[R];
+  __m128 corr = _mm_setzero_ps();
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const int64_t groups = k / g;
+  if (g == 2 * CHUNK) {
+    groups_w4a8_group<2>(w, sb, zb, qy, d, xsum, groups, acc, corr);
+  } else if (g == CHUNK) {
+    groups_w4a8_group<1>(w, sb, zb, qy, d, xsum, groups, acc, corr);
+  } else {
+    groups_w4a8_group<0>(w, sb, zb, qy, d, xsum, groups, acc, corr, g / CHUNK);
   }
   float c4[4];
   _mm_storeu_ps(c4, corr);
@@ -352,7 +420,8 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Te
                   const at::Tensor& zeros, int64_t g, int64_t numerics) {
   TORCH_CHECK(isa() == "avx2", "fourbit int4: this CPU has no AVX2+FMA; use the fallback");
   check(packed, scales, zeros, g);
-  TORCH_CHECK(numerics == W4A16 || numerics == W4A8, "fourbit int4: numerics ", numerics);
+  TORCH_CHECK(numerics == W4A16 || numerics == W4A8 || numerics == W4A8_GROUP,
+              "fourbit int4: numerics ", numerics);
   const int64_t n = packed.size(0), k = packed.size(1) * 2;
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "fourbit int4: x must be [M, ", k, "]");
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
@@ -361,15 +430,18 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Te
   if (m == 0 || n == 0) return y;
   const int64_t groups = k / g;
 
-  // Per activation row: W4A8's int8 values and block scales, and both numerics' group sums.
-  std::vector<int8_t> qy(numerics == W4A8 ? m * k : 0);
-  std::vector<float> d(numerics == W4A8 ? m * (k / QK) : 0);
+  // Per activation row: the int8 values and block scales (W4A8: per 32 columns,
+  // W4A8_GROUP: per group), and every numerics' group sums.
+  const bool int8 = numerics != W4A16;
+  const int64_t block = numerics == W4A8_GROUP ? g : QK;
+  std::vector<int8_t> qy(int8 ? m * k : 0);
+  std::vector<float> d(int8 ? m * (k / block) : 0);
   std::vector<float> xsum(m * groups);
   const float* xp = x.data_ptr<float>();
   for (int64_t i = 0; i < m; ++i) {
-    if (numerics == W4A8) {
-      quantize_q8_avx2(xp + i * k, k, g, qy.data() + i * k, d.data() + i * (k / QK),
-                  xsum.data() + i * groups);
+    if (int8) {
+      quantize_q8_avx2(xp + i * k, k, block, g, qy.data() + i * k, d.data() + i * (k / block),
+                       xsum.data() + i * groups);
     } else {
       group_sums(xp + i * k, k, g, xsum.data() + i * groups);
     }
@@ -399,6 +471,9 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Te
         if (numerics == W4A8) {
           rows_w4a8(w, sb, zb, qy.data() + i * k, d.data() + i * (k / QK),
                     xsum.data() + i * groups, k, g, out);
+        } else if (numerics == W4A8_GROUP) {
+          rows_w4a8_group(w, sb, zb, qy.data() + i * k, d.data() + i * groups,
+                          xsum.data() + i * groups, k, g, out);
         } else {
           rows_w4a16(w, sb, zb, xp + i * k, xsum.data() + i * groups, k, g, out);
         }
@@ -452,19 +527,22 @@ at::Tensor dequantize(const at::Tensor& packed, const at::Tensor& scales, const 
   return w;
 }
 
-// W4A8's activation rounding on its own, [M, K] -> (int8 [M, K], d float32 [M, K/32]),
-// so tests can hold the kernel to exactly the rounding it applies.
-std::vector<at::Tensor> quantize_activations(const at::Tensor& x_in) {
+// The int8 numerics' activation rounding on its own, per `block` columns (32 for W4A8,
+// the group for W4A8_GROUP): [M, K] -> (int8 [M, K], d float32 [M, K/block]), so tests can
+// hold the kernel to exactly the rounding it applies.
+std::vector<at::Tensor> quantize_activations(const at::Tensor& x_in, int64_t block) {
   TORCH_CHECK(isa() == "avx2", "fourbit int4: this CPU has no AVX2+FMA");
+  TORCH_CHECK(block > 0 && block % QK == 0, "fourbit int4: block ", block, " is not a multiple of 32");
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
-  TORCH_CHECK(x.dim() == 2 && x.size(1) % QK == 0, "fourbit int4: x must be [M, K], K % 32 == 0");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % block == 0,
+              "fourbit int4: x must be [M, K] with K a multiple of ", block);
   const int64_t m = x.size(0), k = x.size(1);
   at::Tensor q = at::empty({m, k}, x.options().dtype(at::kChar));
-  at::Tensor d = at::empty({m, k / QK}, x.options());
-  std::vector<float> xsum(k / QK);
+  at::Tensor d = at::empty({m, k / block}, x.options());
+  std::vector<float> xsum(k / block);
   for (int64_t i = 0; i < m; ++i) {
-    quantize_q8_avx2(x.data_ptr<float>() + i * k, k, QK, q.data_ptr<int8_t>() + i * k,
-                d.data_ptr<float>() + i * (k / QK), xsum.data());
+    quantize_q8_avx2(x.data_ptr<float>() + i * k, k, block, block, q.data_ptr<int8_t>() + i * k,
+                     d.data_ptr<float>() + i * (k / block), xsum.data());
   }
   return {q, d};
 }
@@ -472,9 +550,9 @@ std::vector<at::Tensor> quantize_activations(const at::Tensor& x_in) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "fourbit's CPU 4-bit linear (AVX2 W4A16 / W4A8); see fourbit/kernels/int4_cpu.py";
+  m.doc() = "fourbit's CPU 4-bit linear (AVX2 W4A16 / W4A8 / W4A8_GROUP); see fourbit/kernels/int4_cpu.py";
   m.def("isa", &isa, "the ISA path this CPU runs: 'avx2' or 'none'");
   m.def("linear", &linear, "x [M, K] @ W_hat^T -> [M, N] float32");
   m.def("dequantize", &dequantize, "W_hat float32 [N, K] from the packed layout");
-  m.def("quantize_activations", &quantize_activations, "W4A8's Q8 rounding of x [M, K]");
+  m.def("quantize_activations", &quantize_activations, "the int8 rounding of x [M, K] per block columns");
 }
