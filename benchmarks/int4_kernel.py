@@ -161,7 +161,7 @@ def count_instructions(group_size: int) -> dict[str, float]:
         script.write_text(_ONE_CALL)
         for numerics in int4_cpu.NUMERICS:
             count = _callgrind([sys.executable, str(script), numerics, str(n), str(k),
-                                str(group_size)], f"*::rows_{numerics}(*", tmp / numerics)
+                                str(group_size)], f"*::rows_{numerics}(*)", tmp / numerics)
             per_weight[f"fourbit {numerics.upper()} (G={group_size})"] = count / (n * k)
         built = find_llamacpp()
         if built is None:
