@@ -118,6 +118,16 @@ FOURBIT_AVX2 inline __m256 block_dot_i8(__m256i w, const int8_t* y) {
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 
+// One row's packed chunk (32 bytes: 64 codes) against the chunk's two int8 activation
+// blocks: p0 = low nibbles x y0, p1 = high nibbles x y1, 16 int16 pair sums each.
+FOURBIT_AVX2 inline void chunk_products(const uint8_t* bytes, __m256i y0, __m256i y1,
+                                        __m256i& p0, __m256i& p1) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+  p0 = _mm256_maddubs_epi16(_mm256_and_si256(raw, low), y0);
+  p1 = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), y1);
+}
+
 // The zero-point term of ROWS rows at group gi, s * z * sum(x), added to corr (one lane
 // per row): the scales and zeros of a row block are stored [K/G][ROWS], so it is one
 // vector operation for the block.
@@ -140,7 +150,6 @@ FOURBIT_AVX2 inline void groups_w4a8(const uint8_t* const* w, const float* sb, c
                                      int64_t groups, __m256* acc, __m128& corr,
                                      int64_t chunks = CPG) {
   constexpr int R = ROWS;
-  const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t gi = 0; gi < groups; ++gi) {
     __m256 part[R];
@@ -153,10 +162,8 @@ FOURBIT_AVX2 inline void groups_w4a8(const uint8_t* const* w, const float* sb, c
       const __m256i y0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qy + c * CHUNK));
       const __m256i y1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qy + c * CHUNK + QK));
       for (int r = 0; r < R; ++r) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + c * 32));
-        const __m256i p0 = _mm256_maddubs_epi16(_mm256_and_si256(raw, low), y0);
-        const __m256i p1 =
-            _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), y1);
+        __m256i p0, p1;
+        chunk_products(w[r] + c * 32, y0, y1, p0, p1);
         part[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p0, ones)), d0, part[r]);
         part[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p1, ones)), d1, part[r]);
       }
@@ -223,7 +230,6 @@ FOURBIT_AVX2 inline void groups_w4a8_group(const uint8_t* const* w, const float*
                                            const float* xsum, int64_t groups, __m256* acc,
                                            __m128& corr, int64_t chunks = CPG) {
   constexpr int R = ROWS;
-  const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   const int64_t per = CPG ? CPG : chunks;
   for (int64_t gi = 0; gi < groups; ++gi) {
@@ -235,10 +241,8 @@ FOURBIT_AVX2 inline void groups_w4a8_group(const uint8_t* const* w, const float*
       const __m256i y0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qy + c * CHUNK));
       const __m256i y1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qy + c * CHUNK + QK));
       for (int r = 0; r < R; ++r) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r] + c * 32));
-        const __m256i p0 = _mm256_maddubs_epi16(_mm256_and_si256(raw, low), y0);
-        const __m256i p1 =
-            _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), y1);
+        __m256i p0, p1;
+        chunk_products(w[r] + c * 32, y0, y1, p0, p1);
         sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones));
       }
     }
