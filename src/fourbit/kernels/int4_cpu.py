@@ -96,8 +96,9 @@ from fourbit.quant.qweight import QuantizedWeight
 
 log = logging.getLogger(__name__)
 
-NUMERICS = ("w4a16", "w4a8", "w4a8_group")
-_NUMERICS_CODE = {"w4a16": 0, "w4a8": 1, "w4a8_group": 2}
+NUMERICS = ("w4a16", "w4a8", "w4a8_group")  # in the order of csrc/int4_cpu.cpp's Numerics codes
+_NUMERICS_CODE = {name: code for code, name in enumerate(NUMERICS)}
+INT8_ACTIVATIONS = frozenset({"w4a8", "w4a8_group"})  # the numerics that round x to int8
 BLOCK = 32  # activation block (W4A8) and the K granularity of the layout
 CHUNK = 64  # columns per 32 packed bytes
 

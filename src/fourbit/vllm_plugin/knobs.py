@@ -84,13 +84,13 @@ def numerics(knobs: dict[str, Any], model_dtype: str, rows: int) -> str:
     tinygemm runs in bfloat16 where only that is vectorized (kernels/tinygemm.py)."""
     import torch
 
-    from fourbit.kernels import tinygemm
+    from fourbit.kernels import int4_cpu, tinygemm
 
     compute = compute_dtype(knobs, model_dtype)
     if knobs["prefill_dequant"] and rows >= knobs["dequant_threshold"]:
         dtype = compute
     elif runs_fourbit_kernel(knobs):
-        if knobs["kernel"] in ("w4a8", "w4a8_group"):
+        if knobs["kernel"] in int4_cpu.INT8_ACTIVATIONS:
             return "int8_activations"
         dtype = compute
     else:

@@ -21,10 +21,10 @@ read off the buffers inside the op, and the traced graph is identical whatever t
 whose path is part of the hash.)
 
 Kernels (knobs[3]), one set of weights each:
-    KERNEL_W4A16 / KERNEL_W4A8  fourbit's kernel (kernels/int4_cpu.py) on its own layout:
+    w4a16 / w4a8 / w4a8_group   fourbit's kernel (kernels/int4_cpu.py) on its own layout:
                                 packed uint8 [N, K/2], scales float32 [N, K/G], zeros
                                 uint8 [N, K/G]; computes in float32
-    KERNEL_TINYGEMM             aten._weight_int4pack_mm_for_cpu: packed in torch's layout,
+    tinygemm                    aten._weight_int4pack_mm_for_cpu: packed in torch's layout,
                                 scales_and_zeros [K/G, N', 2] in the dtype it runs in
 Paths:
     rows <  threshold (or mode NEVER)  the kernel
@@ -55,11 +55,9 @@ MODE_KEPT = 2  # dequantize from a kept copy of the codes
 NO_THRESHOLD = 1 << 62  # "never switch to the dense path"
 
 KERNEL_TINYGEMM = 0
-KERNEL_W4A16 = 1  # fourbit's kernel, float32 activations
-KERNEL_W4A8 = 2  # fourbit's kernel, activations rounded to int8 per 32 columns
-KERNEL_W4A8_GROUP = 3  # fourbit's kernel, activations rounded to int8 per weight group
-KERNEL_CODE = {"tinygemm": KERNEL_TINYGEMM, "w4a16": KERNEL_W4A16, "w4a8": KERNEL_W4A8,
-               "w4a8_group": KERNEL_W4A8_GROUP}
+# fourbit's kernel, one code per numerics of kernels/int4_cpu.py (w4a16 1, w4a8 2, w4a8_group 3)
+KERNEL_CODE = {"tinygemm": KERNEL_TINYGEMM,
+               **{name: 1 + i for i, name in enumerate(int4_cpu.NUMERICS)}}
 KERNEL_NAME = {v: k for k, v in KERNEL_CODE.items()}
 
 # Calls per path in this process ("w4a16", "w4a8", "w4a8_group", "tinygemm", "direct", "kept", and
