@@ -590,3 +590,20 @@ def test_the_control_is_judged_at_the_tolerance_of_the_runtimes_numerics(tmp_pat
     assert (int8["numerics"], int8["control"]) == ("int8_activations", "faithful")
     assert float(int8["control_tolerance"]) == TOLERANCES["int8_activations"]
     assert "int8_activations 0.02" in markdown.split("## Definitions", 1)[1]
+
+
+def test_a_mixed_precision_arm_says_what_moved_and_what_costs_most():
+    from fourbit.report.markdown import mixed_precision_lines
+
+    qkv = [f"model.layers.0.self_attn.{m}_proj" for m in "qkv"]
+    sets = [{"members": qkv, "kl": 3e-5, "extra_bits_per_weight": 0.12, "eight_bit": True},
+            {"members": ["lm_head"], "kl": 2.5e-5, "extra_bits_per_weight": 0.99, "eight_bit": False},
+            {"members": ["model.layers.1.mlp.down_proj"], "kl": 1e-8, "extra_bits_per_weight": 0.2,
+             "eight_bit": False}]
+    manifest = {"id": "m-1", "method_facts": {"mixed_precision": {
+        "extra_bits": 0.5, "extra_bits_spent": 0.12, "windows": 4, "eight_bit": qkv, "sets": sets}}}
+    [line] = mixed_precision_lines([manifest, {"id": "plain", "method_facts": {}}])[1:]
+    assert line.startswith("- `m-1`, mixed precision: 1 of 3 sets on the 8-bit grid for +0.120 bits "
+                           "per weight (budget 0.5): layers.0.self_attn.q/k/v_proj. Most sensitive")
+    assert line.endswith("layers.0.self_attn.q/k/v_proj 3e-05 (8-bit); lm_head 2.5e-05; "
+                         "layers.1.mlp.down_proj 1e-08.")

@@ -54,16 +54,22 @@ def _save_model(folder, arch: str, seed: int, vocab: int):
     return model
 
 
+# What a mixed_precision arm can write: a merged layer (q/k/v, vLLM's qkv_proj) and a
+# plain one on the 8-bit grid, in different decoder layers.
+MIXED_EIGHT_BIT = tuple(f"model.layers.0.self_attn.{m}_proj" for m in "qkv") + ("model.layers.1.mlp.down_proj",)
+
+
 def build_pair(root, fmt_name: str, *, arch: str = "llama", quantize_head: bool | int = True,
-               vocab: int = 512, seed: int = 0, embedding: bool = False):
+               vocab: int = 512, seed: int = 0, embedding: bool = False, mixed: bool = False):
     """(quantized folder, dense-control folder) from one random model; ``quantize_head``
-    as an arm's (8: the head in the 8-bit layout, rounded from the model's own head)."""
+    as an arm's (8: the head in the 8-bit layout, rounded from the model's own head);
+    ``mixed``: MIXED_EIGHT_BIT in the 8-bit layout too."""
     from safetensors.torch import save_file
 
     from fourbit.quant.int8 import quantize_int8
 
     head = {True: "head", False: "nohead", 8: "head8"}[quantize_head]
-    tag = f"{arch}{vocab}-{fmt_name}-{head}{'-emb' * embedding}"
+    tag = f"{arch}{vocab}-{fmt_name}-{head}{'-emb' * embedding}{'-mixed' * mixed}"
     if (root / tag).exists():
         return root / tag, root / f"dense-{tag}"
     src = root / f"source-{arch}{vocab}"
@@ -82,7 +88,9 @@ def build_pair(root, fmt_name: str, *, arch: str = "llama", quantize_head: bool 
         if name.endswith("_proj.weight") or (quantize_head is True and name == "lm_head.weight")
         or (embedding and name == "model.embed_tokens.weight")
     }
-    eight_bit = {"lm_head": quantize_int8(state["lm_head.weight"], GROUP)} if quantize_head == 8 else {}
+    eight_bit = {name: quantize_int8(state[f"{name}.weight"], GROUP)
+                 for name in ("lm_head",) * (quantize_head == 8) + MIXED_EIGHT_BIT * mixed}
+    qws = {name: qw for name, qw in qws.items() if name not in eight_bit}
 
     def write(folder, tensors, cfg):
         folder.mkdir()
@@ -341,6 +349,26 @@ def test_plugin_matches_dense_control(root, cache_root, fmt_name, arch, quantize
     # the distributions are far from flat (every logprob would be -log 512): the check has teeth
     lps = [x for r in quant for x in r["token_logprobs"]]
     assert max(lps) - min(lps) > 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_plugin_runs_a_mixed_precision_checkpoint(root, cache_root, fmt_name):
+    """A mixed_precision arm's checkpoint: merged q/k/v and a down projection on the 8-bit
+    grid beside 4-bit layers, in a model with q/k/v biases. The 8-bit layers load shard by
+    shard into one expanded matrix, the 4-bit ones still take the kernel, and the result is
+    the dense control's."""
+    from fourbit.kernels import int4_cpu
+    from fourbit.vllm_plugin import ops
+
+    quant_dir, dense_dir = build_pair(root, fmt_name, arch="qwen2", quantize_head=8, mixed=True)
+    kernel = "w4a16" if int4_cpu.isa() != "none" else "tinygemm"
+    ops.calls.clear()
+    quant = _score(quant_dir, cache_root, quant_overrides={"kernel": kernel, "prefill_dequant": False})
+    # 2 layers x (qkv, o, gate_up, down) per forward, 2 of them 8-bit, the head 8-bit too
+    assert set(ops.calls) == {kernel} and ops.calls[kernel] >= 6, dict(ops.calls)
+    diff = _max_diff(quant, _score(dense_dir, cache_root))
+    assert diff <= TOL, diff
 
 
 @pytest.mark.slow

@@ -141,6 +141,12 @@ def canonical_quant(quant: dict, schema: dict, where: str = "quant") -> dict:
         )
     filled = copy.deepcopy(quant)
     _validate(filled, {**methods[method], "$defs": schema["$defs"]}, where)
+    mixed = filled.get("mixed_precision")
+    if mixed and mixed["windows"] > filled["calibration"]["heldout"]:
+        raise ConfigError(
+            f"{where}.mixed_precision.windows: {mixed['windows']} windows, but calibration.heldout "
+            f"draws only {filled['calibration']['heldout']}; lower windows or raise heldout"
+        )
     return _sorted(filled)
 
 

@@ -98,8 +98,9 @@ class EngineSpec:
 
 def _symmetric_gptq(quant: dict) -> bool:
     # Written as a standard GPTQ checkpoint (fourbit.quant.methods), which vLLM reads itself;
-    # a head in fourbit's 8-bit layout (quantize_head: 8) is not part of that standard.
-    return quant["method"] == "gptq" and quant.get("sym") is True and quant["quantize_head"] != 8
+    # a matrix in fourbit's 8-bit layout (quantize_head: 8, mixed_precision) is not part of it.
+    return (quant["method"] == "gptq" and quant.get("sym") is True and quant["quantize_head"] != 8
+            and "mixed_precision" not in quant)
 
 
 def _vllm_native_kernel_missing() -> str | None:

@@ -1,5 +1,6 @@
-"""The 8-bit layout: a matrix an arm keeps on the 8-bit grid (fourbit.quant.int8; today
-its head, ``quantize_head: 8``) inside a checkpoint of any of the 4-bit formats.
+"""The 8-bit layout: a matrix an arm keeps on the 8-bit grid (fourbit.quant.int8: its head
+with ``quantize_head: 8``, the sets ``mixed_precision`` moves) inside a checkpoint of any
+of the 4-bit formats.
 
 The checkpoint's format stores the 4-bit matrices as usual; a matrix in this layout
 stores its tensors beside them, and the format's quantization_config lists it under

@@ -1,4 +1,5 @@
-"""The 8-bit grid an arm can keep its head on (``quantize_head: 8``): symmetric, per group.
+"""The 8-bit grid an arm can keep matrices on (its head with ``quantize_head: 8``, the sets
+``mixed_precision`` moves): symmetric, per group.
 
     codes   int8   [N, K]       -127..127, one per weight
     scales  float  [N, K // G]  each group's absmax / 127, rounded to float16 first

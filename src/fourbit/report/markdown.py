@@ -215,7 +215,41 @@ def quantization_table(manifests: list[dict]) -> list[str]:
                      f"{_calibration_drawn(quant.get('calibration'))} | "
                      f"{_search_kept(facts.get('heldout_guard'))} | "
                      f"{m['quantize_seconds']:.1f} s | {m['peak_rss_mib']:.0f} MiB |")
-    return lines
+    return lines + mixed_precision_lines(manifests)
+
+
+MOST_SENSITIVE = 5  # sets listed per mixed_precision arm
+
+
+def mixed_precision_lines(manifests: list[dict]) -> list[str]:
+    """Per mixed_precision arm: what moved to 8 bits for how many bits, and the sets whose
+    4-bit error changed the model most (measured, fourbit.quant.sensitivity)."""
+    lines = []
+    for m in manifests:
+        mixed = m["method_facts"].get("mixed_precision")
+        if mixed is None:
+            continue
+        ranked = sorted(mixed["sets"], key=lambda s: -s["kl"])
+        moved = [s for s in mixed["sets"] if s["eight_bit"]]
+        top = "; ".join(f"{_set_label(s['members'])} {s['kl']:.3g}" + (" (8-bit)" * s["eight_bit"])
+                        for s in ranked[:MOST_SENSITIVE])
+        lines.append(
+            f"- `{m['id']}`, mixed precision: {len(moved)} of {len(mixed['sets'])} sets on the 8-bit "
+            f"grid for +{mixed['extra_bits_spent']:.3f} bits per weight (budget {mixed['extra_bits']}): "
+            f"{', '.join(_set_label(s['members']) for s in moved) or 'none'}. Most sensitive at 4 bits "
+            f"(KL from the unquantized model with only that set at 4 bits, nats/token, "
+            f"{mixed['windows']} held-out windows): {top}."
+        )
+    return ["", *lines] if lines else []
+
+
+def _set_label(members: list[str]) -> str:
+    """``model.layers.0.self_attn.q_proj`` + its siblings -> ``layers.0.self_attn.q/k/v_proj``."""
+    names = [n.removeprefix("model.") for n in members]
+    if len(names) == 1:
+        return names[0]
+    parent = names[0].rpartition(".")[0]
+    return f"{parent}.{'/'.join(n.rpartition('.')[2].removesuffix('_proj') for n in names)}_proj"
 
 
 def _calibration_drawn(calibration: dict | None) -> str:

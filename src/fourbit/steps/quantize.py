@@ -35,8 +35,10 @@ from fourbit.checkpoints.quantized import (
     storage_stats,
     write_quantized,
 )
+from fourbit.formats import get_format
 from fourbit.quant.int8 import quantize_int8
-from fourbit.quant.methods import QuantizeJob, get_method
+from fourbit.quant.methods import QuantizeJob, calibration_tokens, get_method
+from fourbit.quant.sensitivity import promote_sensitive
 from fourbit.quant.shapes import Matrices, plan_arm
 from fourbit.vllm_plugin import write_arm_knobs
 
@@ -54,7 +56,8 @@ class Selection:
     linears: dict[str, tuple[int, int]]  # module name -> (N, K): the method's 4-bit matrices
     embedding: str | None  # the input embedding's name, if the arm quantizes it too
     kept_dense: dict[str, tuple[int, int]]  # the linears its ``fallback: dense`` keeps dense
-    eight_bit: dict[str, tuple[int, int]]  # the head, with ``quantize_head: 8``
+    eight_bit: dict[str, tuple[int, int]]  # the head, with ``quantize_head: 8`` (mixed_precision
+    # chooses its own 8-bit matrices later, by measurement)
 
 
 def select_modules(model_dir: str | os.PathLike, quant: dict) -> Selection:
@@ -117,6 +120,12 @@ def quantize_checkpoint(
     calibration = Path(calibration_text) if calibration_text else None
     job = QuantizeJob(Path(model_dir), selection.linears, quant, calibration, threads, selection.embedding)
     qweights, facts = method.quantize(job)
+    if "mixed_precision" in quant:
+        held = quant["calibration"]["heldout"]
+        windows = calibration_tokens(job, held)[-held:][: quant["mixed_precision"]["windows"]]  # [W, T]
+        qweights, mixed = promote_sensitive(job.model_dir, qweights, get_format(method.format(quant)),
+                                            quant, windows, embedding=selection.embedding)
+        facts = {**facts, "mixed_precision": mixed}
     if selection.eight_bit:  # nothing is measured after the head: it needs no walk
         reader = TensorReader(model_dir)
         for name in selection.eight_bit:

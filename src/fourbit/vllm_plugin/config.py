@@ -146,7 +146,7 @@ class FourbitInt4Config(QuantizationConfig):
         # checkpoint stores quantized; None until maybe_update_config has read it.
         self.quantized_modules: set[str] | None = None
         # Those it stores in the 8-bit layout instead (fourbit.formats.int8: the head of
-        # a quantize_head: 8 arm), named by its quantization_config.
+        # quantize_head: 8 arm, the sets mixed_precision moved), named by its quantization_config.
         self.int8_modules: set[str] = set(formats.int8_modules(self.checkpoint_config))
 
     def __repr__(self) -> str:
@@ -235,27 +235,28 @@ class FourbitInt4Config(QuantizationConfig):
         mapped = hf_to_vllm_mapper.apply_list(sorted(self.int8_modules))
         self.int8_modules = self.int8_modules | set(mapped)
 
+    def _all_stored(self, prefix: str, stored: set[str], how: str) -> bool:
+        """Whether the checkpoint module(s) behind ``prefix`` are all in ``stored``; a merged
+        layer (qkv_proj: q/k/v) whose members are stored two ways cannot be run."""
+        head, _, last = prefix.rpartition(".")
+        names = [prefix]
+        if last in self.packed_modules_mapping:
+            names = [f"{head}.{s}" if head else s for s in self.packed_modules_mapping[last]]
+        flags = [n in stored for n in names]
+        if any(flags) and not all(flags):
+            raise ValueError(f"{QUANT_METHOD}: {prefix} merges {names}, only some {how}: {flags}")
+        return all(flags)
+
     def is_quantized(self, prefix: str, layer: torch.nn.Module) -> bool:
         if self.quantized_modules is None:
             if isinstance(layer, ParallelLMHead):
                 return bool(self.checkpoint_config.get("lm_head", False))
             return True
-        head, _, last = prefix.rpartition(".")
-        names = [prefix]
-        if last in self.packed_modules_mapping:
-            names = [f"{head}.{s}" if head else s for s in self.packed_modules_mapping[last]]
-        flags = [n in self.quantized_modules for n in names]
-        if any(flags) and not all(flags):
-            raise ValueError(
-                f"{QUANT_METHOD}: {prefix} merges {names}, only some quantized: {flags}"
-            )
-        return all(flags)
+        return self._all_stored(prefix, self.quantized_modules, "quantized")
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
-        if prefix in self.int8_modules:
-            if not isinstance(layer, ParallelLMHead):  # what quantize_head: 8 writes, and only that
-                raise ValueError(f"{QUANT_METHOD}: {prefix} is stored in the 8-bit layout; "
-                                 "only an untied head can be")
+        if isinstance(layer, LinearBase | ParallelLMHead) and self._all_stored(
+                prefix, self.int8_modules, "stored at 8 bits"):
             return FourbitInt8LinearMethod(self)
         if isinstance(layer, ParallelLMHead):
             return FourbitLinearMethod(self) if self.is_quantized(prefix, layer) else None
@@ -427,17 +428,18 @@ class FourbitLinearMethod(_Method, LinearMethodBase):
 
 
 class FourbitInt8LinearMethod(StoredTensors, LinearMethodBase):
-    """A head stored in the 8-bit layout (fourbit.formats.int8): loaded, then expanded once
-    to its exact W_hat in the model's dtype and multiplied densely. The file holds about
-    8 bits per weight; the process holds the dense matrix, since neither fourbit's kernel
-    nor tinygemm has an 8-bit path yet (the report's runtime says so)."""
+    """A linear or head stored in the 8-bit layout (fourbit.formats.int8; quantize_head: 8
+    or mixed_precision): loaded, then expanded once to its exact W_hat in the model's dtype
+    and multiplied densely. The file holds about 8 bits per weight; the process holds the
+    dense matrix, since neither fourbit's kernel nor tinygemm has an 8-bit path yet (the
+    report's runtime says so)."""
 
     def __init__(self, config: FourbitInt4Config) -> None:
         super().__init__(formats.INT8, config.group_size)
         self.config = config
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        qw: Int8Weight = self.take_loaded(layer)  # [V, H], the checkpoint's vocab
+        qw: Int8Weight = self.take_loaded(layer)  # [N, K]; a head's N is the checkpoint's vocab
         rows = sum(layer.fourbit_out_sizes)  # vLLM pads the head's vocab
         w = torch.zeros(rows, qw.shape[1], dtype=layer.fourbit_params_dtype)
         w[: qw.shape[0]] = qw.dequantize(layer.fourbit_params_dtype)  # exact in float32

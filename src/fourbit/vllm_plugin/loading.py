@@ -30,6 +30,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmb
 from vllm.model_executor.utils import set_weight_attrs
 
 from fourbit import formats
+from fourbit.quant.int8 import Int8Weight
 from fourbit.quant.qweight import QuantizedWeight
 from fourbit.vllm_plugin.knobs import QUANT_METHOD
 
@@ -56,16 +57,15 @@ def _stash(
     layer.fourbit_shards.setdefault(_shard_key(shard_id), {})[suffix] = loaded.detach().clone()
 
 
-def _stack(parts: list[QuantizedWeight]) -> QuantizedWeight:
+def _stack(parts: list[QuantizedWeight | Int8Weight]) -> QuantizedWeight | Int8Weight:
+    """The shards of a merged layer as one weight, rows stacked in shard order."""
     if len(parts) == 1:
         return parts[0]
     g = parts[0].group_size
-    return QuantizedWeight(
-        torch.cat([p.codes for p in parts]),
-        torch.cat([p.scales for p in parts]),
-        torch.cat([p.zeros for p in parts]),
-        g,
-    )
+    codes, scales = torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts])
+    if isinstance(parts[0], Int8Weight):
+        return Int8Weight(codes, scales, g)
+    return QuantizedWeight(codes, scales, torch.cat([p.zeros for p in parts]), g)
 
 
 def layer_name(layer: torch.nn.Module) -> str:
@@ -137,7 +137,7 @@ class StoredTensors:
         del layer.fourbit_shards
         return stored
 
-    def take_loaded(self, layer: torch.nn.Module) -> QuantizedWeight:
+    def take_loaded(self, layer: torch.nn.Module) -> QuantizedWeight | Int8Weight:
         """The loaded shards decoded and stacked along N; the placeholders removed."""
         k = layer.fourbit_in_features
         return _stack([self.fmt.unpack(tensors, rows, k, self.group_size)

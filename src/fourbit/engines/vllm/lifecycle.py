@@ -298,8 +298,8 @@ def runtime(checkpoint: str | os.PathLike, settings: Mapping[str, Any] | VllmSet
         return f"{where}, vLLM's own {qc['quant_method']} method (cpu_gemm_wna16), no plugin"
 
     eight_bit = int8_modules(qc)
-    held = (f"; {', '.join(eight_bit)} stored at 8 bits, expanded to dense {dtype} at load"
-            if eight_bit else "")
+    which = ", ".join(eight_bit) if len(eight_bit) <= 3 else f"{len(eight_bit)} matrices"
+    held = f"; {which} stored at 8 bits, expanded to dense {dtype} at load" if eight_bit else ""
     return (f"{where}, fourbit_int4 plugin on {qc['quant_method']} weights "
             f"({describe(_plugin_knobs(qc, settings), dtype)}{held})")
 
