@@ -14,4 +14,5 @@ score_checkpoint(
     threads=snakemake.threads,
     model_weights_sha256=model_weights_sha256(Path(snakemake.input.source) / MANIFEST),
     cache_root=snakemake.params.cache_root,
+    fidelity_side=dict(snakemake.params.fidelity_side),
 )

@@ -200,6 +200,50 @@ def test_vllm_copy_is_identical(models, tmp_path, caplog):
 
 
 @pytest.mark.slow
+def test_vllm_ppl_step_keeps_each_side_and_the_fidelity_step_then_starts_no_engine(
+        models, tmp_path, monkeypatch):
+    """The ppl jobs of the baseline and of an arm (as quantized) keep their fidelity sides in
+    the same engine pass: their scores are those of a ppl job that keeps nothing, and the
+    fidelity record made from the kept sides, without starting an engine, is the one the
+    fidelity step computes from nothing, number for number."""
+    from fourbit.engines.vllm import fidelity as vllm_fidelity
+    from fourbit.steps.evaluate import score_checkpoint
+
+    windows = tmp_path / "windows.json"  # what tokenize_evaluation writes: with its definition
+    windows.write_text(json.dumps({"windows": WINDOWS, "token_ids_sha256": "test", "definition": "d"}))
+
+    def ppl(checkpoint, name, side):
+        return score_checkpoint(models / checkpoint, windows, tmp_path / f"{name}.json",
+                                VLLM, threads=2, model_weights_sha256=WEIGHTS,
+                                cache_root=tmp_path / f"{name}.cache", fidelity_side=side)
+
+    kept = {"arm": tmp_path / "kept" / "arm", "baseline": tmp_path / "kept" / "baseline"}
+    plain = ppl("perturbed", "plain", None)
+    with_side = ppl("perturbed", "arm", {"folder": kept["arm"], "settings": SMALL})
+    ppl("baseline", "baseline", {"folder": kept["baseline"], "settings": SMALL})
+    assert with_side["window_nll_sum"] == plain["window_nll_sum"]
+    assert [len(list(folder.glob("side-*.json"))) for folder in kept.values()] == [1, 1]
+
+    fresh = compare_arm(models / "perturbed", models / "baseline", windows, tmp_path / "fresh.json",
+                        VLLM, SMALL, threads=2, model_weights_sha256=WEIGHTS,
+                        cache_roots={"arm": tmp_path / "fresh" / "arm",
+                                     "baseline": tmp_path / "fresh" / "baseline"})
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("the fidelity step started an engine although both sides were kept")
+
+    monkeypatch.setattr(vllm_fidelity, "prompt_logprobs", no_engine)
+    monkeypatch.setattr(vllm_fidelity, "greedy", no_engine)
+    from_sides = compare_arm(models / "perturbed", models / "baseline", windows,
+                             tmp_path / "sides.json", VLLM, SMALL, threads=2,
+                             model_weights_sha256=WEIGHTS, cache_roots=kept)
+    assert fresh["kl_mean"] > 0
+    for key in ("kl_mean", "kl_p99", "kl_max", "top1_agreement", "window_kl_sum", "window_top1",
+                "baseline_mass_topk", "kl_mean_merged", "kl_mean_substituted", "greedy"):
+        assert from_sides[key] == fresh[key], key
+
+
+@pytest.mark.slow
 def test_vllm_topk_kl_is_a_lower_bound_of_the_full_kl(models, tmp_path):
     """Per position, on the same ids: vLLM's top-k bound <= the reference's full-logit KL."""
     from fourbit.engines import vllm

@@ -194,6 +194,10 @@ class Engine:
     def reads(self) -> str:
         return engine_spec(self.name).reads
 
+    @property
+    def keeps_fidelity_side(self) -> bool:
+        return engine_spec(self.name).keeps_fidelity_side
+
     def runs(self, arm: "Arm") -> bool:
         """Whether this engine scores ``arm``: it reads the arm's kind of checkpoint, and
         engines that run only some formats (vLLM's own kernels) run this one."""

@@ -141,6 +141,18 @@ def get_ppl_cache(wildcards):
     return compile_cache(wildcards.engine, wildcards.arm, f"{wildcards.form}.ppl")
 
 
+def get_fidelity_side(wildcards):
+    """For a checkpoint the fidelity step compares (an arm as quantized, the baseline), on
+    an engine that keeps its side while scoring it: where the fidelity job will look for
+    it (its compile-cache folder); {} otherwise."""
+    engine = next(e for e in STUDY.engines.values() if e.id == wildcards.engine)
+    compared = wildcards.form == "quantized" or wildcards.arm == "baseline"
+    if not compared or not engine.keeps_fidelity_side:
+        return {}
+    return {"folder": compile_cache(wildcards.engine, wildcards.arm, "fidelity"),
+            "settings": STUDY.config["fidelity"]}
+
+
 def get_fidelity_caches(wildcards):
     return {
         side: compile_cache(wildcards.engine, arm, "fidelity")
@@ -179,6 +191,9 @@ def get_fidelity_input(wildcards):
         **arm_and_baseline(wildcards.engine, wildcards.arm),
         "windows": f"{EVAL_DIR}/windows.json",
         "text": f"{RESULTS}/corpus/{CORPUS}/evaluation.txt",
+        # after both ppl jobs, which keep each side where the engine does (get_fidelity_side)
+        "ppl_arm": f"{EVAL_DIR}/{wildcards.engine}/{wildcards.arm}/quantized.ppl.json",
+        "ppl_baseline": f"{EVAL_DIR}/{wildcards.engine}/baseline/dense.ppl.json",
     }
 
 

@@ -39,5 +39,6 @@ rule ppl:
     params:
         engine=get_engine_settings,
         cache_root=get_ppl_cache,
+        fidelity_side=get_fidelity_side,
     script:
         "../../scripts/ppl.py"

@@ -3,7 +3,9 @@
 # windows of windows.json, and how many fixed prompts keep the baseline's greedy
 # continuation exactly. Engines with full logits (the reference) give the KL exactly;
 # vLLM gives top-k logprobs, so its KL is a lower bound and labelled so; engines with
-# neither (llama.cpp) write a record saying it was not computed.
+# neither (llama.cpp) write a record saying it was not computed. vLLM's ppl jobs of the
+# two checkpoints compared keep each one's side (top-k logprobs, greedy continuations)
+# in the same engine pass, so this job reads both and starts no engine of its own.
 
 
 rule fidelity:

@@ -26,6 +26,12 @@ and for the fidelity step (fourbit.steps.fidelity, which defines the arguments):
                             statistics on the evaluation text; greedy_continuations(...)
     Fidelity.NOT_COMPARED   nothing; the record says it was not computed
 
+and, with keeps_fidelity_side, for the ppl step of a checkpoint the fidelity step compares:
+
+    score_keeping_side(checkpoint, windows, settings, threads, *, side_folder, compared,
+                       prompts, new_tokens, top_k) -> what score_windows returns, and that
+                       checkpoint's side of compare_with_baseline kept in side_folder
+
 Adding an engine: its module here, one EngineSpec in ENGINES, and its settings block
 in the schema (src/fourbit/schemas/config.schema.yaml).
 """
@@ -94,6 +100,9 @@ class EngineSpec:
     # Why it cannot time this model (its config.json, the bench's prompt tokens), or None:
     # checked before any job, so the bench records the reason instead of failing the study.
     bench_refusal: Callable[[dict, int], str | None] = _times_any_model
+    # Whether its ppl step also keeps a compared checkpoint's fidelity side, in the same
+    # engine (score_keeping_side), so that the fidelity step starts no engine of its own.
+    keeps_fidelity_side: bool = False
 
 
 def _symmetric_gptq(quant: dict) -> bool:
@@ -118,11 +127,12 @@ ENGINES: dict[str, EngineSpec] = {
         ),
     ),
     "vllm": EngineSpec("fourbit.engines.vllm", reads="hf", bench=Bench.SESSION,
-                       fidelity=Fidelity.PER_POSITION, bench_refusal=prompt_exceeds_positions),
+                       fidelity=Fidelity.PER_POSITION, bench_refusal=prompt_exceeds_positions,
+                       keeps_fidelity_side=True),
     "vllm_native": EngineSpec("fourbit.engines.vllm_native", reads="hf", bench=Bench.SESSION,
                               fidelity=Fidelity.PER_POSITION, runs_arm=_symmetric_gptq,
                               host_check=_vllm_native_kernel_missing,
-                              bench_refusal=prompt_exceeds_positions),
+                              bench_refusal=prompt_exceeds_positions, keeps_fidelity_side=True),
     "llamacpp": EngineSpec("fourbit.engines.llamacpp", reads="gguf", bench=Bench.PER_PASS,
                            fidelity=Fidelity.OWN_KL_MODE),
 }

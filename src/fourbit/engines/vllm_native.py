@@ -46,6 +46,10 @@ def score_windows(checkpoint, windows, settings, threads):
     return vllm.score_windows(checkpoint, windows, _native(settings, checkpoint), threads)
 
 
+def score_keeping_side(checkpoint, windows, settings, threads, **kwargs):
+    return vllm.score_keeping_side(checkpoint, windows, _native(settings, checkpoint), threads, **kwargs)
+
+
 def runtime(checkpoint, settings):
     return vllm.runtime(checkpoint, vllm.VllmSettings.from_engine(settings, plugin=False))
 

@@ -23,10 +23,11 @@ import json
 import logging
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from fourbit.atomic import write_json
-from fourbit.engines import get_engine
+from fourbit.engines import engine_spec, get_engine
 from fourbit.hashing import canonical_json, file_sha256, require_sha256
 
 log = logging.getLogger("fourbit")
@@ -83,17 +84,32 @@ def score_checkpoint(
     threads: int,
     model_weights_sha256: str,
     cache_root: str | os.PathLike,
+    fidelity_side: Mapping | None = None,
 ) -> dict:
     """Score ``checkpoint`` on the windows; write ``out_path``. ``model_weights_sha256``: the
     source model's weights this checkpoint was made from (fourbit.hashing.model_weights_sha256),
     carried into the record so the report never mixes records of other weights.
     ``cache_root``: the engine's compile and inductor caches for this checkpoint alone (a
-    cache shared between arms can load another arm's graph); the workflow names it."""
+    cache shared between arms can load another arm's graph); the workflow names it.
+    ``fidelity_side``: {"folder", "settings" (the config's fidelity block)} for a checkpoint
+    the fidelity step compares, on an engine that keeps its side in the same pass
+    (EngineSpec.keeps_fidelity_side); the scores are the same either way."""
     require_sha256(model_weights_sha256)
     windows_file = json.loads(Path(windows_path).read_text())
+    windows = windows_file["windows"]
     engine = get_engine(engine_settings["name"])
     settings = {**engine_settings, "cache_root": str(cache_root)}
-    per_window = engine.score_windows(Path(checkpoint), windows_file["windows"], settings, threads)
+    if fidelity_side and engine_spec(engine_settings["name"]).keeps_fidelity_side:
+        from fourbit.steps import fidelity
+
+        compare = fidelity.resolve_settings(fidelity_side["settings"])
+        compared, prompts = fidelity.select(windows, compare)
+        per_window = engine.score_keeping_side(
+            Path(checkpoint), windows, settings, threads, side_folder=fidelity_side["folder"],
+            compared=len(compared), prompts=prompts, new_tokens=compare["new_tokens"],
+            top_k=compare["top_k"])
+    else:
+        per_window = engine.score_windows(Path(checkpoint), windows, settings, threads)
     nll = [w["nll_sum"] for w in per_window]
     tokens = [w["tokens"] for w in per_window]
     total_nll, total_tokens = math.fsum(nll), sum(tokens)
@@ -106,7 +122,7 @@ def score_checkpoint(
         "runtime": engine.runtime(Path(checkpoint), engine_settings),
         # What the runtime rounds beyond the dense expansion, for the control's tolerance.
         "numerics": engine.numerics(Path(checkpoint), engine_settings,
-                                    rows=min(len(w) for w in windows_file["windows"])),
+                                    rows=min(len(w) for w in windows)),
         "window_nll_sum": nll,
         "window_tokens": tokens,
         "nll_sum": total_nll,

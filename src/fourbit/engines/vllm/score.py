@@ -78,34 +78,53 @@ def prompt_logprobs(
     reference doing ``logits.float().log_softmax(-1)``.
     """
     wins = _check_windows(windows)
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
+    k = _checked_k(top_k)
+    with open_llm(model_dir, max_model_len=max(len(w) for w in wins) + 1,
+                  max_logprobs=max_logprobs(k), stats=stats, **options) as llm:
+        return logprobs_on(llm, wins, [k] * len(wins), token_logprobs=token_logprobs, stats=stats)
 
+
+def _checked_k(top_k: int) -> int:
     k = int(top_k)
     if k < -1:
         raise ValueError(f"top_k must be >= 0, or -1 for the whole vocabulary; got {k}")
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k,
-                            flat_logprobs=True, detokenize=False)
-    scored = [i for i, w in enumerate(wins) if len(w) >= 2]
-    results = [_empty_result(k, token_logprobs) for _ in wins]
+    return k
+
+
+def max_logprobs(k: int) -> int:
+    """open_llm's max_logprobs for top-k requests of at most ``k`` (-1: the vocabulary)."""
+    return -1 if k == -1 else max(k, 20)
+
+
+def logprobs_on(llm: Any, windows: list[list[int]], top_ks: Sequence[int], *,
+                token_logprobs: bool, stats: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """prompt_logprobs on an open LLM, window i with its own top_ks[i] (0: the actual token
+    only), all in one generate call; the results as prompt_logprobs returns them (top_ids
+    and top_logprobs only for windows with a top k)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    ks = [_checked_k(k) for k in top_ks]
+    results = [_empty_result(k, token_logprobs) for k in ks]
+    scored = [i for i, w in enumerate(windows) if len(w) >= 2]
     if not scored:
         return results
-    with open_llm(model_dir, max_model_len=max(len(w) for w in wins) + 1,
-                  max_logprobs=-1 if k == -1 else max(k, 20), stats=stats, **options) as llm:
-        t0 = time.perf_counter()
-        prompts = [TokensPrompt(prompt_token_ids=wins[i]) for i in scored]
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        if stats is not None:
-            stats["run_s"] = time.perf_counter() - t0
-            stats["tokens"] = sum(len(wins[i]) for i in scored)
+    params = [SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=ks[i],
+                             flat_logprobs=True, detokenize=False) for i in scored]
+    t0 = time.perf_counter()
+    prompts = [TokensPrompt(prompt_token_ids=windows[i]) for i in scored]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    if stats is not None:
+        stats["run_s"] = time.perf_counter() - t0
+        stats["tokens"] = sum(len(windows[i]) for i in scored)
     for i, out in zip(scored, outs, strict=True):
-        lps, top_ids, top_lps = _read_window(i, wins[i], out.prompt_logprobs, k)
+        lps, top_ids, top_lps = _read_window(i, windows[i], out.prompt_logprobs, ks[i])
         r = results[i]
         r["nll_sum"] = -math.fsum(lps)
         r["tokens"] = len(lps)
         if token_logprobs:
             r["token_logprobs"] = lps
-        if k != 0:
+        if ks[i] != 0:
             r["top_ids"], r["top_logprobs"] = top_ids, top_lps
     return results
 
@@ -153,20 +172,32 @@ def greedy(
 
     ``options``: open_llm's keywords (dtype and kv_cache_bytes at least) except
     max_model_len, which follows from the prompts and max_tokens."""
+    ps = _checked_prompts(prompts)
+    with open_llm(model_dir, max_model_len=max(len(p) for p in ps) + int(max_tokens),
+                  stats=stats, **options) as llm:
+        return greedy_on(llm, ps, max_tokens, ignore_eos=ignore_eos, stats=stats)
+
+
+def _checked_prompts(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
     ps = _check_windows(prompts)
     if any(len(p) == 0 for p in ps):
         raise ValueError("empty prompt")
+    return ps
+
+
+def greedy_on(llm: Any, prompts: Sequence[Sequence[int]], max_tokens: int, *,
+              ignore_eos: bool = True, stats: dict[str, Any] | None = None) -> list[list[int]]:
+    """greedy on an open LLM."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    ps = _checked_prompts(prompts)
     params = SamplingParams(
         max_tokens=int(max_tokens), temperature=0.0, ignore_eos=ignore_eos, detokenize=False
     )
-    with open_llm(model_dir, max_model_len=max(len(p) for p in ps) + int(max_tokens),
-                  stats=stats, **options) as llm:
-        t0 = time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], params, use_tqdm=False)
-        if stats is not None:
-            stats["run_s"] = time.perf_counter() - t0
-            stats["tokens"] = sum(len(o.outputs[0].token_ids) for o in outs)
+    t0 = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], params, use_tqdm=False)
+    if stats is not None:
+        stats["run_s"] = time.perf_counter() - t0
+        stats["tokens"] = sum(len(o.outputs[0].token_ids) for o in outs)
     return [list(o.outputs[0].token_ids) for o in outs]
