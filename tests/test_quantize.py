@@ -19,6 +19,13 @@ def arm(**quant):
     return {"name": "t", "id": "t-0000000000", "quant": canonical_quant(quant, load_schema())}
 
 
+def assert_reference_scores_like_its_control(quantized, dense):
+    """The reference engine scores a quantized checkpoint as its dense expansion."""
+    for q, d in zip(reference.score_windows(quantized, WINDOWS, SETTINGS, 2),
+                    reference.score_windows(dense, WINDOWS, SETTINGS, 2)):
+        assert abs(q["nll_sum"] - d["nll_sum"]) / q["tokens"] < 1e-5
+
+
 @pytest.mark.parametrize(
     "quant, fmt",
     [
@@ -105,10 +112,7 @@ def test_quantized_embedding_is_looked_up_from_4_bits(tiny_untied, tmp_path):
                        table.dequantize(torch.float32))
     original = load_tensors(tiny_untied)["model.embed_tokens.weight"]
     assert not torch.equal(table.dequantize(torch.float32), original)  # really rounded
-    quantized = reference.score_windows(tmp_path / "q", WINDOWS, SETTINGS, 2)
-    dense = reference.score_windows(tmp_path / "d", WINDOWS, SETTINGS, 2)
-    for q, d in zip(quantized, dense):
-        assert abs(q["nll_sum"] - d["nll_sum"]) / q["tokens"] < 1e-5
+    assert_reference_scores_like_its_control(tmp_path / "q", tmp_path / "d")
 
 
 def test_only_cpu_int4_can_quantize_the_embedding():
@@ -328,15 +332,13 @@ def test_an_8_bit_head_is_stored_in_its_layout_counted_and_expanded_exactly(tiny
     assert 3.5 * share < extra < 4.1 * share
     dequantize_checkpoint(tmp_path / "q", tmp_path / "d")
     assert torch.equal(load_tensors(tmp_path / "d")["lm_head.weight"], qweights["lm_head"].dequantize())
-    quantized = reference.score_windows(tmp_path / "q", WINDOWS, SETTINGS, 2)
-    dense = reference.score_windows(tmp_path / "d", WINDOWS, SETTINGS, 2)
-    for q, d in zip(quantized, dense):
-        assert abs(q["nll_sum"] - d["nll_sum"]) / q["tokens"] < 1e-5
+    assert_reference_scores_like_its_control(tmp_path / "q", tmp_path / "d")
 
 
-def test_vllm_native_is_not_given_an_arm_with_an_8_bit_head():
+def test_vllm_native_is_not_given_an_arm_with_an_8_bit_matrix():
     from fourbit.engines import ENGINES
 
     runs = ENGINES["vllm_native"].runs_arm
     assert runs(arm(method="gptq", group_size=128, sym=True)["quant"])
     assert not runs(arm(method="gptq", group_size=128, sym=True, quantize_head=8)["quant"])
+    assert not runs(arm(method="gptq", group_size=128, sym=True, mixed_precision={"extra_bits": 0.5})["quant"])

@@ -11,7 +11,7 @@ from fourbit.quant.methods import QuantizeJob, calibration_tokens
 from fourbit.quant.int8 import Int8Weight, quantize_int8
 from fourbit.quant.sensitivity import Candidate, allocate
 from fourbit.steps.quantize import dequantize_checkpoint, quantize_checkpoint
-from test_quantize import SETTINGS, WINDOWS, arm, calibrated  # noqa: F401  (a fixture)
+from test_quantize import SETTINGS, arm, assert_reference_scores_like_its_control, calibrated  # noqa: F401  (a fixture)
 
 
 def test_allocation_takes_most_kl_per_bit_first_and_skips_what_no_longer_fits():
@@ -84,14 +84,4 @@ def test_mixed_precision_moves_the_most_sensitive_sets_within_the_budget(calibra
         else:
             assert weight.equal(four_bit[name]), name
     dequantize_checkpoint(tmp_path / "q", tmp_path / "d")
-    quantized = reference.score_windows(tmp_path / "q", WINDOWS, SETTINGS, 2)
-    dense = reference.score_windows(tmp_path / "d", WINDOWS, SETTINGS, 2)
-    for q, d in zip(quantized, dense):
-        assert abs(q["nll_sum"] - d["nll_sum"]) / q["tokens"] < 1e-5
-
-
-def test_vllm_native_is_not_given_a_mixed_precision_arm():
-    from fourbit.engines import ENGINES
-
-    runs = ENGINES["vllm_native"].runs_arm
-    assert not runs(arm(method="gptq", group_size=128, sym=True, mixed_precision={"extra_bits": 0.5})["quant"])
+    assert_reference_scores_like_its_control(tmp_path / "q", tmp_path / "d")
