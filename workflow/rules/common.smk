@@ -149,8 +149,10 @@ def get_fidelity_side(wildcards):
     compared = wildcards.form == "quantized" or wildcards.arm == "baseline"
     if not compared or not engine.keeps_fidelity_side:
         return {}
-    return {"folder": compile_cache(wildcards.engine, wildcards.arm, "fidelity"),
-            "settings": STUDY.config["fidelity"]}
+    return {
+        "folder": compile_cache(wildcards.engine, wildcards.arm, "fidelity"),
+        "settings": STUDY.config["fidelity"],
+    }
 
 
 def get_fidelity_caches(wildcards):
