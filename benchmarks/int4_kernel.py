@@ -11,6 +11,7 @@ times one row x [1, K] through
     dense fp32 / dense bf16    F.linear on W_hat (what the unquantized baselines run)
     tinygemm bf16 / fp32       aten._weight_int4pack_mm_for_cpu (bf16 is vectorized on x86)
     fourbit W4A16 / W4A8 / W4A8_GROUP   kernels/int4_cpu.py
+    fourbit W8A16              the same weights on the 8-bit grid (int4_cpu.linear_int8)
 
 on random 4-bit weights (asymmetric, float16 scales). Decode streams every weight from
 memory once per token, so each measurement cycles through enough copies of the weights
@@ -49,6 +50,7 @@ import torch.nn.functional as F
 
 from fourbit.bench.bandwidth import last_level_cache_bytes, measure_bandwidth
 from fourbit.kernels import int4_cpu, tinygemm
+from fourbit.quant.int8 import quantize_int8
 from fourbit.quant.qweight import QuantizedWeight
 
 LAYERS = 24
@@ -61,7 +63,7 @@ SHAPES = [
     ("lm_head", 151936, 896, 1),
 ]
 METHODS = ("dense fp32", "dense bf16", "tinygemm bf16", "tinygemm fp32", "fourbit W4A16",
-           "fourbit W4A8", "fourbit W4A8_GROUP")
+           "fourbit W4A8", "fourbit W4A8_GROUP", "fourbit W8A16")
 
 
 def random_qweight(n: int, k: int, g: int, seed: int) -> QuantizedWeight:
@@ -84,6 +86,10 @@ def build(method: str, qw: QuantizedWeight):
         packed, sz = tinygemm.to_tinygemm(qw, dtype)
         return (lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, g, sz)), [
             packed, sz]
+    if method == "fourbit W8A16":  # the same matrix on the 8-bit grid (quantize_head: 8, mixed_precision)
+        eight = quantize_int8(qw.dequantize(), g)
+        codes, scales = eight.codes, eight.scales.float()
+        return (lambda x: int4_cpu.linear_int8(x, codes, scales, g)), [codes, scales]
     packed = int4_cpu.repack(qw)
     numerics = method.removeprefix("fourbit ").lower()
     assert packed.shape[0] == n

@@ -192,3 +192,49 @@ def test_threads_split_rows_not_sums(numerics):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
+
+
+# --- 8-bit weights (W8A16) ---------------------------------------------------------------
+
+
+def random_int8(n: int, k: int, g: int, seed: int):
+    """An Int8Weight as fourbit.quant.int8 rounds one, and its scales widened to float32."""
+    from fourbit.quant.int8 import quantize_int8
+
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    qw = quantize_int8(w, g)
+    return qw, qw.scales.float().contiguous()
+
+
+@needs_kernel
+@pytest.mark.parametrize(("n", "k", "g"), [(1, 32, 32), (7, 96, 32), (13, 192, 64), (130, 384, 128),
+                                           (3, 512, 256), (5, 48, 16)])
+@pytest.mark.parametrize("rows", [1, 2, 9])
+def test_w8a16_matches_float_reference(n, k, g, rows):
+    qw, scales = random_int8(n, k, g, seed=n + k)
+    w_hat = qw.dequantize()
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    y = int4_cpu.linear_int8(x, qw.codes, scales, g)
+    assert y.shape == (rows, n) and y.dtype == torch.float32
+    err = (y.double() - x.double() @ w_hat.double().T).abs()
+    # float32 sums of products of 8-bit codes: 1e-6 x 128 of sum |x| |w| covers them
+    assert torch.all(err <= 8 * error_bound(x, w_hat)), err.max()
+
+
+@needs_kernel
+def test_w8a16_splits_rows_over_threads_and_names_bad_inputs():
+    qw, scales = random_int8(1030, 256, 64, seed=3)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(4))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = int4_cpu.linear_int8(x, qw.codes, scales, 64)
+        torch.set_num_threads(2)
+        two = int4_cpu.linear_int8(x, qw.codes, scales, 64)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+    with pytest.raises(RuntimeError, match="scales must be contiguous float32"):
+        int4_cpu.linear_int8(x, qw.codes, qw.scales, 64)  # float16, as stored: widen it first
+    with pytest.raises(RuntimeError, match="group 24"):
+        int4_cpu.linear_int8(x, qw.codes, scales, 24)

@@ -312,6 +312,7 @@ CASES = [(f, "llama", True, 512, False, "w4a16") for f in FORMATS] + [
     ("gptq", "qwen2", True, 512, False, "w4a8_group"),
     ("cpu_int4", "llama", True, 488, False, "tinygemm"),  # bfloat16 where vectorized
 ]
+EIGHT_BIT_PATHS = {"w8a16", "int8_dense"}  # ops.calls of a matrix on the 8-bit grid
 # Max |logprob difference| from the dense control over WINDOWS. w4a16 is exact up to
 # float32 summation order (measured <= 3e-5). w4a8 rounds every linear's activations to
 # int8 per 32 columns; on this random model that moves logprobs by up to 0.14-0.20
@@ -336,7 +337,8 @@ def test_plugin_matches_dense_control(root, cache_root, fmt_name, arch, quantize
     quant = _score(quant_dir, cache_root,
                    quant_overrides={"kernel": kernel, "prefill_dequant": False})
     ran = kernel if kernel == "tinygemm" or int4_cpu.isa() != "none" else "tinygemm"
-    assert set(ops.calls) - {"embedding"} == {ran}, dict(ops.calls)
+    assert set(ops.calls) - {"embedding", *EIGHT_BIT_PATHS} == {ran}, dict(ops.calls)
+    assert bool(set(ops.calls) & EIGHT_BIT_PATHS) == (quantize_head == 8)
     # 2 layers x (qkv, o, gate_up, down) per forward, plus the head's calls
     assert ops.calls[ran] >= 8
     assert bool(ops.calls["embedding"]) == embedding
@@ -365,8 +367,10 @@ def test_plugin_runs_a_mixed_precision_checkpoint(root, cache_root, fmt_name):
     kernel = "w4a16" if int4_cpu.isa() != "none" else "tinygemm"
     ops.calls.clear()
     quant = _score(quant_dir, cache_root, quant_overrides={"kernel": kernel, "prefill_dequant": False})
-    # 2 layers x (qkv, o, gate_up, down) per forward, 2 of them 8-bit, the head 8-bit too
-    assert set(ops.calls) == {kernel} and ops.calls[kernel] >= 6, dict(ops.calls)
+    # 2 layers x (qkv, o, gate_up, down) per forward, 2 of them 8-bit, the head 8-bit too;
+    # the windows shorter than INT8_DENSE_ROWS take the 8-bit kernel, the 40-token one not
+    eight_bit = {"w8a16", "int8_dense"} if int4_cpu.isa() != "none" else {"int8_dense"}
+    assert set(ops.calls) == {kernel, *eight_bit} and ops.calls[kernel] >= 6, dict(ops.calls)
     diff = _max_diff(quant, _score(dense_dir, cache_root))
     assert diff <= TOL, diff
 
@@ -385,6 +389,14 @@ def test_compiled_mode_runs_the_op(root, cache_root):
     quant = _score(quant_dir, cache_root, enforce_eager=False,
                    quant_overrides={"kernel": kernel, "prefill_dequant": False})
     assert set(ops.calls) == {kernel} and ops.calls[kernel] >= 8, dict(ops.calls)
+    assert _max_diff(quant, _score(dense_dir, cache_root)) <= KERNEL_TOL[kernel]
+    # ... and the 8-bit matrices take their own opaque op, both its paths
+    quant_dir, dense_dir = build_pair(root, "cpu_int4", quantize_head=8, mixed=True)
+    ops.calls.clear()
+    quant = _score(quant_dir, cache_root / "mixed", enforce_eager=False,
+                   quant_overrides={"kernel": kernel, "prefill_dequant": False})
+    eight_bit = EIGHT_BIT_PATHS if int4_cpu.isa() != "none" else {"int8_dense"}
+    assert set(ops.calls) == {kernel, *eight_bit}, dict(ops.calls)
     assert _max_diff(quant, _score(dense_dir, cache_root)) <= KERNEL_TOL[kernel]
 
 

@@ -1,4 +1,5 @@
-"""fourbit's own CPU 4-bit linear for decode: W4A16 and W4A8 on AVX2 (csrc/int4_cpu.cpp).
+"""fourbit's own CPU 4-bit linear for decode: W4A16 and W4A8 on AVX2 (csrc/int4_cpu.cpp),
+and the 8-bit W8A16 beside it.
 
 Why its own kernel. PyTorch's tinygemm (kernels/tinygemm.py) is vectorized on x86 only
 for bfloat16 activations, and vLLM has no 4-bit CPU path on AVX2 hosts at all. At batch 1
@@ -75,6 +76,13 @@ each activation load, and a group's blocks are scaled into one partial before it
 (ggml's Q4_0 8x8 GEMV, read in arch/x86/repack.cpp, spends a sign-extending shuffle per
 code vector and a blend and two shuffles per multiply to pair interleaved rows with
 broadcast activations).
+
+8-bit weights (``linear_int8``, W8A16). A matrix an arm keeps on the 8-bit grid
+(fourbit.formats.int8: quantize_head 8, mixed_precision) runs from its stored layout, int8
+codes [N, K] and its scales widened to float32 [N, K/G]: 8 codes at a time sign-extended
+and converted to float32, multiplied by FMA with float32 x, each group's sum scaled once
+per row. Exact against the dense control up to float32 summation order, as w4a16; about
+1.03 bytes per weight at G = 128, so a quarter of the float32 matrix it replaces.
 
 ISA. One path, AVX2+FMA, chosen at run time (``isa()``); it also runs on AVX-512 hosts.
 There is no AVX-512 code: the host this was written and measured on has no AVX-512, and
@@ -214,3 +222,9 @@ def quantize_activations(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Ten
     w4a8_group): (int8 [M, K], d float32 [M, K/block]), as the kernel does it."""
     q, d = _ext().quantize_activations(x, block)
     return q, d
+
+
+def linear_int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+    """x [M, K] @ W_hat.T -> [M, N] float32 with W_hat = codes int8 [N, K] * scales float32
+    [N, K/G] per group (8-bit weights, W8A16; module doc)."""
+    return _ext().linear_int8(x, codes, scales, group_size)

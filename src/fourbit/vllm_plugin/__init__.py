@@ -81,9 +81,17 @@ from __future__ import annotations
 
 # What the rest of fourbit asks of the plugin without importing vLLM (the engine, the
 # quantize step), from the package itself.
-from fourbit.vllm_plugin.knobs import DEFAULTS, QUANT_METHOD, describe, numerics, write_arm_knobs
+from fourbit.vllm_plugin.knobs import (
+    DEFAULTS,
+    QUANT_METHOD,
+    describe,
+    describe_int8,
+    numerics,
+    write_arm_knobs,
+)
 
-__all__ = ["DEFAULTS", "QUANT_METHOD", "describe", "numerics", "register", "write_arm_knobs"]
+__all__ = ["DEFAULTS", "QUANT_METHOD", "describe", "describe_int8", "numerics", "register",
+           "write_arm_knobs"]
 
 _registered = False
 

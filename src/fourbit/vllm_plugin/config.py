@@ -38,8 +38,6 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     VocabParallelEmbedding,
 )
 
-import torch.nn.functional as F
-
 from fourbit import formats
 from fourbit.kernels import int4_cpu, tinygemm
 from fourbit.quant.int8 import Int8Weight
@@ -55,6 +53,7 @@ from fourbit.vllm_plugin.ops import (
     NO_THRESHOLD,
     calls,
     int4_linear_impl,
+    int8_linear_impl,
     kept_copy,
 )
 
@@ -429,10 +428,10 @@ class FourbitLinearMethod(_Method, LinearMethodBase):
 
 class FourbitInt8LinearMethod(StoredTensors, LinearMethodBase):
     """A linear or head stored in the 8-bit layout (fourbit.formats.int8; quantize_head: 8
-    or mixed_precision): loaded, then expanded once to its exact W_hat in the model's dtype
-    and multiplied densely. The file holds about 8 bits per weight; the process holds the
-    dense matrix, since neither fourbit's kernel nor tinygemm has an 8-bit path yet (the
-    report's runtime says so)."""
+    or mixed_precision), kept as stored (codes int8, scales widened to float32: exact) and
+    run by fourbit::int8_linear (ops.py): the W8A16 kernel for small batches, the exact
+    W_hat block by block for large ones. A head's rows are padded to vLLM's vocab with zero
+    codes."""
 
     def __init__(self, config: FourbitInt4Config) -> None:
         super().__init__(formats.INT8, config.group_size)
@@ -441,10 +440,17 @@ class FourbitInt8LinearMethod(StoredTensors, LinearMethodBase):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         qw: Int8Weight = self.take_loaded(layer)  # [N, K]; a head's N is the checkpoint's vocab
         rows = sum(layer.fourbit_out_sizes)  # vLLM pads the head's vocab
-        w = torch.zeros(rows, qw.shape[1], dtype=layer.fourbit_params_dtype)
-        w[: qw.shape[0]] = qw.dequantize(layer.fourbit_params_dtype)  # exact in float32
-        layer.register_buffer("fourbit_weight", w, persistent=False)
+        codes = torch.zeros(rows, qw.shape[1], dtype=torch.int8)
+        scales = torch.zeros(rows, qw.shape[1] // qw.group_size, dtype=torch.float32)
+        codes[: qw.shape[0]], scales[: qw.shape[0]] = qw.codes, qw.scales.float()
+        layer.register_buffer("fourbit_int8_codes", codes, persistent=False)
+        layer.register_buffer("fourbit_int8_scales", scales, persistent=False)
+        layer.fourbit_group_size = qw.group_size
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x, layer.fourbit_weight, bias)  # [M, H] x [V', H] -> [M, V'], the model dtype
+        op = torch.ops.fourbit.int8_linear if torch.compiler.is_compiling() else int8_linear_impl
+        y = op(x.reshape(-1, layer.fourbit_in_features), layer.fourbit_int8_codes,
+               layer.fourbit_int8_scales, layer.fourbit_group_size)  # [M, K] -> [M, N]
+        y = y.reshape(*x.shape[:-1], y.shape[-1])
+        return y if bias is None else y + bias

@@ -63,6 +63,17 @@ def describe(knobs: dict[str, Any], model_dtype: str) -> str:
     return f"{small} below {knobs['dequant_threshold']} rows, dense {compute} from {source} above"
 
 
+def describe_int8() -> str:
+    """What runs a matrix stored at 8 bits on this host (fourbit.vllm_plugin.ops, int8_linear)."""
+    from fourbit.kernels import int4_cpu
+    from fourbit.vllm_plugin.ops import INT8_DENSE_ROWS
+
+    if int4_cpu.isa() == "none":
+        return "exact W_hat, dense, for every batch (no AVX2+FMA kernel here)"
+    return (f"fourbit W8A16 kernel ({int4_cpu.isa()}) below {INT8_DENSE_ROWS} rows, "
+            "exact W_hat block by block above")
+
+
 def compute_dtype(knobs: dict[str, Any], model_dtype: str) -> str:
     """The dtype both paths compute in: the model's unless activation_dtype names one."""
     requested = knobs["activation_dtype"]

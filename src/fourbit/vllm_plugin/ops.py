@@ -1,4 +1,5 @@
-"""The one opaque op every fourbit-quantized linear calls: ``torch.ops.fourbit.int4_linear``.
+"""The one opaque op every fourbit-quantized linear calls: ``torch.ops.fourbit.int4_linear``
+(and ``fourbit::int8_linear`` for a matrix on the 8-bit grid, for the same reasons).
 
 Why a custom op. On CPU vLLM compiles the model in CompilationMode.DYNAMO_TRACE_ONCE
 (vllm/platforms/cpu.py:356-377): one Dynamo trace, then *all guards dropped*
@@ -47,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from fourbit.kernels import int4_cpu, tinygemm
+from fourbit.quant.int8 import Int8Weight
 
 MODE_NEVER = 0  # always tinygemm
 MODE_DIRECT = 1  # dequantize from the packed tinygemm tensors
@@ -60,8 +62,9 @@ KERNEL_CODE = {"tinygemm": KERNEL_TINYGEMM,
                **{name: 1 + i for i, name in enumerate(int4_cpu.NUMERICS)}}
 KERNEL_NAME = {v: k for k, v in KERNEL_CODE.items()}
 
-# Calls per path in this process ("w4a16", "w4a8", "w4a8_group", "tinygemm", "direct", "kept", and
-# "embedding" for a quantized table's lookups): for tests and sanity checks.
+# Calls per path in this process ("w4a16", "w4a8", "w4a8_group", "tinygemm", "direct", "kept",
+# "w8a16" and "int8_dense" for 8-bit matrices, and "embedding" for a quantized table's
+# lookups): for tests and sanity checks.
 calls: Counter[str] = Counter()
 
 
@@ -152,6 +155,35 @@ def _int4_linear_fake(
     x, packed, scales_and_zeros, codes, scales, offsets, zeros, knobs, group_size, out_features
 ):
     return x.new_empty((x.shape[0], out_features))
+
+
+# From this many rows (prefill) an 8-bit matrix is expanded and multiplied densely, a block
+# of INT8_BLOCK_ROWS rows of W_hat at a time, so the expansion of a large head stays small.
+INT8_DENSE_ROWS = 32
+INT8_BLOCK_ROWS = 4096
+
+
+def int8_linear_impl(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                     group_size: int) -> torch.Tensor:
+    """x [M, K] -> [M, N] in x's dtype for an 8-bit matrix: codes int8 [N, K], scales float32
+    [N, K/G]. fourbit's W8A16 kernel for small batches where the ISA has it; otherwise the
+    exact W_hat (fourbit.quant.int8), block by block, multiplied in x's dtype."""
+    if x.shape[0] < INT8_DENSE_ROWS and int4_cpu.isa() != "none":
+        calls["w8a16"] += 1
+        y = int4_cpu.linear_int8(x, codes, scales, group_size)  # [M, N] float32
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+    calls["int8_dense"] += 1
+    blocks = [Int8Weight(codes[i : i + INT8_BLOCK_ROWS], scales[i : i + INT8_BLOCK_ROWS], group_size)
+              for i in range(0, codes.shape[0], INT8_BLOCK_ROWS)]
+    return torch.cat([F.linear(x, b.dequantize(x.dtype)) for b in blocks], dim=1)  # [M, N]
+
+
+int8_linear = torch.library.custom_op("fourbit::int8_linear", mutates_args=())(int8_linear_impl)
+
+
+@int8_linear.register_fake
+def _int8_linear_fake(x, codes, scales, group_size):
+    return x.new_empty((x.shape[0], codes.shape[0]))
 
 
 # The dense path's compute dtype travels in knobs[2] (tinygemm uses scales_and_zeros' dtype).

