@@ -82,7 +82,9 @@ broadcast activations).
 codes [N, K] and its scales widened to float32 [N, K/G]: 8 codes at a time sign-extended
 and converted to float32, multiplied by FMA with float32 x, each group's sum scaled once
 per row. Exact against the dense control up to float32 summation order, as w4a16; about
-1.03 bytes per weight at G = 128, so a quarter of the float32 matrix it replaces.
+1.03 bytes per weight at G = 128, so a quarter of the float32 matrix it replaces. At
+Qwen2.5-0.5B's lm_head (151936 x 896), batch 1, 2 threads on the AVX2 EPYC: 18.3 ms, against
+58.4 ms for the dense float32 matrix and 24.3 ms for bfloat16 (benchmarks/int4_kernel.py).
 
 ISA. One path, AVX2+FMA, chosen at run time (``isa()``); it also runs on AVX-512 hosts.
 There is no AVX-512 code: the host this was written and measured on has no AVX-512, and
