@@ -98,6 +98,12 @@ def calibration_tokens(job: QuantizeJob, heldout: int = 0) -> torch.Tensor:
     return torch.cat([windows[fit], windows[held]])  # [S, T] + [heldout, T] -> [S + heldout, T]
 
 
+def heldout_tokens(job: QuantizeJob) -> torch.Tensor:
+    """The calibration block's held-out windows alone [heldout, T]: text no quantizer fits."""
+    held = job.quant["calibration"]["heldout"]
+    return calibration_tokens(job, held)[-held:]
+
+
 def quantize_each(job: QuantizeJob, quantize_one) -> dict[str, QuantizedWeight]:
     """Apply ``quantize_one(name, W [N, K]) -> QuantizedWeight`` to every chosen linear."""
     reader = TensorReader(job.model_dir)
@@ -246,9 +252,7 @@ def quantize_embedding(job: QuantizeJob, grid: Grid, search: dict,
     searched = quantize_rtn(table, grid, **search)
     if guard is None:
         return {job.embedding: searched}
-    held = calibration_tokens(job, job.quant["calibration"]["heldout"])
-    held = held[len(held) - job.quant["calibration"]["heldout"]:]  # [heldout, T]
-    counts = torch.bincount(held.flatten(), minlength=len(table)).float()  # [V]
+    counts = torch.bincount(heldout_tokens(job).flatten(), minlength=len(table)).float()  # [V]
     plain = quantize_rtn(table, grid, search="minmax")
     return {job.embedding: guard.keep(job.embedding, lookup_error(table, searched.dequantize(), counts),
                                       lookup_error(table, plain.dequantize(), counts), searched, plain)}

@@ -37,7 +37,7 @@ from fourbit.checkpoints.quantized import (
 )
 from fourbit.formats import get_format
 from fourbit.quant.int8 import quantize_int8
-from fourbit.quant.methods import QuantizeJob, calibration_tokens, get_method
+from fourbit.quant.methods import QuantizeJob, get_method, heldout_tokens
 from fourbit.quant.sensitivity import promote_sensitive
 from fourbit.quant.shapes import Matrices, plan_arm
 from fourbit.vllm_plugin import write_arm_knobs
@@ -121,8 +121,7 @@ def quantize_checkpoint(
     job = QuantizeJob(Path(model_dir), selection.linears, quant, calibration, threads, selection.embedding)
     qweights, facts = method.quantize(job)
     if "mixed_precision" in quant:
-        held = quant["calibration"]["heldout"]
-        windows = calibration_tokens(job, held)[-held:][: quant["mixed_precision"]["windows"]]  # [W, T]
+        windows = heldout_tokens(job)[: quant["mixed_precision"]["windows"]]  # [W, T]
         qweights, mixed = promote_sensitive(job.model_dir, qweights, get_format(method.format(quant)),
                                             quant, windows, embedding=selection.embedding)
         facts = {**facts, "mixed_precision": mixed}
