@@ -107,20 +107,25 @@ def gptq_quantize(
     codes = torch.empty(n, k, dtype=torch.uint8)  # in processing (permuted) order
     for i1 in range(0, k, block_size):
         i2 = min(i1 + block_size, k)
-        W1, U1 = W[:, i1:i2], U[i1:i2, i1:i2]  # views: updates land in W
-        err1 = torch.empty(n, i2 - i1)
+        U1 = U[i1:i2, i1:i2]
+        # The block transposed, [N, B] -> [B, N], as a copy: each column, and each rank-1
+        # update of the columns after it, is then contiguous memory rather than a
+        # stride-K walk through all N rows (the same products and differences, so the
+        # same bits). Only err1 leaves the block: W's own copy of it is never read again.
+        W1 = W[:, i1:i2].t().contiguous()
+        err1 = torch.empty(i2 - i1, n)  # [B, N]
         for i in range(i2 - i1):
             col = i1 + i
             if not static_groups and col % g == 0:  # the group lies inside this block
-                group = find_params(W1[:, i : i + g], perm[col : col + g])
+                group = find_params(W1[i : i + g].t().contiguous(), perm[col : col + g])
                 scales[:, col // g], zeros[:, col // g] = group
             j = perm[col] // g
-            q = grid.quantize(W1[:, i], scales[:, j], zeros[:, j])
+            q = grid.quantize(W1[i], scales[:, j], zeros[:, j])
             codes[:, col] = q.to(torch.uint8)
-            err = (W1[:, i] - grid.dequantize(q, scales[:, j], zeros[:, j])) / U1[i, i]  # [N]
-            W1[:, i + 1 :] -= err.unsqueeze(1) * U1[i, i + 1 :].unsqueeze(0)  # [N,1]*[1,B-i-1]
-            err1[:, i] = err
-        W[:, i2:] -= err1 @ U[i1:i2, i2:]  # [N, B] @ [B, K - i2]
+            err = (W1[i] - grid.dequantize(q, scales[:, j], zeros[:, j])) / U1[i, i]  # [N]
+            W1[i + 1 :] -= U1[i, i + 1 :].unsqueeze(1) * err.unsqueeze(0)  # [B-i-1,1]*[1,N]
+            err1[i] = err
+        W[:, i2:] -= err1.t() @ U[i1:i2, i2:]  # [N, B] @ [B, K - i2]
 
     qw = grid.pack(codes[:, torch.argsort(perm)], scales, zeros)
     loss, total = _proxy_loss(weight.float(), qw.dequantize(), hessian.float())
