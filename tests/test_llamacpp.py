@@ -532,6 +532,8 @@ def test_bits_per_weight_are_counted_from_the_files(ggufs, tools):
     assert f16["matmul_2d"]["bits_per_weight"] == 16
     # 2 layers x 7 matrices + the head; the token embedding is a lookup table, not a matmul.
     assert f16["matmul_2d"]["tensors"] == 15
+    # Every matrix, the token embedding included, is what the file spends on its weights.
+    assert f16["matrices"]["tensors"] == 16 and f16["matrices"]["bits_per_weight"] == 16
     assert f16["by_type"]["F32"]["tensors"] == 5  # 2 x 2 layer norms + the final norm
 
     q8 = gguf_bits_per_weight(ggufs["Q8_0"], tools.gguf_py)
@@ -541,6 +543,11 @@ def test_bits_per_weight_are_counted_from_the_files(ggufs, tools):
     assert set(q4km["by_type"]) == {"Q4_K", "Q6_K", "F32"}
     assert q4km["tensor_types"]["output.weight"] == "Q6_K"
     assert 4.5 < q4km["matmul_2d"]["bits_per_weight"] < 6.5625  # between pure Q4_K and pure Q6_K
+    embedding = q4km["by_type"][q4km["tensor_types"]["token_embd.weight"]]["bits_per_weight"]
+    weights = {k: q4km[k]["weights"] for k in ("matrices", "matmul_2d")}
+    assert q4km["matrices"]["bits_per_weight"] == pytest.approx(
+        (q4km["matmul_2d"]["bits_per_weight"] * weights["matmul_2d"]
+         + embedding * (weights["matrices"] - weights["matmul_2d"])) / weights["matrices"])
     assert (
         q4km["by_type"]["Q4_K"]["bits_per_weight"] == 4.5
         and q4km["by_type"]["Q6_K"]["bits_per_weight"] == 6.5625

@@ -342,3 +342,22 @@ def test_vllm_native_is_not_given_an_arm_with_an_8_bit_matrix():
     assert runs(arm(method="gptq", group_size=128, sym=True)["quant"])
     assert not runs(arm(method="gptq", group_size=128, sym=True, quantize_head=8)["quant"])
     assert not runs(arm(method="gptq", group_size=128, sym=True, mixed_precision={"extra_bits": 0.5})["quant"])
+
+
+@pytest.mark.parametrize("extra", [{"quantize_head": False}, {"quantize_embedding": True}])
+def test_matrix_bits_count_the_head_and_embedding_however_stored(tiny_untied, tmp_path, extra):
+    """matrix_bits_per_weight spends every matrix's stored bits over every matrix's weights:
+    a dense head or embedding at its 32 bits, a quantized one at its grid's."""
+    from fourbit.checkpoints.hf import load_tensors
+    from fourbit.checkpoints.quantized import storage_stats
+
+    quant = {"method": "cpu_int4", "group_size": 64, "search": "minmax", **extra}
+    storage = quantize_checkpoint(tiny_untied, tmp_path / "q", tmp_path / "arm.json", arm(**quant))["storage"]
+    dense = load_tensors(tiny_untied)
+    head, embedding = dense["lm_head.weight"].numel(), dense["model.embed_tokens.weight"].numel()
+    quantized_bits = storage["quantized_bits_per_weight"] * storage["linear_weights"]
+    dense_weights = (head if "quantize_head" in extra else 0) + (0 if "quantize_embedding" in extra else embedding)
+    assert storage["linear_weights"] + dense_weights == storage["matrix_weights"]
+    assert storage["matrix_bits_per_weight"] == pytest.approx(
+        (quantized_bits + 32 * dense_weights) / storage["matrix_weights"])
+    assert storage_stats(tiny_untied)["matrix_bits_per_weight"] == 32  # the float32 baseline

@@ -90,8 +90,8 @@ def results(tmp_path):
     manifest.write_text(json.dumps({"id": ARM, "name": ARM.partition("-")[0], "format": "cpu_int4",
                                     "quant": {"method": "cpu_int4", "group_size": 128, "sym": False,
                                               "calibration": {"heldout": 16, "seq_len": 512, "seed": 0}},
-                                    "storage": {"quantized_bits_per_weight": 4.19, "file_bits_per_param": 5.0,
-                                                "size_mib": 1.0},
+                                    "storage": {"quantized_bits_per_weight": 4.19, "matrix_bits_per_weight": 10.5,
+                                                "file_bits_per_param": 5.0, "size_mib": 1.0},
                                     "method_facts": {"algorithm": "rtn, shrink search", "head": "rtn",
                                                      "heldout_guard": {"search": "shrink", "kept_minmax": ["b"],
                                                                        "kept_search": ["a", "c"]}},
@@ -108,6 +108,9 @@ def test_report_rows_come_from_the_result_files(tmp_path, tiny_untied, results):
     assert f"`{ARM}`" in markdown and "faithful" in markdown
     table = (tmp_path / "report.tsv").read_text().splitlines()
     assert table[0].startswith("engine\tarm_id") and len(table) == 3
+    # both bit counts from the arm's storage record; the baseline's from its checkpoint
+    assert f"| {ENGINE} | `{ARM}` | cpu_int4 | 128 | False | 4.19 | 10.5 | 5 | 1 |" in markdown
+    assert f"| {ENGINE} | `baseline` | none (unquantized) |  |  | 32 | 32 |" in markdown
     assert f"- Engine {ENGINE}: r (its 4-bit runtimes: under Runtimes)" in markdown  # host block
     assert f"- Every record above computed from the weights with model_weights_sha256 {WEIGHTS}" in markdown
     assert "timed in one bench job" not in markdown  # no job was timed

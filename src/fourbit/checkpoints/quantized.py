@@ -106,10 +106,15 @@ def storage_stats(folder: str | os.PathLike) -> dict:
     (its linear layers, and the input embedding if it quantized that too; codes,
     scales, zeros and index tensors) over their weight count (``linear_weights``);
     for a dense checkpoint, the plain weights of the linears a quantizer would touch.
+    ``matrix_bits_per_weight``: every weight matrix, however stored (each linear, the
+    head included, quantized or dense, and the input embedding), over their weight count
+    (``matrix_weights``): what a model's matrices cost whichever the arm quantized, so an
+    arm that keeps its head or embedding dense pays for it here.
     ``file_bits_per_param``: every stored tensor over the model's parameter count
     (embeddings, norms and the untied head's copy included).
     """
     stored = load_tensors(folder)
+    matrix_weights, matrix_bits = _matrix_storage(folder, stored)
     if is_quantized(folder):
         _, dense, qweights = read_quantized(folder)
         modules = set(qweights)
@@ -125,11 +130,24 @@ def storage_stats(folder: str | os.PathLike) -> dict:
         "quantized_modules": len(modules) if is_quantized(folder) else 0,
         "linear_weights": weights,
         "quantized_bits_per_weight": linear_bits / weights,
+        "matrix_weights": matrix_weights,
+        "matrix_bits_per_weight": matrix_bits / matrix_weights,
         "file_bits_per_param": sum(_bits(t) for t in stored.values()) / params,
         "parameters": params,
         "size_bytes": size,
         "size_mib": size / 2**20,
     }
+
+
+def _matrix_storage(folder, stored: dict[str, torch.Tensor]) -> tuple[int, int]:
+    """(weights, stored bits) of every weight matrix: the linears (head included) and the
+    input embedding, each by the tensors stored under its name but its bias."""
+    model = skeleton(folder)
+    matrices = {name: matrix_shape(m) for name, m in quantizable_linears(model).items()}
+    matrices[module_name(model, model.get_input_embeddings())] = matrix_shape(model.get_input_embeddings())
+    bits = sum(_bits(t) for name, t in stored.items()
+               if name.rpartition(".")[0] in matrices and not name.endswith(".bias"))
+    return sum(n * k for n, k in matrices.values()), bits
 
 
 def _bits(tensor: torch.Tensor) -> int:

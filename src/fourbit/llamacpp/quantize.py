@@ -119,10 +119,10 @@ class _TensorProgress:
 def gguf_bits_per_weight(path: Path, gguf_py_dir: Path) -> dict:
     """The storage a GGUF file spends per weight, from its tensor table.
 
-    Returns ``all`` (every tensor) and ``matmul_2d`` (the 2-D weights that
-    matrix multiplications read: every 2-D tensor except the token embedding,
-    which is counted as the head when the file has no separate output.weight),
-    each as {"tensors", "weights", "bytes", "bits_per_weight"}; ``by_type``, the
+    Returns ``all`` (every tensor), ``matrices`` (every 2-D tensor: the weights
+    matrix multiplications read and the token embedding) and ``matmul_2d`` (those
+    but the token embedding, which is counted as the head when the file has no
+    separate output.weight), each as {"tensors", "weights", "bytes", "bits_per_weight"}; ``by_type``, the
     same per ggml type over all tensors; ``tensor_types``, each tensor's type;
     and ``file_bytes`` (tensors plus metadata and alignment).
     """
@@ -130,7 +130,7 @@ def gguf_bits_per_weight(path: Path, gguf_py_dir: Path) -> dict:
     reader = gguf.GGUFReader(str(path))
     names = {t.name for t in reader.tensors}
     head_is_embedding = OUTPUT_HEAD not in names
-    totals = {"all": _Tally(), "matmul_2d": _Tally()}
+    totals = {"all": _Tally(), "matrices": _Tally(), "matmul_2d": _Tally()}
     by_type: dict[str, _Tally] = defaultdict(_Tally)
     tensor_types = {}
     for tensor in reader.tensors:
@@ -139,6 +139,8 @@ def gguf_bits_per_weight(path: Path, gguf_py_dir: Path) -> dict:
         by_type[type_name].add(tensor.n_elements, tensor.n_bytes)
         totals["all"].add(tensor.n_elements, tensor.n_bytes)
         is_2d = sum(int(d) > 1 for d in tensor.shape) == 2
+        if is_2d:
+            totals["matrices"].add(tensor.n_elements, tensor.n_bytes)
         if is_2d and (tensor.name != TOKEN_EMBEDDING or head_is_embedding):
             totals["matmul_2d"].add(tensor.n_elements, tensor.n_bytes)
     return {

@@ -75,7 +75,8 @@ def _cell(value) -> str:
 
 def results_table(rows: list[dict]) -> list[str]:
     """One line per row: what was stored, its perplexity, Δppl with its interval, the control."""
-    headers = ["engine", "arm", "method", "group", "sym", "bits/weight", "file bits/param", "size MiB",
+    headers = ["engine", "arm", "method", "group", "sym", "bits/weight", "bits/weight, all matrices",
+               "file bits/param", "size MiB",
                "ppl", f"Δppl vs baseline [{CONFIDENCE:.0%} CI]", "control (arm vs dense Δ nats/token)"]
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for r in rows:
@@ -88,7 +89,8 @@ def results_table(rows: list[dict]) -> list[str]:
         if below_baseline(r):
             delta += " **below its baseline: a finding, not a win** (see Recommendation)"
         cells = [r["engine"], f"`{r['arm_id']}`", r["method"], _cell(r["group_size"]), _cell(r["sym"]),
-                 _cell(r["bits_per_weight"]), _cell(r["file_bits_per_param"]), _cell(r["size_mib"]),
+                 _cell(r["bits_per_weight"]), _cell(r["matrix_bits_per_weight"]),
+                 _cell(r["file_bits_per_param"]), _cell(r["size_mib"]),
                  _cell(r["ppl"]), delta, control]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -313,7 +315,11 @@ def definitions(study: dict, facts: dict, settings: Mapping) -> list[str]:
         f"both on the same engine; in brackets a {CONFIDENCE:.0%} interval from a paired bootstrap "
         "over windows (the same windows score both).",
         "- **bits/weight**: bits stored for the linear layers (codes, scales, zeros when "
-        "quantized; the plain weights for the baseline) divided by their weight count; **file bits/param**: every stored tensor (embeddings, norms, the "
+        "quantized; the plain weights for the baseline) divided by their weight count; "
+        "**bits/weight, all matrices**: every weight matrix as stored (each linear and the head, "
+        "quantized or kept dense, and the input embedding; llama.cpp's token_embd likewise) over "
+        "their weight count, the figure to compare arms by, since a head or embedding kept dense "
+        "costs its full width there; **file bits/param**: every stored tensor (embeddings, norms, the "
         "untied head's copy included) divided by the model's parameter count.",
         "- **control**: the arm run by its 4-bit runtime against its dense float32 expansion on the "
         "same engine; the mean NLL difference in nats/token. *faithful* if within the tolerance "

@@ -10,7 +10,8 @@ from pathlib import Path
 # By the rule's output name: the title, the row key on the x axis and its label.
 FIGURES = {
     "quality_vs_bits": ("Perplexity increase against bits per weight",
-                        "bits_per_weight", "bits per weight (quantized layers, as stored)"),
+                        "matrix_bits_per_weight",
+                        "bits per weight, every matrix as stored (head and embedding included)"),
     "quality_vs_decode": ("Perplexity increase against decode speed (Pareto view)",
                           "tg128_median", "decode tg128, tokens/s (median)"),
 }
@@ -19,8 +20,8 @@ FIGURES = {
 def plot(rows: list[dict], paths: Mapping[str, str | os.PathLike]) -> list[tuple[str, Path]]:
     """Write each figure of FIGURES to ``paths[name]`` (PNG, atomically); their titles and paths.
 
-    An arm without the x value (None: not measured on this host) is left out; a figure
-    with no arm at all says so instead of being empty."""
+    An arm without the x value (None: not measured on this host, or a record older than
+    the value) is left out; a figure with no arm at all says so instead of being empty."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -33,7 +34,7 @@ def plot(rows: list[dict], paths: Mapping[str, str | os.PathLike]) -> list[tuple
         points = [r for r in arms if r[x_key] is not None]
         figure, axes = plt.subplots(figsize=(7, 4.5))
         if not points:
-            axes.text(0.5, 0.5, "not measured on this host", ha="center", va="center",
+            axes.text(0.5, 0.5, "no arm has this value (not measured on this host?)", ha="center", va="center",
                       transform=axes.transAxes)
         for r in points:
             low, high = r["delta_ppl_ci_low"], r["delta_ppl_ci_high"]

@@ -18,7 +18,8 @@ from fourbit.report.records import Records, ReportInputError
 from fourbit.report.verdicts import distribution_measures
 
 COLUMNS = [
-    "engine", "arm_id", "method", "group_size", "sym", "bits_per_weight", "file_bits_per_param",
+    "engine", "arm_id", "method", "group_size", "sym", "bits_per_weight", "matrix_bits_per_weight",
+    "file_bits_per_param",
     "size_mib", "ppl", "baseline_ppl", "delta_ppl", "delta_ppl_ci_low", "delta_ppl_ci_high",
     "delta_ppl_pct", "dense_ppl",
     "control_delta_nll", "control", "numerics", "control_tolerance", "runtime",
@@ -78,6 +79,8 @@ def _row(engine_id, arm_id, manifest, scored, baseline, dense, tolerances) -> di
         "group_size": quant.get("group_size"),
         "sym": quant.get("sym"),
         "bits_per_weight": storage.get("quantized_bits_per_weight"),
+        # None for a checkpoint whose storage record predates the count (rerun its quantize)
+        "matrix_bits_per_weight": storage.get("matrix_bits_per_weight"),
         "file_bits_per_param": storage.get("file_bits_per_param"),
         "size_mib": storage.get("size_mib"),
         "ppl": scored["ppl"],

@@ -39,6 +39,8 @@ def gguf_storage(gguf: Path, tools: LlamaCpp) -> dict:
     bits = gguf_bits_per_weight(gguf, tools.gguf_py)
     return {
         "quantized_bits_per_weight": bits["matmul_2d"]["bits_per_weight"],
+        "matrix_weights": bits["matrices"]["weights"],
+        "matrix_bits_per_weight": bits["matrices"]["bits_per_weight"],
         "file_bits_per_param": bits["all"]["bits_per_weight"],
         "parameters": bits["all"]["weights"],
         "size_bytes": bits["file_bytes"],
