@@ -70,6 +70,18 @@ def test_bad_value_names_the_allowed_values():
         study(bad)
 
 
+def test_a_4_bit_embedding_outside_cpu_int4_is_refused_naming_what_fits():
+    bad = copy.deepcopy(BASE)
+    bad["arms"][0]["quant"] = {"method": "gptq", "group_size": 128, "quantize_embedding": True}
+    with pytest.raises(ConfigError, match=r"quantize_embedding: 8 was expected.*cpu_int4's alone"):
+        study(bad)
+    good = copy.deepcopy(BASE)
+    good["arms"][0]["quant"] = {"method": "gptq", "group_size": 128, "quantize_embedding": 8}
+    plain = copy.deepcopy(BASE)
+    plain["arms"][0]["quant"] = {"method": "gptq", "group_size": 128}
+    assert list(study(good).arms)[0] != list(study(plain).arms)[0]  # hashed into the id
+
+
 def test_duplicate_arm_is_refused():
     bad = copy.deepcopy(BASE)
     bad["arms"].append(copy.deepcopy(BASE["arms"][0]))

@@ -335,12 +335,47 @@ def test_an_8_bit_head_is_stored_in_its_layout_counted_and_expanded_exactly(tiny
     assert_reference_scores_like_its_control(tmp_path / "q", tmp_path / "d")
 
 
+@pytest.mark.parametrize("quant, fmt", [
+    ({"method": "cpu_int4", "group_size": 64, "search": "minmax"}, "fourbit_int4"),
+    ({"method": "rtn", "group_size": 64, "sym": True}, "gptq"),
+    ({"method": "rtn", "group_size": 32, "sym": False}, "compressed-tensors"),
+])
+def test_an_8_bit_embedding_is_stored_in_its_layout_counted_and_expanded_exactly(tiny_untied, tmp_path,
+                                                                                 quant, fmt):
+    """quantize_embedding: 8 keeps the table on the 8-bit grid inside any format, flagged
+    for readers that see it without its name, counted in the bits per weight, and expanded
+    exactly by the dense control, which the reference engine scores alike."""
+    from fourbit.formats import INT8_EMBEDDING, INT8_MODULES
+    from fourbit.quant.int8 import quantize_int8
+
+    manifest = quantize_checkpoint(tiny_untied, tmp_path / "q", tmp_path / "arm.json",
+                                   arm(**quant, quantize_embedding=8))
+    dense = quantize_checkpoint(tiny_untied, tmp_path / "q4", tmp_path / "arm4.json", arm(**quant))
+    config = read_config(tmp_path / "q")["quantization_config"]
+    embedding = "model.embed_tokens"
+    assert config["quant_method"] == fmt and config[INT8_MODULES] == [embedding]
+    assert config[INT8_EMBEDDING] is True and not config.get("embedding", False)
+    assert manifest["method_facts"]["embedding"] == "rtn, 8 bits"
+    table = load_tensors(tiny_untied)[f"{embedding}.weight"]  # [512, 256]
+    _, _, qweights = read_quantized(tmp_path / "q")
+    assert qweights[embedding].equal(quantize_int8(table, quant["group_size"]))
+    # the table at 8 bits and a float16 scale per group, where the plain arm stores 32
+    bits = {k: v["storage"]["matrix_bits_per_weight"] for k, v in (("8", manifest), ("dense", dense))}
+    share = table.numel() / manifest["storage"]["matrix_weights"]
+    saved = (32 - 8 - 16 / quant["group_size"]) * share
+    assert bits["dense"] - bits["8"] == pytest.approx(saved, rel=1e-6)
+    dequantize_checkpoint(tmp_path / "q", tmp_path / "d")
+    assert torch.equal(load_tensors(tmp_path / "d")[f"{embedding}.weight"], qweights[embedding].dequantize())
+    assert_reference_scores_like_its_control(tmp_path / "q", tmp_path / "d")
+
+
 def test_vllm_native_is_not_given_an_arm_with_an_8_bit_matrix():
     from fourbit.engines import ENGINES
 
     runs = ENGINES["vllm_native"].runs_arm
     assert runs(arm(method="gptq", group_size=128, sym=True)["quant"])
     assert not runs(arm(method="gptq", group_size=128, sym=True, quantize_head=8)["quant"])
+    assert not runs(arm(method="gptq", group_size=128, sym=True, quantize_embedding=8)["quant"])
     assert not runs(arm(method="gptq", group_size=128, sym=True, mixed_precision={"extra_bits": 0.5})["quant"])
 
 

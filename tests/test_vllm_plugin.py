@@ -60,16 +60,18 @@ MIXED_EIGHT_BIT = tuple(f"model.layers.0.self_attn.{m}_proj" for m in "qkv") + (
 
 
 def build_pair(root, fmt_name: str, *, arch: str = "llama", quantize_head: bool | int = True,
-               vocab: int = 512, seed: int = 0, embedding: bool = False, mixed: bool = False):
+               vocab: int = 512, seed: int = 0, embedding: bool | int = False, mixed: bool = False):
     """(quantized folder, dense-control folder) from one random model; ``quantize_head``
-    as an arm's (8: the head in the 8-bit layout, rounded from the model's own head);
-    ``mixed``: MIXED_EIGHT_BIT in the 8-bit layout too."""
+    and ``embedding`` as an arm's quantize_head and quantize_embedding (8: in the 8-bit
+    layout, rounded from the model's own matrix); ``mixed``: MIXED_EIGHT_BIT in the 8-bit
+    layout too."""
     from safetensors.torch import save_file
 
     from fourbit.quant.int8 import quantize_int8
 
     head = {True: "head", False: "nohead", 8: "head8"}[quantize_head]
-    tag = f"{arch}{vocab}-{fmt_name}-{head}{'-emb' * embedding}{'-mixed' * mixed}"
+    table = {False: "", True: "-emb", 8: "-emb8"}[embedding]
+    tag = f"{arch}{vocab}-{fmt_name}-{head}{table}{'-mixed' * mixed}"
     if (root / tag).exists():
         return root / tag, root / f"dense-{tag}"
     src = root / f"source-{arch}{vocab}"
@@ -86,10 +88,11 @@ def build_pair(root, fmt_name: str, *, arch: str = "llama", quantize_head: bool 
         name[: -len(".weight")]: _random_qweight(*t.shape, sym=sym, gen=gen)
         for name, t in sorted(state.items())
         if name.endswith("_proj.weight") or (quantize_head is True and name == "lm_head.weight")
-        or (embedding and name == "model.embed_tokens.weight")
+        or (embedding is True and name == "model.embed_tokens.weight")
     }
     eight_bit = {name: quantize_int8(state[f"{name}.weight"], GROUP)
-                 for name in ("lm_head",) * (quantize_head == 8) + MIXED_EIGHT_BIT * mixed}
+                 for name in ("lm_head",) * (quantize_head == 8) + ("model.embed_tokens",) * (embedding == 8)
+                 + MIXED_EIGHT_BIT * mixed}
     qws = {name: qw for name, qw in qws.items() if name not in eight_bit}
 
     def write(folder, tensors, cfg):
@@ -108,9 +111,11 @@ def build_pair(root, fmt_name: str, *, arch: str = "llama", quantize_head: bool 
     for module, qw in eight_bit.items():
         quant.update({f"{module}.{s}": t for s, t in formats.INT8.pack(qw).items()})
         dense[f"{module}.weight"] = qw.dequantize(torch.float32)
-    qc = fmt.quantization_config(GROUP, sym, lm_head=quantize_head is True, embedding=embedding)
+    qc = fmt.quantization_config(GROUP, sym, lm_head=quantize_head is True, embedding=embedding is True)
     if eight_bit:
         qc[formats.INT8_MODULES] = sorted(eight_bit)
+    if embedding == 8:
+        qc[formats.INT8_EMBEDDING] = True
     qcfg = dict(config, quantization_config=qc)
     return write(root / tag, quant, qcfg), write(root / f"dense-{tag}", dense, config)
 
@@ -307,6 +312,8 @@ CASES = [(f, "llama", True, 512, False, "w4a16") for f in FORMATS] + [
     ("cpu_int4", "llama", True, 488, True, "w4a16"),  # the input embedding from 4 bits too
     ("cpu_int4", "qwen2", True, 512, True, "w4a16"),  # ... where vLLM names the embedding
 ] + [(f, "llama", 8, 488, False, "w4a16") for f in FORMATS] + [  # the head at 8 bits, padded
+    ("gptq", "llama", 8, 488, 8, "w4a16"),  # the embedding at 8 bits, in any format
+    ("compressed_tensors", "qwen2", True, 512, 8, "w4a16"),  # ... where vLLM names it
 ] + [(f, "llama", True, 512, False, "w4a8") for f in FORMATS] + [
     ("cpu_int4", "llama", True, 488, False, "w4a8_group"),  # int8 per group, padded head
     ("gptq", "qwen2", True, 512, False, "w4a8_group"),
@@ -341,7 +348,7 @@ def test_plugin_matches_dense_control(root, cache_root, fmt_name, arch, quantize
     assert bool(set(ops.calls) & EIGHT_BIT_PATHS) == (quantize_head == 8)
     # 2 layers x (qkv, o, gate_up, down) per forward, plus the head's calls
     assert ops.calls[ran] >= 8
-    assert bool(ops.calls["embedding"]) == embedding
+    assert bool(ops.calls["embedding"]) == bool(embedding)
     ops.calls.clear()
     dense = _score(dense_dir, cache_root)
     assert not ops.calls

@@ -24,7 +24,7 @@ from fourbit.checkpoints.hf import (
     weight_files,
     write_checkpoint,
 )
-from fourbit.formats import INT8, INT8_MODULES, format_for_config, get_format, int8_modules
+from fourbit.formats import INT8, INT8_EMBEDDING, INT8_MODULES, format_for_config, get_format, int8_modules
 from fourbit.quant.int8 import Int8Weight
 from fourbit.quant.qweight import QuantizedWeight
 
@@ -60,6 +60,8 @@ def write_quantized(
     )
     if eight_bit:
         config["quantization_config"][INT8_MODULES] = eight_bit
+    if embedding in eight_bit:  # for readers that see the table without its name (vLLM's Llama)
+        config["quantization_config"][INT8_EMBEDDING] = True
     write_checkpoint(folder, tensors, config, copy_from=source)
 
 

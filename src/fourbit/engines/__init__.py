@@ -107,9 +107,10 @@ class EngineSpec:
 
 def _symmetric_gptq(quant: dict) -> bool:
     # Written as a standard GPTQ checkpoint (fourbit.quant.methods), which vLLM reads itself;
-    # a matrix in fourbit's 8-bit layout (quantize_head: 8, mixed_precision) is not part of it.
+    # a matrix in fourbit's 8-bit layout (quantize_head or quantize_embedding 8, mixed_precision)
+    # is not part of it.
     return (quant["method"] == "gptq" and quant.get("sym") is True and quant["quantize_head"] != 8
-            and "mixed_precision" not in quant)
+            and "quantize_embedding" not in quant and "mixed_precision" not in quant)
 
 
 def _vllm_native_kernel_missing() -> str | None:

@@ -36,13 +36,14 @@ from fourbit.formats.base import (
 
 # Importing each format registers it.
 from fourbit.formats import compressed_tensors, cpu_int4, gptq  # noqa: E402, F401
-from fourbit.formats.int8 import INT8, INT8_MODULES, int8_modules  # noqa: E402
+from fourbit.formats.int8 import INT8, INT8_EMBEDDING, INT8_MODULES, int8_modules  # noqa: E402
 
 __all__ = [
     "CODES_PER_INT32",
     "FORMATS",
     "Format",
     "INT8",
+    "INT8_EMBEDDING",
     "INT8_MODULES",
     "Layout",
     "TensorSpec",

@@ -1,5 +1,6 @@
 """The 8-bit layout: a matrix an arm keeps on the 8-bit grid (fourbit.quant.int8: its head
-with ``quantize_head: 8``, the sets ``mixed_precision`` moves) inside a checkpoint of any
+with ``quantize_head: 8``, its embedding table with ``quantize_embedding: 8``, the sets
+``mixed_precision`` moves) inside a checkpoint of any
 of the 4-bit formats.
 
 The checkpoint's format stores the 4-bit matrices as usual; a matrix in this layout
@@ -19,6 +20,7 @@ from fourbit.formats.base import Layout, TensorSpec
 from fourbit.quant.int8 import MAX_CODE, Int8Weight
 
 INT8_MODULES = "fourbit_int8_modules"  # quantization_config key: the modules in this layout
+INT8_EMBEDDING = "fourbit_int8_embedding"  # true when the input embedding is one of them
 
 
 class Int8Layout(Layout):

@@ -56,8 +56,8 @@ class Selection:
     linears: dict[str, tuple[int, int]]  # module name -> (N, K): the method's 4-bit matrices
     embedding: str | None  # the input embedding's name, if the arm quantizes it too
     kept_dense: dict[str, tuple[int, int]]  # the linears its ``fallback: dense`` keeps dense
-    eight_bit: dict[str, tuple[int, int]]  # the head, with ``quantize_head: 8`` (mixed_precision
-    # chooses its own 8-bit matrices later, by measurement)
+    eight_bit: dict[str, tuple[int, int]]  # the head and the embedding, with ``quantize_head: 8``
+    # and ``quantize_embedding: 8`` (mixed_precision chooses its own 8-bit matrices later)
 
 
 def select_modules(model_dir: str | os.PathLike, quant: dict) -> Selection:
@@ -76,12 +76,14 @@ def select_modules(model_dir: str | os.PathLike, quant: dict) -> Selection:
     plan = plan_arm(matrices, quant)
     if plan.refusal:
         raise GroupSizeError(plan.refusal)
-    eight_bit = [matrices.head] if quant["quantize_head"] == 8 else []  # (True == 8 is False)
+    eight_bit = ([matrices.head] if quant["quantize_head"] == 8 else []) + (  # (True == 8 is False)
+        [matrices.embedding] if quant.get("quantize_embedding") == 8 else [])
     chosen = {name: shape for name, shape in plan.quantized.items()
               if name != matrices.embedding and name not in eight_bit}
+    four_bit_table = quant.get("quantize_embedding") is True and matrices.embedding in plan.quantized
     return Selection(
         linears=chosen,
-        embedding=matrices.embedding if matrices.embedding in plan.quantized else None,
+        embedding=matrices.embedding if four_bit_table else None,
         kept_dense=plan.kept_dense,
         eight_bit={name: plan.quantized[name] for name in eight_bit if name in plan.quantized},
     )
@@ -125,11 +127,13 @@ def quantize_checkpoint(
         qweights, mixed = promote_sensitive(job.model_dir, qweights, get_format(method.format(quant)),
                                             quant, windows, embedding=selection.embedding)
         facts = {**facts, "mixed_precision": mixed}
-    if selection.eight_bit:  # nothing is measured after the head: it needs no walk
+    if selection.eight_bit:  # nothing is measured after the head or the table: no walk
         reader = TensorReader(model_dir)
-        for name in selection.eight_bit:
+        for name in selection.eight_bit:  # [N, K], or the table's [V, H]: groups along H
             qweights[name] = quantize_int8(reader.get(f"{name}.weight"), quant["group_size"])
-        facts = {**facts, "head": "rtn, 8 bits"}
+        facts = {**facts, **{role: "rtn, 8 bits" for role, eight in
+                             (("head", quant["quantize_head"] == 8),
+                              ("embedding", quant.get("quantize_embedding") == 8)) if eight}}
     seconds = time.monotonic() - started
     with atomic_dir(out_dir) as folder:
         write_quantized(folder, model_dir, qweights, method.format(quant), quant)

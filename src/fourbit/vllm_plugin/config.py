@@ -261,15 +261,18 @@ class FourbitInt4Config(QuantizationConfig):
             return FourbitLinearMethod(self) if self.is_quantized(prefix, layer) else None
         if isinstance(layer, VocabParallelEmbedding):
             # Some models build their embedding without a prefix (vLLM's Llama does), so
-            # the checkpoint's own flag decides; where the name is known it must agree.
-            stored = bool(self.checkpoint_config.get("embedding", False))
+            # the checkpoint's own flags decide; where the name is known they must agree.
+            eight_bit = bool(self.checkpoint_config.get(formats.INT8_EMBEDDING, False))
+            stored = eight_bit or bool(self.checkpoint_config.get("embedding", False))
             known = prefix and self.quantized_modules is not None
-            if known and self.is_quantized(prefix, layer) != stored:
+            if known and (self.is_quantized(prefix, layer) or prefix in self.int8_modules) != stored:
                 raise ValueError(
                     f"{QUANT_METHOD}: quantization_config says embedding={stored}, but the "
                     f"checkpoint stores {prefix} {'dense' if stored else 'quantized'}"
                 )
-            return FourbitEmbeddingMethod(self) if stored else None
+            if not stored:
+                return None
+            return FourbitEmbeddingMethod(self, formats.INT8 if eight_bit else self.format)
         if isinstance(layer, LinearBase):
             if self.is_quantized(prefix, layer):
                 return FourbitLinearMethod(self)
@@ -285,39 +288,42 @@ class _Method(StoredTensors):
         self.config = config
 
 
-class FourbitEmbeddingMethod(_Method, QuantizeMethodBase):
-    """A 4-bit embedding table: lookups gather packed rows and dequantize only those.
+class FourbitEmbeddingMethod(StoredTensors, QuantizeMethodBase):
+    """A quantized embedding table: lookups gather stored rows and dequantize only those.
 
-    The table is kept as the cpu_int4 format stores it (codes two to a byte, scales,
-    integer zeros: about 4.2 bits per weight), and the rows a step looks up are decoded
-    by that format's own unpack and QuantizedWeight.dequantize, i.e. exactly as the
-    dense control was expanded. Only cpu_int4 checkpoints mark a quantized embedding.
+    The table is kept as stored, in the 4-bit format (cpu_int4: codes two to a byte,
+    scales, integer zeros, about 4.2 bits per weight) or in the 8-bit layout (int8
+    codes and scales, quantize_embedding: 8), and the rows a step looks up are decoded by
+    that layout's own unpack and dequantize, i.e. exactly as the dense control was
+    expanded. Of the 4-bit formats only cpu_int4 can mark a quantized embedding.
     """
 
     TABLE_FORMAT = "cpu_int4"
 
+    def __init__(self, config: FourbitInt4Config, layout: formats.Layout) -> None:
+        super().__init__(layout, config.group_size)
+        self.config = config
+
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        if self.config.format_name != self.TABLE_FORMAT:
-            raise ValueError(f"{QUANT_METHOD}: a quantized input embedding must be stored in "
+        if self.fmt is not formats.INT8 and self.config.format_name != self.TABLE_FORMAT:
+            raise ValueError(f"{QUANT_METHOD}: a 4-bit input embedding must be stored in "
                              f"{self.TABLE_FORMAT}, this checkpoint is {self.config.format_name}")
-        # Kept as loaded, checked against the format's table: decoding the whole table
+        # Kept as loaded, checked against the layout's table: decoding the whole table
         # only to pack it again would briefly need V x H more bytes.
         [(rows, tensors)] = self.take_stored(layer)
-        fmt = self.config.format
-        table = fmt.checked(tensors, rows, layer.fourbit_in_features, self.config.group_size)
+        table = self.fmt.checked(tensors, rows, layer.fourbit_in_features, self.config.group_size)
         for suffix, tensor in table.items():  # each [V, ...]
             layer.register_buffer(f"fourbit_table_{suffix}", tensor, persistent=False)
 
     def embedding(self, layer: torch.nn.Module, input_: torch.Tensor) -> torch.Tensor:
         """W_hat rows for token ids [...] -> [..., H]."""
         calls["embedding"] += 1
-        fmt = self.config.format  # TABLE_FORMAT, checked at load
         ids = input_.reshape(-1)  # [...] -> [T]
         rows = {spec.suffix: getattr(layer, f"fourbit_table_{spec.suffix}")[ids]
-                for spec in fmt.layout}  # each [T, ...]
+                for spec in self.fmt.layout}  # each [T, ...]
         h = layer.fourbit_in_features
-        qw = fmt.unpack(rows, ids.numel(), h, self.config.group_size)  # [T, H]
-        return qw.dequantize(layer.fourbit_params_dtype).reshape(*input_.shape, h)
+        weight = self.fmt.unpack(rows, ids.numel(), h, self.config.group_size)  # [T, H]
+        return weight.dequantize(layer.fourbit_params_dtype).reshape(*input_.shape, h)
 
     def apply(self, layer: torch.nn.Module, *args, **kwargs) -> torch.Tensor:
         raise NotImplementedError(
