@@ -85,6 +85,12 @@ ARMS = {
                                    "quantize_head": 8},
     "cpu_int4 g64 weighted, head 8-bit": {"method": "cpu_int4", "group_size": 64,
                                           "quantize_head": 8},
+    # ... and the input embedding on the 8-bit grid (quantize_embedding: 8), which the bits
+    # per weight over all matrices otherwise count at its dense 32 bits
+    "gptq asym g128, embedding 8-bit": {"method": "gptq", "group_size": 128, "sym": False,
+                                        "quantize_embedding": 8},
+    "gptq asym g64, embedding 8-bit": {"method": "gptq", "group_size": 64, "sym": False,
+                                       "quantize_embedding": 8},
     # ... and what the same extra bits buy where measured sensitivity puts them (mixed_precision)
     "gptq asym g128, mixed +0.5": {"method": "gptq", "group_size": 128, "sym": False,
                                    "mixed_precision": {"extra_bits": 0.5}},
@@ -158,7 +164,8 @@ def main() -> None:
             delta = math.exp(nll) - math.exp(base_nll)
             storage = manifest["storage"]
             print(f"{label:38s} {storage['quantized_bits_per_weight']:.3f} bits/weight "
-                  f"({storage['file_bits_per_param']:.3f} per parameter of the file)  "
+                  f"({storage['matrix_bits_per_weight']:.3f} over all matrices, "
+                  f"{storage['file_bits_per_param']:.3f} per parameter of the file)  "
                   f"ppl {math.exp(nll):.4f} ({delta:+.4f})  KL "
                   f"{kl.mean().item() * 1e3:.3f}e-3 (s.e. {se * 1e3:.3f}e-3)  top-1 {top1:.2%}"
                   + kept, flush=True)

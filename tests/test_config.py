@@ -410,6 +410,32 @@ def test_an_architecture_the_built_converter_lacks_stops_before_any_job(tmp_path
                   "arms": [{"name": "q4", "quant": {"method": "llamacpp"}}]}).arms
 
 
+def test_before_llamacpp_is_built_its_converter_sources_check_the_model(tmp_path, monkeypatch):
+    """On a machine whose first job builds llama.cpp, the config check reads the pinned
+    converter from the sdist instead, and answers as the built one does."""
+    import shutil
+
+    from fourbit.inputs import supported
+    from fourbit.llamacpp import build
+
+    built = built_llamacpp_tree()
+    sdist = build.default_cache_root() / "sdist" / build.SDIST_NAME
+    if not sdist.is_file():
+        pytest.skip(f"no cached sdist at {sdist} (make llamacpp fetches it)")
+    cache = tmp_path / "cache"
+    (cache / "sdist").mkdir(parents=True)
+    shutil.copy(sdist, cache / "sdist")  # no download: the same checked file
+    tree = build.converter_source(cache)
+    assert supported.llamacpp_architectures(tree) == supported.llamacpp_architectures(built)
+    assert supported.llamacpp_pre_tokenizers(tree) == supported.llamacpp_pre_tokenizers(built)
+    monkeypatch.setattr(build, "find_llamacpp", lambda cache_root=None: None)
+    monkeypatch.setattr(build, "default_cache_root", lambda: cache)
+    model = synthetic_576(tmp_path, architectures=["LlamaForCausalLMNotInLlamaCpp"])
+    with pytest.raises(ConfigError, match=f"LlamaForCausalLMNotInLlamaCpp is not one llama.cpp's converter \\({tree}"):
+        study({**BASE, "model": model, "engines": {"llamacpp": {}},
+               "arms": [{"name": "q4", "quant": {"method": "llamacpp"}}]})
+
+
 def bpe_tokenizer(folder: Path) -> None:
     """A byte-level-free BPE split on whitespace: a pre-tokenizer no released model uses."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers

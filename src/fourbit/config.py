@@ -348,19 +348,16 @@ def _check_engines_read(model: dict, model_config: dict, engines: dict, has_gguf
         if vllm:
             supported.check_vllm(model_config, vllm)
         if "llamacpp" in engines or has_gguf_arms:
-            from fourbit.llamacpp.build import find_llamacpp
+            from fourbit.llamacpp.build import converter_source, find_llamacpp
 
             tools = find_llamacpp()
-            if tools is None:
-                # Built by the study's first job (build_llamacpp); its converter then meets
-                # the model in convert_gguf, which names an unknown architecture itself.
-                print("fourbit: llama.cpp is not built yet, so the model's architecture and tokenizer "
-                      "are not checked against its converter before the jobs start", file=sys.stderr)
-                return
+            # Not built yet (the study's first job builds it): the same pinned converter's
+            # sources, from its sdist, answer the same questions now.
+            tree = tools.convert_script.parent if tools else converter_source()
             # Builtin and synthetic models get fourbit's SentencePiece tokenizer, which the
             # converter reads from tokenizer.model: only a model's own tokenizer is checked.
             folder = sources.tokenizer_folder(model, model_dir / "source")
-            supported.check_llamacpp(model_config, tools.convert_script.parent, folder)
+            supported.check_llamacpp(model_config, tree, folder)
     except supported.Unsupported as error:
         raise ConfigError(str(error)) from None
 

@@ -296,8 +296,9 @@ def _fetch_sdist(folder: Path) -> Path:
     return sdist
 
 
-def _extract_tree(sdist: Path, destination: Path) -> None:
-    """Extract vendor/llama.cpp (without its unused parts) and check its commit."""
+def _extract_tree(sdist: Path, destination: Path, only: tuple[str, ...] | None = None) -> None:
+    """Extract vendor/llama.cpp (without its unused parts, or only the top-level entries
+    ``only`` names) and check its commit."""
     with tarfile.open(sdist) as tar:
         commit = tar.extractfile(_VENDORED_COMMIT_FILE).read().decode().strip()
         if commit != LLAMA_CPP_COMMIT:
@@ -305,10 +306,34 @@ def _extract_tree(sdist: Path, destination: Path) -> None:
         members = []
         for member in tar.getmembers():
             relative = member.name.removeprefix(_VENDORED_TREE)
-            if relative != member.name and relative.split("/")[0] not in _UNUSED_TOP_LEVEL:
+            top = relative.split("/")[0]
+            wanted = top in only if only is not None else top not in _UNUSED_TOP_LEVEL
+            if relative != member.name and wanted:
                 member.name = relative
                 members.append(member)
         tar.extractall(destination, members=members, filter="data")
+
+
+# What fourbit.inputs.supported reads of the converter: its architectures and its
+# tokenizer probe (convert_hf_to_gguf.py, and the conversion/ package where a version has one).
+CONVERTER_SOURCES = ("convert_hf_to_gguf.py", "conversion")
+
+
+def converter_source(cache_root: Path | None = None) -> Path:
+    """The pinned llama.cpp's converter sources, without building it: what the config check
+    reads before any job on a machine whose first job will build llama.cpp. Extracted
+    once from the same checked sdist the build uses (fetched now, so the build reuses it)."""
+    cache_root = Path(cache_root or default_cache_root())
+    tree = cache_root / f"converter-{LLAMA_CPP_COMMIT[:7]}"
+    if (tree / CONVERTER_SOURCES[0]).is_file():
+        return tree
+    cache_root.mkdir(parents=True, exist_ok=True)
+    with _exclusive(cache_root / f"{tree.name}.lock"):
+        if not (tree / CONVERTER_SOURCES[0]).is_file():
+            sdist = _fetch_sdist(cache_root / "sdist")
+            with atomic_dir(tree) as temp:
+                _extract_tree(sdist, temp, only=CONVERTER_SOURCES)
+    return tree
 
 
 def _build(sdist: Path, out: Path, jobs: int) -> None:
