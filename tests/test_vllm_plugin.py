@@ -242,19 +242,25 @@ def test_config_reads_every_format_and_knobs():
     assert FourbitInt4Config.override_quantization_method(awq, "fourbit_int4") is None
 
 
-def test_embedding_lookup_is_exactly_the_dense_controls_rows():
-    """The quantized table is loaded through its placeholders like any layer; each looked-up
-    row is bit for bit the row of W_hat the dense control stores (and only those rows)."""
+@pytest.mark.parametrize("bits", [4, 8])
+def test_embedding_lookup_is_exactly_the_dense_controls_rows(bits):
+    """The quantized table (cpu_int4's 4-bit layout, or the 8-bit one) is loaded through its
+    placeholders like any layer; each looked-up row is bit for bit the row of W_hat the
+    dense control stores (and only those rows)."""
+    from fourbit.quant.int8 import quantize_int8
     from fourbit.vllm_plugin import ops
     from fourbit.vllm_plugin.config import FourbitEmbeddingMethod, FourbitInt4Config
 
     fmt = formats.get_format("cpu_int4")
-    config = FourbitInt4Config.from_config(fmt.quantization_config(GROUP, False, embedding=True))
+    config = FourbitInt4Config.from_config(fmt.quantization_config(GROUP, False, embedding=bits == 4))
     vocab, hidden = 40, 256
-    qw = _random_qweight(vocab, hidden, sym=False, gen=torch.Generator().manual_seed(7))
-    layer, method = torch.nn.Module(), FourbitEmbeddingMethod(config)
+    gen = torch.Generator().manual_seed(7)
+    layout = fmt if bits == 4 else formats.INT8
+    qw = (_random_qweight(vocab, hidden, sym=False, gen=gen) if bits == 4
+          else quantize_int8(torch.randn(vocab, hidden, generator=gen), GROUP))
+    layer, method = torch.nn.Module(), FourbitEmbeddingMethod(config, layout)
     method.create_weights(layer, hidden, [vocab], hidden, vocab, torch.float32)
-    for suffix, tensor in fmt.pack(qw).items():
+    for suffix, tensor in layout.pack(qw).items():
         placeholder = getattr(layer, suffix)
         placeholder.weight_loader(placeholder, tensor)
     method.process_weights_after_loading(layer)
