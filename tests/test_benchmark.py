@@ -214,15 +214,62 @@ def test_an_arm_of_an_engine_is_timed_once(checkpoints, fake_host, tmp_path):
         benchmark.bench_study(pairs, {}, threads=1, model_weights_sha256=WEIGHTS)
 
 
-def test_engines_that_would_not_fit_in_memory_are_refused_before_any_starts(
+def test_a_pair_that_would_not_fit_in_memory_is_refused_before_any_engine_starts(
         checkpoints, fake_host, with_sessions, monkeypatch, tmp_path):
     opened, _ = with_sessions
     monkeypatch.setattr(benchmark, "_available_memory_bytes", lambda: 1 << 30)
     out = tmp_path / "bench.json"
-    with pytest.raises(MemoryError, match=r"open at once.*\(2 engines held open\).*about 2\.0 GiB"
-                                          r".*1\.0 GiB is available; bench fewer arms"):
+    with pytest.raises(MemoryError, match=r"bench pair engine/arm alone needs about 2\.0 GiB with "
+                                          r"its baseline.*1\.0 GiB is available; free memory"):
         bench_one(*checkpoints, ENGINE, {}, out, threads=1)
     assert opened == [] and not out.exists()
+
+
+def test_engines_that_do_not_fit_together_are_timed_in_groups_that_do(
+        checkpoints, fake_host, with_sessions, monkeypatch, tmp_path):
+    """Three arms of one engine, room for one arm beside the baseline: three groups, one
+    after the other, the baseline reopened in each; the records say so."""
+    calls, _ = fake_host
+    opened, closed = with_sessions
+    arm, baseline = checkpoints
+    for name in ("second", "third"):
+        shutil.copytree(arm, tmp_path / name)
+    pairs = [pair_of(checkpoint, baseline, ENGINE, tmp_path / name / "bench.json", f"e/{name}")
+             for name, checkpoint in (("a", arm), ("b", tmp_path / "second"),
+                                      ("c", tmp_path / "third"))]
+    one_engine = benchmark.held_open_bytes(benchmark._sides(pairs[:1], {
+        "e/a": benchmark.engine_spec("fake")})[benchmark._side_key(pairs[0], "baseline")])
+    available = 2 * one_engine + one_engine // 2  # room for two engines, not three
+    monkeypatch.setattr(benchmark, "_available_memory_bytes", lambda: available)
+
+    records = benchmark.bench_study(pairs, {"passes": 3}, threads=1, model_weights_sha256=WEIGHTS)
+
+    assert opened == ["arm", "baseline", "second", "baseline", "third", "baseline"]
+    assert closed == ["baseline", "arm", "baseline", "second", "baseline", "third"]
+    # per group, one after the other: a warm-up, then 3 passes in alternating order
+    assert [c["checkpoint"] for c in calls] == [
+        checkpoint for arm_name in ("arm", "second", "third") for checkpoint in
+        (arm_name, "baseline", arm_name, "baseline", "baseline", arm_name, arm_name, "baseline")]
+    for number, record in enumerate(records, start=1):
+        assert record["group"] == {"number": number, "of": 3, "pairs": [f"e/{'abc'[number - 1]}"]}
+        assert record["job"] == records[0]["job"]
+        assert [run["pass"] for run in record["runs"]] == [1, 2, 3]
+        assert record["baseline"]["memory"]["estimated_peak_bytes"] == one_engine
+    assert records[0]["job"]["groups"] == 3
+    assert records[0]["job"]["available_memory_bytes"] == available
+
+
+def test_an_engine_holds_every_tensor_in_its_dtype_at_most_twice_over_at_its_start(checkpoints):
+    """The estimate a group is planned with: dense tensors in the engine's dtype (the
+    embedding included), packed ones as stored, twice over for the load, plus the process."""
+    arm, baseline = checkpoints
+    dense = benchmark.resident_weight_bytes(baseline, "float32")
+    # tiny Llama: the linears of test_roofline..., the 512 x 256 embedding, 5 norms of 256
+    linear_weights = 2 * (256 * 256 * 2 + 256 * 128 * 2 + 3 * 256 * 512) + 512 * 256
+    assert dense == 4 * (linear_weights + 512 * 256 + 5 * 256)
+    assert benchmark.resident_weight_bytes(baseline, "bfloat16") == dense // 2
+    packed = benchmark.resident_weight_bytes(arm, "float32")
+    assert packed == linear_weights // 2 + linear_weights // 64 * 3 + 4 * (512 * 256 + 5 * 256)
 
 
 def test_roofline_from_the_bytes_a_decode_step_reads(checkpoints, fake_host, tmp_path):
@@ -395,4 +442,6 @@ def test_a_bench_worker_is_stopped_between_its_passes_and_ends_with_the_session(
         for _ in range(2):
             assert one_pass()["tg128_tok_s"] > 0
             assert list(workers().values()) == ["T"]
+            # the engine's weights and vLLM's libraries are resident: well over 100 MB
+            assert one_pass.peak_rss_bytes > 100 << 20
     assert workers() == {}  # exited and reaped

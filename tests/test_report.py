@@ -220,6 +220,18 @@ def test_the_baseline_row_pools_its_passes_with_every_arm_of_the_job(tmp_path, t
     assert "30.0 GB/s (best of 3 repeats; slowest 27.5)" in markdown
 
 
+def test_a_bench_job_timed_in_groups_says_which_and_what_compares(tmp_path, tiny_untied, results):
+    job = {**JOB, "groups": 2, "available_memory_bytes": 6 << 30}
+    first, second = (bench_record([100.0] * 3, [50.0] * 3, job=job) for _ in range(2))
+    first["group"] = {"number": 1, "of": 2, "pairs": [f"{ENGINE}/{ARM}"]}
+    second["group"] = {"number": 2, "of": 2, "pairs": [f"{ENGINE}/{SECOND}"]}
+    markdown = " ".join(two_arms(tmp_path, tiny_untied, results, first, second).split())
+    assert ("did not fit in memory together (6.0 GiB available), so it timed them in 2 groups, "
+            f"one after the other, each with its engine's baseline reopened (group 1: "
+            f"`{ENGINE}/{ARM}`; group 2: `{ENGINE}/{SECOND}`)") in markdown
+    assert "tok/s therefore compare across rows of one group only" in markdown
+
+
 def test_rows_from_separate_bench_jobs_are_refused(tmp_path, tiny_untied, results):
     other = {**JOB, "started": "2026-11-29T20:00:00+00:00"}
     with pytest.raises(ReportInputError, match=r"b-0000000000/bench.json: timed in another bench job "

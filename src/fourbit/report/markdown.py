@@ -112,20 +112,36 @@ def fidelity_table(rows: list[dict]) -> list[str]:
 
 
 def bench_job(benches: dict[str, list[dict]]) -> list[str]:
-    """How the throughput rows were timed: one job, its arms interleaved in rounds."""
+    """How the throughput rows were timed: one job, its arms interleaved in rounds, in
+    groups one after the other when their engines did not fit in memory together."""
     measured = [b for records in benches.values() for b in records if b.get("measured")]
     if not measured:
         return []
     engines = sum(1 for records in benches.values() if any(b.get("measured") for b in records))
     job = measured[0]["job"]
     minutes = max(run["started_s"] for b in measured for run in b["runs"]) / 60
+    opening = (f"All {len(measured)} arms of {engines} engine(s) were timed in one bench job "
+               f"(started {job['started']})")
+    rounds = ("each round gave every arm one pass, paired back to back with its engine's "
+              "baseline, the arms' order rotated between rounds")
+    groups = job.get("groups", 1)
+    if groups == 1:
+        return [
+            f"{opening}, in {measured[0]['passes']} rounds over {minutes:.1f} min: {rounds}. "
+            "Every row's passes span the whole job and saw the same host, so absolute tok/s "
+            "compare across rows and engines; ×base, a ratio within each pass, cancels the "
+            "drift that remains."
+        ]
+    members = {tuple(b["group"]["pairs"]): b["group"]["number"] for b in measured}
+    listing = "; ".join(f"group {number}: " + ", ".join(f"`{name}`" for name in names)
+                        for names, number in sorted(members.items(), key=lambda item: item[1]))
     return [
-        f"All {len(measured)} arms of {engines} engine(s) were timed in one bench job (started "
-        f"{job['started']}), in {measured[0]['passes']} rounds over {minutes:.1f} min: each round "
-        "gave every arm one pass, paired back to back with its engine's baseline, the arms' "
-        "order rotated between rounds. Every row's passes span the whole job and saw the same "
-        "host, so absolute tok/s compare across rows and engines; ×base, a ratio within each "
-        "pass, cancels the drift that remains."
+        f"{opening}, but their engines did not fit in memory together "
+        f"({job['available_memory_bytes'] / 2**30:.1f} GiB available), so it timed them in "
+        f"{groups} groups, one after the other, each with its engine's baseline reopened "
+        f"({listing}). Within a group, {measured[0]['passes']} rounds: {rounds}. Absolute "
+        "tok/s therefore compare across rows of one group only (the host's speed drifts "
+        "over minutes); ×base, a ratio within each pass, compares across all rows."
     ]
 
 

@@ -14,7 +14,8 @@ why). Each arm still gets a record of its own, its ``bench.json``:
                      its checks (contention gate and page-cache residency before
                      the pass), its values
     job              when the job started, how many pairs and distinct
-                     checkpoints it timed
+                     checkpoints it timed, in how many groups, the memory available
+    group            the group this pair was timed in and the pairs beside it
     contention       threshold, allow_busy, whether the override was used, the
                      busiest core seen
     bandwidth        the triad bandwidth measured in this job, on its pinned cores
@@ -28,9 +29,12 @@ nothing for a shipped build: the record then says so and ``measured`` is false; 
 Bench.SESSION, when the engine can also stay open across passes through
 ``throughput_session`` (same arguments, a context manager yielding the one-pass
 function): the job then holds every checkpoint's engine open at once (vLLM: one
-worker process each, all their weights resident; the job refuses to start if they
-would not fit in memory) and a pass costs only its runs (an untimed one and the
-timed ones), so many passes fit where one engine start per pass left room for few.
+worker process each, all their weights resident) and a pass costs only its runs (an
+untimed one and the timed ones), so many passes fit where one engine start per pass
+left room for few. When those engines would not fit in memory together (a model of a
+billion parameters, nine arms), the pairs are timed in groups that do, one after the
+other (plan_groups); the records say which group each pair ran in, and every held
+engine's estimated and measured peak memory.
 llama.cpp's llama-bench loads its model itself, as llama.cpp users run it. The
 page-cache check before every pass matters for engines that read their files
 while timing (llama-bench maps the GGUF); an engine kept open read its files
@@ -72,6 +76,7 @@ log = logging.getLogger("fourbit")
 _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2,
                       "I8": 1, "U8": 1, "BOOL": 1}
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_FLOATING = ("F64", "F32", "BF16", "F16")
 
 
 def resolve_settings(given: dict, threads: int) -> dict:
@@ -246,7 +251,10 @@ def _time_pairs(pairs: list[BenchPair], specs: dict[str, EngineSpec],
                 settings: dict) -> dict[str, dict]:
     cores = settings["cores"]
     sides = _sides(pairs, specs)
-    _check_memory([side for side in sides.values() if side.bench is Bench.SESSION])
+    held = {key: held_open_bytes(side) for key, side in sides.items()
+            if side.bench is Bench.SESSION}
+    available = _available_memory_bytes()
+    groups = plan_groups(pairs, held, available)
     started = datetime.now(UTC).isoformat(timespec="seconds")
     by_name = {pair.name: pair for pair in pairs}
 
@@ -259,21 +267,40 @@ def _time_pairs(pairs: list[BenchPair], specs: dict[str, EngineSpec],
         return {"contention": gate, "residency": {"arm": warm_and_check([pair.arm]),
                                                   "baseline": warm_and_check([pair.baseline])}}
 
+    results, peaks, group_of = {}, {}, {}
     with pinned(cores):
         bandwidth = measure_bandwidth(threads=len(cores))  # before any engine starts
-        with contextlib.ExitStack() as open_engines:
-            runs = {
-                key: open_engines.enter_context(_pass_runner(
-                    side, len(cores),
-                    prompt_tokens=settings["prompt_tokens"], decode_tokens=settings["decode_tokens"]))
-                for key, side in sides.items()
-            }
-            results = run_rounds(
-                {p.name: (runs[_side_key(p, "arm")], runs[_side_key(p, "baseline")]) for p in pairs},
-                passes=settings["passes"], warmup=settings["warmup"], before_pass=before_pass,
-            )
-    job = {"started": started, "pairs": len(pairs), "checkpoints": len(sides)}
-    return {pair.name: _record(pair, sides, results[pair.name], settings, bandwidth, job)
+        for number, group in enumerate(groups, start=1):
+            keys = list(dict.fromkeys(_side_key(p, side) for p in group
+                                      for side in ("arm", "baseline")))
+            if len(groups) > 1:
+                log.info("bench group %d of %d (%s): %.1f GiB held open of %.1f GiB available",
+                         number, len(groups), ", ".join(p.name for p in group),
+                         sum(held.get(key, 0) for key in keys) / 2**30, available / 2**30)
+            with contextlib.ExitStack() as open_engines:
+                runs = {key: open_engines.enter_context(_pass_runner(
+                            sides[key], len(cores), prompt_tokens=settings["prompt_tokens"],
+                            decode_tokens=settings["decode_tokens"]))
+                        for key in keys}
+                results |= run_rounds(
+                    {p.name: (runs[_side_key(p, "arm")], runs[_side_key(p, "baseline")])
+                     for p in group},
+                    passes=settings["passes"], warmup=settings["warmup"], before_pass=before_pass,
+                )
+                # A baseline reopened in a later group keeps its largest peak.
+                for key in keys:
+                    peak = getattr(runs[key], "peak_rss_bytes", None)
+                    if peak is not None:
+                        peaks[key] = max(peak, peaks.get(key, 0))
+            for pair in group:
+                group_of[pair.name] = {"number": number, "of": len(groups),
+                                       "pairs": [p.name for p in group]}
+    memory = {key: {"estimated_peak_bytes": held.get(key), "peak_rss_bytes": peaks.get(key)}
+              for key in sides}
+    job = {"started": started, "pairs": len(pairs), "checkpoints": len(sides),
+           "groups": len(groups), "available_memory_bytes": available}
+    return {pair.name: _record(pair, sides, results[pair.name], settings, bandwidth, job,
+                               group_of[pair.name], memory)
             for pair in pairs}
 
 
@@ -310,21 +337,66 @@ def _sides(pairs: list[BenchPair], specs: dict[str, EngineSpec]) -> dict[str, _S
 # libraries and a KV cache sized for one bench sequence (a vLLM worker: ~0.7 GB here
 # for a 20 MB model).
 ENGINE_OVERHEAD_BYTES = 1 << 30
+# An engine's peak while it loads, as a multiple of the weights it then holds: vLLM
+# allocates each parameter in the engine's dtype and copies the checkpoint's tensor
+# into it, and the plugin repacks the 4-bit codes into the kernel's layout beside the
+# loaded ones; the engines of a group start side by side, so their peaks add up.
+LOAD_PEAK_FACTOR = 2
 
 
-def _check_memory(held_open: list[_Side]) -> None:
-    """Refuse, before anything starts, a job whose engines cannot all be open at once."""
-    need = sum(side.weights["bytes"] + ENGINE_OVERHEAD_BYTES for side in held_open)
-    available = _available_memory_bytes()
-    if need > available:
-        raise MemoryError(
-            "the bench step holds every arm and baseline open at once "
-            f"to interleave their passes ({len(held_open)} engines held open); that needs about "
-            f"{need / 2**30:.1f} GiB (weights plus "
-            f"{ENGINE_OVERHEAD_BYTES / 2**30:.0f} GiB per engine) and {available / 2**30:.1f} GiB "
-            "is available; bench fewer arms in one run (a config with fewer arms or engines) "
-            "or run it on a machine with more memory"
-        )
+def held_open_bytes(side: _Side) -> int:
+    """The memory an engine held open for the job may take at its peak (its start)."""
+    resident = resident_weight_bytes(side.checkpoint, side.settings["dtype"])
+    return LOAD_PEAK_FACTOR * resident + ENGINE_OVERHEAD_BYTES
+
+
+def resident_weight_bytes(checkpoint: str | os.PathLike, dense_dtype: str) -> int:
+    """Every tensor of a Hugging Face folder as an engine holds it: dense weights and
+    biases in the engine's dtype (the input embedding and the norms included), packed
+    codes, scales and zeros as stored. From the safetensors headers; nothing is loaded."""
+    total = 0
+    for path in weight_files(checkpoint):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                piece = handle.get_slice(name)
+                count = 1
+                for size in piece.get_shape():
+                    count *= size
+                stored = piece.get_dtype()
+                dense = name.rpartition(".")[2] in ("weight", "bias") and stored in _FLOATING
+                total += count * (_DTYPE_BYTES[dense_dtype] if dense else _SAFETENSORS_BYTES[stored])
+    return total
+
+
+def plan_groups(pairs: list[BenchPair], held: dict[str, int],
+                available: int) -> list[list[BenchPair]]:
+    """The pairs split, in order, into groups whose engines fit in memory together.
+
+    ``held``: the peak bytes of each engine kept open for the job (by _side_key); engines
+    started per pass are not held. One group when everything fits, the usual case: every
+    arm is then interleaved with every other. Otherwise each group runs its rounds after
+    the previous one closed its engines, a shared baseline reopened in each group; a
+    pair that does not fit alone is refused before any engine starts.
+    """
+    groups: list[list[BenchPair]] = [[]]
+    open_keys: set[str] = set()
+    for pair in pairs:
+        keys = {_side_key(pair, side) for side in ("arm", "baseline")} & held.keys()
+        alone = sum(held[key] for key in keys)
+        if alone > available:
+            raise MemoryError(
+                f"bench pair {pair.name} alone needs about {alone / 2**30:.1f} GiB with its "
+                f"baseline (peak at the engines' start: {LOAD_PEAK_FACTOR}x the weights they "
+                f"hold plus {ENGINE_OVERHEAD_BYTES / 2**30:.0f} GiB per engine) and "
+                f"{available / 2**30:.1f} GiB is available; free memory, or run the bench "
+                "on a machine with more"
+            )
+        if sum(held[key] for key in open_keys | keys) > available:
+            groups.append([])
+            open_keys = set()
+        groups[-1].append(pair)
+        open_keys |= keys
+    return groups
 
 
 def _available_memory_bytes() -> int:
@@ -335,12 +407,13 @@ def _available_memory_bytes() -> int:
 
 
 def _record(pair: BenchPair, sides: dict[str, _Side], result: dict, settings: dict,
-            bandwidth: dict, job: dict) -> dict:
+            bandwidth: dict, job: dict, group: dict, memory: dict) -> dict:
     record = {
         "measured": True,
         "engine": pair.engine,
         "settings": settings,
         "job": job,
+        "group": group,
         "passes": result["passes"],
         "warmup": result["warmup"],
         "runs": result["runs"],
@@ -351,8 +424,10 @@ def _record(pair: BenchPair, sides: dict[str, _Side], result: dict, settings: di
     }
     decode_metric = f"tg{settings['decode_tokens']}_tok_s"
     for side in ("arm", "baseline"):
-        opened = sides[_side_key(pair, side)]
+        key = _side_key(pair, side)
+        opened = sides[key]
         record[side] = {
+            "memory": memory[key],
             "checkpoint": str(opened.checkpoint),
             "runtime": opened.engine.runtime(opened.checkpoint, pair.engine),
             "stats": result[side],

@@ -227,13 +227,15 @@ def throughput_session(
                "prompt_tokens": prompt_tokens, "decode_tokens": decode_tokens}
     worker = _BenchWorker(checkpoint, request)
     try:
-        yield worker.one_pass
+        yield worker
     finally:
         worker.close()
 
 
 class _BenchWorker:
-    """One fourbit.engines.vllm.bench_worker process and its side of the protocol."""
+    """One fourbit.engines.vllm.bench_worker process and its side of the protocol; called,
+    it times one pass. ``peak_rss_bytes``: the worker's largest resident set so far (None
+    until its engine is open)."""
 
     def __init__(self, checkpoint: str | os.PathLike, request: dict[str, Any]):
         self.checkpoint = checkpoint
@@ -242,6 +244,7 @@ class _BenchWorker:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
         self.waiting_for_ready = True
+        self.peak_rss_bytes: int | None = None
 
     def _gone(self) -> RuntimeError:
         return RuntimeError(f"the bench worker for {self.checkpoint} exited with "
@@ -255,9 +258,10 @@ class _BenchWorker:
         message = json.loads(line)
         if "error" in message:
             raise RuntimeError(f"the bench worker for {self.checkpoint} failed:\n{message['error']}")
+        self.peak_rss_bytes = message["peak_rss_bytes"]
         return message[key]
 
-    def one_pass(self) -> dict[str, float]:
+    def __call__(self) -> dict[str, float]:
         if self.waiting_for_ready:
             self._reply("ready")
             self.waiting_for_ready = False

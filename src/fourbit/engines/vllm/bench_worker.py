@@ -11,8 +11,12 @@ Protocol (one JSON object per line):
 
     argv[1]   {"checkpoint", "settings" (a VllmSettings' fields), "threads",
                "prompt_tokens", "decode_tokens"}
-    out       {"ready": true} once the engine is open and warmed up
-    in        "pass"  ->  out {"rates": {"pp512_tok_s": .., "tg128_tok_s": ..}}
+    out       {"ready": true, "peak_rss_bytes": ..} once the engine is open and warmed up
+    in        "pass"  ->  out {"rates": {"pp512_tok_s": .., "tg128_tok_s": ..},
+                               "peak_rss_bytes": ..}
+
+peak_rss_bytes is the process's largest resident set so far (VmHWM), which the job
+records beside its estimate (fourbit.steps.bench.held_open_bytes).
     in        end of input: close the engine and exit 0
     out       {"error": "<traceback>"} on any failure, then exit 1
 
@@ -52,16 +56,23 @@ def main() -> int:
             request["checkpoint"], VllmSettings(**request["settings"]), request["threads"],
             prompt_tokens=request["prompt_tokens"], decode_tokens=request["decode_tokens"],
         ) as one_pass:
-            send({"ready": True})
+            send({"ready": True, "peak_rss_bytes": peak_rss_bytes()})
             for line in sys.stdin:
                 if line.strip() != "pass":
                     raise ValueError(f"unknown command {line.strip()!r}; the worker knows 'pass'")
                 wall, _ = one_pass()
-                send({"rates": wall})
+                send({"rates": wall, "peak_rss_bytes": peak_rss_bytes()})
     except BaseException:  # noqa: BLE001 (every failure must reach the job as its error line)
         send({"error": traceback.format_exc()})
         return 1
     return 0
+
+
+def peak_rss_bytes() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/status has no VmHWM line")
 
 
 if __name__ == "__main__":
