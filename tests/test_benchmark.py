@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from engine_settings import engine_settings
 
+from fourbit.bench import hostmemory
 from fourbit.bench.contention import ContentionError, check_quiet
 from fourbit.config import block, canonical_quant, load_schema
 from fourbit.engines import ENGINES, Bench, EngineSpec, Fidelity
@@ -217,7 +218,7 @@ def test_an_arm_of_an_engine_is_timed_once(checkpoints, fake_host, tmp_path):
 def test_a_pair_that_would_not_fit_in_memory_is_refused_before_any_engine_starts(
         checkpoints, fake_host, with_sessions, monkeypatch, tmp_path):
     opened, _ = with_sessions
-    monkeypatch.setattr(benchmark, "_available_memory_bytes", lambda: 1 << 30)
+    monkeypatch.setattr(benchmark, "available_memory_bytes", lambda: 1 << 30)
     out = tmp_path / "bench.json"
     with pytest.raises(MemoryError, match=r"bench pair engine/arm alone needs about 2\.0 GiB with "
                                           r"its baseline.*1\.0 GiB is available; free memory"):
@@ -240,7 +241,7 @@ def test_engines_that_do_not_fit_together_are_timed_in_groups_that_do(
     one_engine = benchmark.held_open_bytes(benchmark._sides(pairs[:1], {
         "e/a": benchmark.engine_spec("fake")})[benchmark._side_key(pairs[0], "baseline")])
     available = 2 * one_engine + one_engine // 2  # room for two engines, not three
-    monkeypatch.setattr(benchmark, "_available_memory_bytes", lambda: available)
+    monkeypatch.setattr(benchmark, "available_memory_bytes", lambda: available)
 
     records = benchmark.bench_study(pairs, {"passes": 3}, threads=1, model_weights_sha256=WEIGHTS)
 
@@ -468,4 +469,4 @@ def test_the_memory_a_bench_may_use_is_capped_by_its_cgroup(tmp_path, membership
     for name, value in files.items():
         (cgroups / name).parent.mkdir(parents=True, exist_ok=True)
         (cgroups / name).write_text(f"{value}\n")
-    assert benchmark._available_memory_bytes(proc, cgroups) == room_gib << 30
+    assert hostmemory.available_memory_bytes(proc, cgroups) == room_gib << 30
