@@ -63,7 +63,8 @@ SHAPES = [
     ("lm_head", 151936, 896, 1),
 ]
 METHODS = ("dense fp32", "dense bf16", "tinygemm bf16", "tinygemm fp32", "fourbit W4A16",
-           "fourbit W4A8", "fourbit W4A8_GROUP", "fourbit W8A16")
+           "fourbit W4A8", "fourbit W4A8_GROUP", "fourbit W4A8 (avx2)",
+           "fourbit W4A8_GROUP (avx2)", "fourbit W8A16")
 
 
 def random_qweight(n: int, k: int, g: int, seed: int) -> QuantizedWeight:
@@ -91,9 +92,10 @@ def build(method: str, qw: QuantizedWeight):
         codes, scales = eight.codes, eight.scales.float()
         return (lambda x: int4_cpu.linear_int8(x, codes, scales, g)), [codes, scales]
     packed = int4_cpu.repack(qw)
-    numerics = method.removeprefix("fourbit ").lower()
+    numerics, _, forced = method.removeprefix("fourbit ").lower().partition(" (")
+    on = forced.rstrip(")")  # "(avx2)": the AVX2 code on a host whose own path is wider
     assert packed.shape[0] == n
-    return (lambda x: int4_cpu.linear(x, packed, numerics)), [
+    return (lambda x: int4_cpu.linear(x, packed, numerics, on)), [
         packed.packed, packed.scales, packed.zeros]
 
 
@@ -143,7 +145,7 @@ torch.set_num_threads(1)
 numerics, n, k, g = sys.argv[1], *map(int, sys.argv[2:])
 qw = QuantizedWeight(torch.randint(0, 16, (n, k), dtype=torch.uint8), torch.rand(n, k // g).half(),
                      torch.randint(0, 16, (n, k // g), dtype=torch.uint8), g)
-int4_cpu.linear(torch.randn(1, k), int4_cpu.repack(qw), numerics)
+int4_cpu.linear(torch.randn(1, k), int4_cpu.repack(qw), numerics, "avx2")  # valgrind runs no AVX-512
 """
 
 
@@ -251,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.instructions:
         n, k = COUNT_SHAPE
         print(f"instructions per weight, one {n} x {k} linear at batch 1, one thread, "
-              f"callgrind (fourbit kernel ISA {int4_cpu.isa()}; ggml compiled -mavx2 -mfma):")
+              "callgrind (fourbit's AVX2 path; ggml compiled -mavx2 -mfma):")
         for label, value in count_instructions(args.group_size).items():
             print(f"  {label:<28} {value:.3f}")
         return

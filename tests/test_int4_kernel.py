@@ -5,7 +5,10 @@ size including K % 64 == 32 (the half chunk at G = 32), symmetric and asymmetric
 and batches of 1 to 9 rows. W4A16 is held to float32 summation error of x @ W_hat.T;
 W4A8 and W4A8_GROUP to the same bound against x_rounded @ W_hat.T, where x_rounded is
 recomputed here from Q8_0's definition (per 32 columns, or per group), so both the
-kernel's integer arithmetic and its rounding are checked. The ISA tests skip where the host has no AVX2 (the fallback test runs anywhere).
+kernel's integer arithmetic and its rounding are checked, on each ISA path: AVX2 anywhere
+the kernel runs, AVX-512 VNNI where the host has it (its tests skip elsewhere; on such a
+host the AVX2 code is checked too, by asking for it). The ISA tests skip where the host
+has no AVX2 (the fallback test runs anywhere).
 """
 
 from __future__ import annotations
@@ -17,6 +20,12 @@ from fourbit.kernels import int4_cpu
 from fourbit.quant.qweight import QuantizedWeight
 
 needs_kernel = pytest.mark.skipif(int4_cpu.isa() == "none", reason="no AVX2+FMA kernel here")
+# Every ISA path the kernel has; a path this host lacks is skipped, by name.
+PATHS = [
+    "avx2",
+    pytest.param("avx512_vnni", marks=pytest.mark.skipif(
+        int4_cpu.isa() != "avx512_vnni", reason="this host has no AVX-512 VNNI")),
+]
 
 # (N, K, G): odd and small N, K with the half chunk (96, 160 at G=32), every group size
 SHAPES = [(1, 32, 32), (7, 96, 32), (33, 160, 32), (5, 64, 64), (13, 192, 64), (9, 256, 128),
@@ -127,11 +136,17 @@ def test_int8_rounding_is_q8_0_per_block(block):
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("numerics", ["w4a8", "w4a8_group"])
-def test_int8_numerics_match_rounded_reference(n, k, g, sym, rows, numerics):
+@pytest.mark.parametrize("on", PATHS)
+def test_int8_numerics_match_rounded_reference(n, k, g, sym, rows, numerics, on):
     qw = random_qweight(n, k, g, sym, seed=11 * n + k)
     w_hat = qw.dequantize()
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + 5))
-    y = int4_cpu.linear(x, int4_cpu.repack(qw), numerics)
+    if on != int4_cpu.path(numerics, g) and on != "avx2":  # VNNI covers groups of 128 * n
+        assert g % 128
+        with pytest.raises(RuntimeError, match="it runs 'avx2'"):
+            int4_cpu.linear(x, int4_cpu.repack(qw), numerics, on)
+        return
+    y = int4_cpu.linear(x, int4_cpu.repack(qw), numerics, on)
     _, _, x_rounded = q8_reference(x, activation_block(numerics, g))
     err = (y.double() - x_rounded.double() @ w_hat.double().T).abs()
     assert torch.all(err <= error_bound(x_rounded, w_hat)), err.max()
@@ -238,3 +253,20 @@ def test_w8a16_splits_rows_over_threads_and_names_bad_inputs():
         int4_cpu.linear_int8(x, qw.codes, qw.scales, 64)  # float16, as stored: widen it first
     with pytest.raises(RuntimeError, match="group 24"):
         int4_cpu.linear_int8(x, qw.codes, scales, 24)
+
+
+@needs_kernel
+def test_each_call_names_its_path(monkeypatch):
+    """AVX-512 VNNI runs the int8 numerics at groups of 128 * n where the host has it; every
+    other call runs AVX2; FOURBIT_INT4_ISA=avx2 caps a whole process at AVX2."""
+    host = int4_cpu.isa()
+    assert host in ("avx2", "avx512_vnni")
+    for numerics in ("w4a8", "w4a8_group"):
+        assert int4_cpu.path(numerics, 128) == int4_cpu.path(numerics, 256) == host
+        assert int4_cpu.path(numerics, 64) == int4_cpu.path(numerics, 32) == "avx2"
+    assert int4_cpu.path("w4a16", 128) == int4_cpu.path_int8() == "avx2"
+    assert int4_cpu.paths("w4a16") == "avx2"
+    wide = "avx512_vnni at groups that are multiples of 128, avx2 at others"
+    assert int4_cpu.paths("w4a8_group") == (wide if host == "avx512_vnni" else "avx2")
+    monkeypatch.setenv("FOURBIT_INT4_ISA", "avx2")
+    assert int4_cpu.isa() == int4_cpu.path("w4a8_group", 128) == "avx2"

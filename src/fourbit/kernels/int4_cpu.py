@@ -1,5 +1,5 @@
-"""fourbit's own CPU 4-bit linear for decode: W4A16 and W4A8 on AVX2 (csrc/int4_cpu.cpp),
-and the 8-bit W8A16 beside it.
+"""fourbit's own CPU 4-bit linear for decode: W4A16 and W4A8 on AVX2, W4A8 on AVX-512 VNNI
+too (csrc/int4_cpu.cpp), and the 8-bit W8A16 beside it.
 
 Why its own kernel. PyTorch's tinygemm (kernels/tinygemm.py) is vectorized on x86 only
 for bfloat16 activations, and vLLM has no 4-bit CPU path on AVX2 hosts at all. At batch 1
@@ -86,10 +86,16 @@ per row. Exact against the dense control up to float32 summation order, as w4a16
 Qwen2.5-0.5B's lm_head (151936 x 896), batch 1, 2 threads on the AVX2 EPYC: 18.3 ms, against
 58.4 ms for the dense float32 matrix and 24.3 ms for bfloat16 (benchmarks/int4_kernel.py).
 
-ISA. One path, AVX2+FMA, chosen at run time (``isa()``); it also runs on AVX-512 hosts.
-There is no AVX-512 code: the host this was written and measured on has no AVX-512, and
-code that was never run does not ship. Where the ISA is missing (or FOURBIT_INT4_ISA=none)
-or a shape is not covered (``unsupported``), callers fall back to tinygemm by name.
+ISA, chosen at run time for each call (``path``): AVX2+FMA code for every numerics and
+group size; where the host has AVX-512 VNNI (avx512f/bw/vl/vnni), W4A8 and W4A8_GROUP at
+groups that are multiples of 128 run on it instead: vpdpbusd adds four code x activation
+products per int32 lane in one instruction (AVX2: maddubs, madd, add) and one 64-byte load
+holds a whole 128-column group of a row. The integer sums are the AVX2 path's lane for lane;
+only the float accumulation order differs. valgrind runs no AVX-512, so the instruction
+counts above are the AVX2 path's. FOURBIT_INT4_ISA=avx2 caps a process at AVX2, =none
+hides the kernel; ``linear(..., on="avx2")`` runs the AVX2 code for one call (benchmarks
+and tests time and check both paths in one process). Where the ISA is missing or a shape
+is not covered (``unsupported``), callers fall back to tinygemm by name.
 
 Threads: the op splits output rows over torch's intra-op threads (at::parallel_for).
 """
@@ -125,9 +131,29 @@ def _ext():
 
 
 def isa() -> str:
-    """The ISA path this CPU runs the kernel on: "avx2", or "none" (no kernel here)."""
+    """The best ISA path this CPU has: "avx512_vnni", "avx2", or "none" (no kernel here).
+    FOURBIT_INT4_ISA=avx2 or =none caps it (read at every call)."""
     ext = _ext()
     return "none" if ext is None else ext.isa()
+
+
+def path(numerics: str, group_size: int) -> str:
+    """The ISA path a call with these numerics and group size runs on this CPU."""
+    ext = _ext()
+    return "none" if ext is None else ext.path(_NUMERICS_CODE[numerics], group_size)
+
+
+def paths(numerics: str) -> str:
+    """Which path runs ``numerics`` here, by group size, for a runtime string."""
+    wide = path(numerics, 2 * CHUNK)
+    if wide == path(numerics, CHUNK):
+        return wide
+    return f"{wide} at groups that are multiples of 128, {path(numerics, CHUNK)} at others"
+
+
+def path_int8() -> str:
+    """The ISA path of the 8-bit kernel (linear_int8): AVX2 code wherever the kernel runs."""
+    return "none" if isa() == "none" else "avx2"
 
 
 def unsupported(out_features: int, in_features: int, group_size: int) -> str | None:
@@ -199,9 +225,10 @@ def repack(qw: QuantizedWeight) -> PackedInt4:
     )
 
 
-def linear(x: torch.Tensor, w: PackedInt4, numerics: str) -> torch.Tensor:
-    """x [M, K] -> [M, N] float32."""
-    return _ext().linear(x, w.packed, w.scales, w.zeros, w.group_size, _NUMERICS_CODE[numerics])
+def linear(x: torch.Tensor, w: PackedInt4, numerics: str, on: str = "") -> torch.Tensor:
+    """x [M, K] -> [M, N] float32; ``on`` picks the ISA path ("avx2" runs anywhere the
+    kernel does), "" the one ``path`` names."""
+    return _ext().linear(x, w.packed, w.scales, w.zeros, w.group_size, _NUMERICS_CODE[numerics], on)
 
 
 def linear_tensors(x, packed, scales, zeros, group_size: int, numerics_code: int) -> torch.Tensor:

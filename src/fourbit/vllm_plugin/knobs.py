@@ -47,7 +47,7 @@ def describe(knobs: dict[str, Any], model_dtype: str) -> str:
     requested, compute = knobs["activation_dtype"], compute_dtype(knobs, model_dtype)
     kernel = knobs["kernel"]
     if runs_fourbit_kernel(knobs):
-        small = f"fourbit {kernel.upper()} kernel ({int4_cpu.isa()})"
+        small = f"fourbit {kernel.upper()} kernel ({int4_cpu.paths(kernel)})"
         source = "its packed layout"
     else:
         dtype = tinygemm.kernel_dtype(getattr(torch, compute), requested)
@@ -70,7 +70,7 @@ def describe_int8() -> str:
 
     if int4_cpu.isa() == "none":
         return "exact W_hat, dense, for every batch (no AVX2+FMA kernel here)"
-    return (f"fourbit W8A16 kernel ({int4_cpu.isa()}) below {INT8_DENSE_ROWS} rows, "
+    return (f"fourbit W8A16 kernel ({int4_cpu.path_int8()}) below {INT8_DENSE_ROWS} rows, "
             "exact W_hat block by block above")
 
 

@@ -26,10 +26,10 @@
 //          product is one int32 sum, converted and scaled once (s * d) per row and group,
 //          instead of once per 32 columns. At G = 32 it is W4A8.
 //
-// ISA: only an AVX2+FMA path exists (runtime check, __builtin_cpu_supports); it also runs
-// on AVX-512 hosts. No AVX-512 code is shipped: the host this was written on has no
-// AVX-512 and untested code does not ship. Without AVX2+FMA, isa() says "none" and the
-// Python side falls back to tinygemm.
+// ISA, chosen at run time (__builtin_cpu_supports): AVX2+FMA for every numerics and group
+// size; AVX-512 VNNI (avx512f/bw/vl/vnni) for W4A8 and W4A8_GROUP at G = 128 * n, where
+// it is present. Without AVX2+FMA, isa() says "none" and the Python side falls back to
+// tinygemm.
 //
 // Threads: at::parallel_for over blocks of output rows (torch's intra-op threads).
 
@@ -59,11 +59,27 @@ bool cpu_has_avx2() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }
 
-// "avx2" or "none". FOURBIT_INT4_ISA=none hides the kernel (tests of the fallback use it).
+bool cpu_has_avx512_vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+
+// The best path this CPU has: "avx512_vnni", "avx2" or "none". FOURBIT_INT4_ISA caps it:
+// "avx2" runs the AVX2 code on an AVX-512 host (tests cover both paths on one machine),
+// "none" hides the kernel (tests of the fallback). Read per call, so a test can switch it.
 std::string isa() {
-  const char* cap = std::getenv("FOURBIT_INT4_ISA");
-  if (cap && std::string(cap) == "none") return "none";
-  return cpu_has_avx2() ? "avx2" : "none";
+  const char* env = std::getenv("FOURBIT_INT4_ISA");
+  const std::string cap = env ? env : "";
+  if (cap == "none" || !cpu_has_avx2()) return "none";
+  return cap == "avx2" || !cpu_has_avx512_vnni() ? "avx2" : "avx512_vnni";
+}
+
+// The path one call runs: AVX-512 VNNI covers the int8 numerics at groups of 128 * n.
+std::string path(int64_t numerics, int64_t g) {
+  const std::string host = isa();
+  if (host == "avx512_vnni" && (numerics == W4A16 || g % (2 * CHUNK) != 0)) return "avx2";
+  return host;
 }
 
 // ---- activations --------------------------------------------------------------------
@@ -318,6 +334,134 @@ FOURBIT_AVX2 void rows_w4a8_group(const uint8_t* const* w, const float* sb, cons
   finish_rows(acc, corr, out);
 }
 
+// ---- AVX-512 VNNI: W4A8 and W4A8_GROUP at G = 128 * n -----------------------------
+//
+// vpdpbusd adds four unsigned-code x signed-activation products into each int32 lane in one
+// instruction, where AVX2 takes maddubs + madd (+ add), and one 64-byte load holds two
+// chunks (128 codes) of a row, so a group of 128 is one load per row. Lane j of each
+// 32-byte half sums bytes 4j..4j+3 on both paths: the integer sums are AVX2's lane for
+// lane and only the float accumulation order differs.
+
+#define FOURBIT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")))
+
+// GCC 12's AVX-512 headers seed intrinsics with self-initialized "undefined" vectors and
+// then warn about them under -O3 (GCC bug 105593, fixed in 13); the warnings are theirs.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+// The activations a row's 64-byte load at chunk c meets: its low nibbles are k = 64c + i
+// and 64c + 64 + i (i < 32), its high ones 64c + 32 + i and 64c + 96 + i.
+FOURBIT_AVX512 inline void pair_activations(const int8_t* y, __m512i& lo, __m512i& hi) {
+  const __m256i* v = reinterpret_cast<const __m256i*>(y);  // four 32-byte blocks
+  lo = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(v)), _mm256_loadu_si256(v + 2), 1);
+  hi = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(v + 1)), _mm256_loadu_si256(v + 3), 1);
+}
+
+// One row's two chunks (64 bytes) against pair_activations' lo / hi: the low and the high
+// nibbles' products, each summed four at a time into 16 int32 lanes on top of p_lo / p_hi.
+FOURBIT_AVX512 inline void pair_products(const uint8_t* bytes, __m512i lo, __m512i hi,
+                                         __m512i& p_lo, __m512i& p_hi) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i raw = _mm512_loadu_si512(bytes);
+  p_lo = _mm512_dpbusd_epi32(p_lo, _mm512_and_si512(raw, low), lo);
+  p_hi = _mm512_dpbusd_epi32(p_hi, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low), hi);
+}
+
+FOURBIT_AVX512 inline void finish_rows_512(const __m512* acc, __m128 corr, float* out) {
+  float c4[4];
+  _mm_storeu_ps(c4, corr);
+  for (int r = 0; r < ROWS; ++r) out[r] = _mm512_reduce_add_ps(acc[r]) - c4[r];
+}
+
+// W4A8_GROUP for G = 128 * PPG (PPG = 0: any multiple of 128, given as `pairs`): one int32
+// sum per row and group (no lane exceeds 8 * 15 * 127 per pair), converted and scaled once.
+template <int PPG>
+FOURBIT_AVX512 inline void groups_w4a8_group_512(const uint8_t* const* w, const float* sb,
+                                                 const uint8_t* zb, const int8_t* qy,
+                                                 const float* d, const float* xsum,
+                                                 int64_t groups, __m512* acc, __m128& corr,
+                                                 int64_t pairs = PPG) {
+  constexpr int R = ROWS;
+  const int64_t per = PPG ? PPG : pairs;
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    __m512i sum[R];
+    for (int r = 0; r < R; ++r) sum[r] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+    for (int64_t j = 0; j < per; ++j) {
+      const int64_t c = 2 * (gi * per + j);
+      __m512i lo, hi;
+      pair_activations(qy + c * CHUNK, lo, hi);
+      for (int r = 0; r < R; ++r) pair_products(w[r] + c * 32, lo, hi, sum[r], sum[r]);
+    }
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_set1_ps(sb[gi * R + r] * d[gi]),
+                               acc[r]);
+    }
+    corr = add_zero_term(corr, sb, zb, gi, xsum[gi]);
+  }
+}
+
+// W4A8 for G = 128 * PPG: each 32-block's int32 sums scaled by its d (a pair of chunks holds
+// blocks 2c..2c+3: lanes 0-7 of the low products are block 2c, lanes 8-15 block 2c + 2),
+// a group's partial then by s once.
+template <int PPG>
+FOURBIT_AVX512 inline void groups_w4a8_512(const uint8_t* const* w, const float* sb,
+                                           const uint8_t* zb, const int8_t* qy, const float* d,
+                                           const float* xsum, int64_t groups, __m512* acc,
+                                           __m128& corr, int64_t pairs = PPG) {
+  constexpr int R = ROWS;
+  const int64_t per = PPG ? PPG : pairs;
+  const __m512i lo_blocks = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i hi_blocks = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1);
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    __m512 part[R];
+    for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+    for (int64_t j = 0; j < per; ++j) {
+      const int64_t c = 2 * (gi * per + j);
+      __m512i lo, hi;
+      pair_activations(qy + c * CHUNK, lo, hi);
+      const __m512 d4 = _mm512_castps128_ps512(_mm_loadu_ps(d + 2 * c));  // blocks 2c..2c+3
+      const __m512 d_lo = _mm512_permutexvar_ps(lo_blocks, d4);
+      const __m512 d_hi = _mm512_permutexvar_ps(hi_blocks, d4);
+      for (int r = 0; r < R; ++r) {
+        __m512i p_lo = _mm512_setzero_si512(), p_hi = _mm512_setzero_si512();
+        pair_products(w[r] + c * 32, lo, hi, p_lo, p_hi);
+        part[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p_lo), d_lo, part[r]);
+        part[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p_hi), d_hi, part[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm512_fmadd_ps(part[r], _mm512_set1_ps(sb[gi * R + r]), acc[r]);
+    }
+    corr = add_zero_term(corr, sb, zb, gi, xsum[gi]);
+  }
+}
+
+// ROWS rows of W4A8 (per_group_d false) or W4A8_GROUP (true) at G = 128 * n; arguments as
+// for rows_w4a8 / rows_w4a8_group.
+FOURBIT_AVX512 void rows_int8_512(bool per_group_d, const uint8_t* const* w, const float* sb,
+                                  const uint8_t* zb, const int8_t* qy, const float* d,
+                                  const float* xsum, int64_t k, int64_t g, float* out) {
+  __m512 acc[ROWS];
+  __m128 corr = _mm_setzero_ps();
+  for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+  const int64_t groups = k / g, pairs = g / (2 * CHUNK);
+  if (per_group_d && pairs == 1) {
+    groups_w4a8_group_512<1>(w, sb, zb, qy, d, xsum, groups, acc, corr);
+  } else if (per_group_d) {
+    groups_w4a8_group_512<0>(w, sb, zb, qy, d, xsum, groups, acc, corr, pairs);
+  } else if (pairs == 1) {
+    groups_w4a8_512<1>(w, sb, zb, qy, d, xsum, groups, acc, corr);
+  } else {
+    groups_w4a8_512<0>(w, sb, zb, qy, d, xsum, groups, acc, corr, pairs);
+  }
+  finish_rows_512(acc, corr, out);
+}
+
+#pragma GCC diagnostic pop
+
 // `bytes` packed bytes of R rows from byte0: low nibbles times x[k_lo + i], high ones
 // times x[k_hi + i], added to lo_acc / hi_acc.
 template <int R>
@@ -470,7 +614,7 @@ void over_row_blocks(int64_t m, int64_t n, float* yp, Rows&& rows) {
 // x [M, K] float32 -> [M, N] float32 with 8-bit weights.
 at::Tensor linear_int8(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
                        int64_t g) {
-  TORCH_CHECK(isa() == "avx2", "fourbit int8: this CPU has no AVX2+FMA; use the fallback");
+  TORCH_CHECK(isa() != "none", "fourbit int8: this CPU has no AVX2+FMA; use the fallback");
   TORCH_CHECK(codes.dtype() == at::kChar && codes.dim() == 2 && codes.is_contiguous(),
               "fourbit int8: codes must be contiguous int8 [N, K]");
   const int64_t n = codes.size(0), k = codes.size(1);
@@ -519,13 +663,18 @@ void check(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor&
               "fourbit int4: zeros must be contiguous uint8 [ceil(N/4), K/G, 4]");
 }
 
-// x [M, K] float32 -> [M, N] float32.
+// x [M, K] float32 -> [M, N] float32. `on`: the ISA path to run, "" for path(numerics, g);
+// "avx2" on an AVX-512 host lets a benchmark or a test time or check both in one process.
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scales,
-                  const at::Tensor& zeros, int64_t g, int64_t numerics) {
-  TORCH_CHECK(isa() == "avx2", "fourbit int4: this CPU has no AVX2+FMA; use the fallback");
+                  const at::Tensor& zeros, int64_t g, int64_t numerics, const std::string& on) {
+  TORCH_CHECK(isa() != "none", "fourbit int4: this CPU has no AVX2+FMA; use the fallback");
   check(packed, scales, zeros, g);
   TORCH_CHECK(numerics == W4A16 || numerics == W4A8 || numerics == W4A8_GROUP,
               "fourbit int4: numerics ", numerics);
+  const std::string runs = on.empty() ? path(numerics, g) : on;
+  TORCH_CHECK(runs == "avx2" || runs == path(numerics, g), "fourbit int4: path '", on,
+              "' does not run numerics ", numerics, " at group ", g, " on this CPU (it runs '",
+              path(numerics, g), "'; 'avx2' always does)");
   const int64_t n = packed.size(0), k = packed.size(1) * 2;
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "fourbit int4: x must be [M, ", k, "]");
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
@@ -554,12 +703,17 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Te
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   const uint8_t* zp = zeros.data_ptr<uint8_t>();
+  const bool vnni = runs == "avx512_vnni";
   over_row_blocks(m, n, y.data_ptr<float>(), [&](int64_t b, const int64_t* row, int64_t i, float* out) {
     const uint8_t* w[ROWS];
     for (int r = 0; r < ROWS; ++r) w[r] = wp + row[r] * (k / 2);
     const float* sb = sp + b * groups * ROWS;
     const uint8_t* zb = zp + b * groups * ROWS;
-    if (numerics == W4A8) {
+    if (vnni) {
+      const bool per_group = numerics == W4A8_GROUP;
+      rows_int8_512(per_group, w, sb, zb, qy.data() + i * k,
+                    d.data() + i * (per_group ? groups : k / QK), xsum.data() + i * groups, k, g, out);
+    } else if (numerics == W4A8) {
       rows_w4a8(w, sb, zb, qy.data() + i * k, d.data() + i * (k / QK), xsum.data() + i * groups,
                 k, g, out);
     } else if (numerics == W4A8_GROUP) {
@@ -619,7 +773,7 @@ at::Tensor dequantize(const at::Tensor& packed, const at::Tensor& scales, const 
 // the group for W4A8_GROUP): [M, K] -> (int8 [M, K], d float32 [M, K/block]), so tests can
 // hold the kernel to exactly the rounding it applies.
 std::vector<at::Tensor> quantize_activations(const at::Tensor& x_in, int64_t block) {
-  TORCH_CHECK(isa() == "avx2", "fourbit int4: this CPU has no AVX2+FMA");
+  TORCH_CHECK(isa() != "none", "fourbit int4: this CPU has no AVX2+FMA");
   TORCH_CHECK(block > 0 && block % QK == 0, "fourbit int4: block ", block, " is not a multiple of 32");
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   TORCH_CHECK(x.dim() == 2 && x.size(1) % block == 0,
@@ -638,9 +792,12 @@ std::vector<at::Tensor> quantize_activations(const at::Tensor& x_in, int64_t blo
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "fourbit's CPU 4-bit linear (AVX2 W4A16 / W4A8 / W4A8_GROUP) and 8-bit W8A16; see fourbit/kernels/int4_cpu.py";
-  m.def("isa", &isa, "the ISA path this CPU runs: 'avx2' or 'none'");
-  m.def("linear", &linear, "x [M, K] @ W_hat^T -> [M, N] float32");
+  m.doc() = "fourbit's CPU 4-bit linear (AVX2 W4A16 / W4A8 / W4A8_GROUP, AVX-512 VNNI W4A8 / W4A8_GROUP) and 8-bit W8A16; see fourbit/kernels/int4_cpu.py";
+  m.def("isa", &isa, "the best ISA path this CPU has: 'avx512_vnni', 'avx2' or 'none'");
+  m.def("path", &path, "the ISA path a call with these numerics and group size runs");
+  m.def("linear", &linear, "x [M, K] @ W_hat^T -> [M, N] float32, on an ISA path ('' = path())",
+        py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("zeros"), py::arg("g"),
+        py::arg("numerics"), py::arg("on") = "");
   m.def("dequantize", &dequantize, "W_hat float32 [N, K] from the packed layout");
   m.def("quantize_activations", &quantize_activations, "the int8 rounding of x [M, K] per block columns");
   m.def("linear_int8", &linear_int8, "x [M, K] @ W_hat^T -> [M, N] float32, 8-bit weights (W8A16)");
