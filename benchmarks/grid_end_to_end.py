@@ -42,7 +42,7 @@ ppl deltas do not follow KL. The head is a fifth of this model's weights: kept d
 cpu_int4 g64's by 4.5x; on the 8-bit grid (quantize_head: 8) it keeps nearly all of
 that for one bit per quantized weight more (the bits column counts the head's 8-bit
 codes; the dense rows count only the 4-bit matrices). llama.cpp's Q4_K_M spends 5.241
-bits per weight on this model (docs/default-study-2026-12-01). mixed_precision (the two
+bits per weight on this model (docs/default-study-2026-12-02). mixed_precision (the two
 mixed rows, same day and host) measured layer 0's q/k/v (KL 2.9e-5 alone at 4 bits) and
 the head (2.6e-5) as the two sets that matter, every other set below 7e-7: +0.5 bits
 moved layer 0's q/k/v, o and down and layer 3's q/k/v, which keeps as much KL as the

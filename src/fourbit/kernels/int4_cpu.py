@@ -92,7 +92,11 @@ groups that are multiples of 128 run on it instead: vpdpbusd adds four code x ac
 products per int32 lane in one instruction (AVX2: maddubs, madd, add) and one 64-byte load
 holds a whole 128-column group of a row. The integer sums are the AVX2 path's lane for lane;
 only the float accumulation order differs. valgrind runs no AVX-512, so the instruction
-counts above are the AVX2 path's. FOURBIT_INT4_ISA=avx2 caps a process at AVX2, =none
+counts above are the AVX2 path's. What it buys is small where the weights' reads bound the
+time: at Qwen2.5-0.5B's shapes, batch 1, 2 threads, on a 2-core AMD EPYC with AVX-512 on
+quiet cores, a whole token's linears took 12.06 ms with W4A8 (12.79 on the AVX2 code in the
+same run) and 11.99 with W4A8_GROUP (12.30), 61% of the run's triad bandwidth
+(benchmarks/int4_kernel.py). FOURBIT_INT4_ISA=avx2 caps a process at AVX2, =none
 hides the kernel; ``linear(..., on="avx2")`` runs the AVX2 code for one call (benchmarks
 and tests time and check both paths in one process). Where the ISA is missing or a shape
 is not covered (``unsupported``), callers fall back to tinygemm by name.
