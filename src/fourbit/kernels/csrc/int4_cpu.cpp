@@ -374,39 +374,13 @@ FOURBIT_AVX512 inline void finish_rows_512(const __m512* acc, __m128 corr, float
   for (int r = 0; r < ROWS; ++r) out[r] = _mm512_reduce_add_ps(acc[r]) - c4[r];
 }
 
-// W4A8_GROUP for G = 128 * PPG (PPG = 0: any multiple of 128, given as `pairs`): one int32
-// sum per row and group (no lane exceeds 8 * 15 * 127 per pair), converted and scaled once.
-template <int PPG>
-FOURBIT_AVX512 inline void groups_w4a8_group_512(const uint8_t* const* w, const float* sb,
-                                                 const uint8_t* zb, const int8_t* qy,
-                                                 const float* d, const float* xsum,
-                                                 int64_t groups, __m512* acc, __m128& corr,
-                                                 int64_t pairs = PPG) {
-  constexpr int R = ROWS;
-  const int64_t per = PPG ? PPG : pairs;
-  for (int64_t gi = 0; gi < groups; ++gi) {
-    __m512i sum[R];
-    for (int r = 0; r < R; ++r) sum[r] = _mm512_setzero_si512();
-#pragma GCC unroll 2
-    for (int64_t j = 0; j < per; ++j) {
-      const int64_t c = 2 * (gi * per + j);
-      __m512i lo, hi;
-      pair_activations(qy + c * CHUNK, lo, hi);
-      for (int r = 0; r < R; ++r) pair_products(w[r] + c * 32, lo, hi, sum[r], sum[r]);
-    }
-    for (int r = 0; r < R; ++r) {
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]), _mm512_set1_ps(sb[gi * R + r] * d[gi]),
-                               acc[r]);
-    }
-    corr = add_zero_term(corr, sb, zb, gi, xsum[gi]);
-  }
-}
-
-// W4A8 for G = 128 * PPG: each 32-block's int32 sums scaled by its d (a pair of chunks holds
-// blocks 2c..2c+3: lanes 0-7 of the low products are block 2c, lanes 8-15 block 2c + 2),
-// a group's partial then by s once.
-template <int PPG>
-FOURBIT_AVX512 inline void groups_w4a8_512(const uint8_t* const* w, const float* sb,
+// W4A8_GROUP (PER_GROUP) or W4A8 for G = 128 * PPG (PPG = 0: any multiple of 128, given
+// as `pairs`). W4A8_GROUP has one d per group: a row's products are one int32 sum per group
+// (no lane exceeds 8 * 15 * 127 per pair), converted and scaled by s * d once. W4A8 scales
+// each 32-block's sums by its d (a pair of chunks holds blocks 2c..2c+3: lanes 0-7 of the
+// low products are block 2c, lanes 8-15 block 2c + 2), then the group's partial by s.
+template <int PPG, bool PER_GROUP>
+FOURBIT_AVX512 inline void groups_int8_512(const uint8_t* const* w, const float* sb,
                                            const uint8_t* zb, const int8_t* qy, const float* d,
                                            const float* xsum, int64_t groups, __m512* acc,
                                            __m128& corr, int64_t pairs = PPG) {
@@ -415,25 +389,38 @@ FOURBIT_AVX512 inline void groups_w4a8_512(const uint8_t* const* w, const float*
   const __m512i lo_blocks = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
   const __m512i hi_blocks = _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1);
   for (int64_t gi = 0; gi < groups; ++gi) {
-    __m512 part[R];
-    for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_ps();
+    __m512i sum[R];  // W4A8_GROUP
+    __m512 part[R];  // W4A8
+    for (int r = 0; r < R; ++r) {
+      sum[r] = _mm512_setzero_si512();
+      part[r] = _mm512_setzero_ps();
+    }
 #pragma GCC unroll 2
     for (int64_t j = 0; j < per; ++j) {
       const int64_t c = 2 * (gi * per + j);
       __m512i lo, hi;
       pair_activations(qy + c * CHUNK, lo, hi);
-      const __m512 d4 = _mm512_castps128_ps512(_mm_loadu_ps(d + 2 * c));  // blocks 2c..2c+3
-      const __m512 d_lo = _mm512_permutexvar_ps(lo_blocks, d4);
-      const __m512 d_hi = _mm512_permutexvar_ps(hi_blocks, d4);
-      for (int r = 0; r < R; ++r) {
-        __m512i p_lo = _mm512_setzero_si512(), p_hi = _mm512_setzero_si512();
-        pair_products(w[r] + c * 32, lo, hi, p_lo, p_hi);
-        part[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p_lo), d_lo, part[r]);
-        part[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p_hi), d_hi, part[r]);
+      if constexpr (PER_GROUP) {
+        for (int r = 0; r < R; ++r) pair_products(w[r] + c * 32, lo, hi, sum[r], sum[r]);
+      } else {
+        const __m512 d4 = _mm512_castps128_ps512(_mm_loadu_ps(d + 2 * c));  // blocks 2c..2c+3
+        const __m512 d_lo = _mm512_permutexvar_ps(lo_blocks, d4);
+        const __m512 d_hi = _mm512_permutexvar_ps(hi_blocks, d4);
+        for (int r = 0; r < R; ++r) {
+          __m512i p_lo = _mm512_setzero_si512(), p_hi = _mm512_setzero_si512();
+          pair_products(w[r] + c * 32, lo, hi, p_lo, p_hi);
+          part[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p_lo), d_lo, part[r]);
+          part[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p_hi), d_hi, part[r]);
+        }
       }
     }
     for (int r = 0; r < R; ++r) {
-      acc[r] = _mm512_fmadd_ps(part[r], _mm512_set1_ps(sb[gi * R + r]), acc[r]);
+      if constexpr (PER_GROUP) {
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r]),
+                                 _mm512_set1_ps(sb[gi * R + r] * d[gi]), acc[r]);
+      } else {
+        acc[r] = _mm512_fmadd_ps(part[r], _mm512_set1_ps(sb[gi * R + r]), acc[r]);
+      }
     }
     corr = add_zero_term(corr, sb, zb, gi, xsum[gi]);
   }
@@ -449,13 +436,13 @@ FOURBIT_AVX512 void rows_int8_512(bool per_group_d, const uint8_t* const* w, con
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
   const int64_t groups = k / g, pairs = g / (2 * CHUNK);
   if (per_group_d && pairs == 1) {
-    groups_w4a8_group_512<1>(w, sb, zb, qy, d, xsum, groups, acc, corr);
+    groups_int8_512<1, true>(w, sb, zb, qy, d, xsum, groups, acc, corr);
   } else if (per_group_d) {
-    groups_w4a8_group_512<0>(w, sb, zb, qy, d, xsum, groups, acc, corr, pairs);
+    groups_int8_512<0, true>(w, sb, zb, qy, d, xsum, groups, acc, corr, pairs);
   } else if (pairs == 1) {
-    groups_w4a8_512<1>(w, sb, zb, qy, d, xsum, groups, acc, corr);
+    groups_int8_512<1, false>(w, sb, zb, qy, d, xsum, groups, acc, corr);
   } else {
-    groups_w4a8_512<0>(w, sb, zb, qy, d, xsum, groups, acc, corr, pairs);
+    groups_int8_512<0, false>(w, sb, zb, qy, d, xsum, groups, acc, corr, pairs);
   }
   finish_rows_512(acc, corr, out);
 }
