@@ -7,7 +7,7 @@ import os
 import pytest
 
 from fourbit.bench import residency
-from fourbit.bench.residency import ResidencyError, resident_fraction, warm_and_check
+from fourbit.bench.residency import ResidencyError, cache_state, resident_fraction, warm_and_check
 
 SIZE = 8 << 20
 
@@ -67,3 +67,11 @@ def test_a_model_the_cache_cannot_hold_is_refused_naming_the_worst_file(weights,
     monkeypatch.setattr(residency, "resident_pages", lambda path: (1, 4))
     with pytest.raises(ResidencyError, match=r"only 25\.0% of 1 files .*/model\.safetensors is 25\.0% resident"):
         warm_and_check([weights])
+
+
+def test_the_cache_state_of_an_engine_held_open_is_recorded_not_refused(weights, monkeypatch):
+    """An engine held open read its files at its start; evicted pages cannot reach it."""
+    monkeypatch.setattr(residency, "resident_pages", lambda path: (1, 4))
+    state = cache_state([weights])
+    assert state["resident_fraction"] == 0.25 and state["read_through"] is False
+    assert state["files"] == 1 and state["bytes"] == weights.stat().st_size

@@ -175,6 +175,8 @@ def test_an_engine_with_sessions_opens_each_side_once(checkpoints, fake_host, wi
     assert opened == ["arm", "baseline"] and sorted(closed) == ["arm", "baseline"]
     assert [c["side"] for c in calls].count("arm") == 1 + 5  # the warm-up round, then 5 passes
     assert record["ratio"]["tg128_tok_s"]["values"] == [2.0] * 5
+    # held open: their files' cache state is recorded before each pass, not read through
+    assert {run["checks"]["residency"]["arm"]["read_through"] for run in record["runs"]} == {False}
 
 
 def test_a_study_interleaves_its_arms_and_opens_a_shared_baseline_once(

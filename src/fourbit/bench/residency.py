@@ -100,6 +100,19 @@ def warm_and_check(paths: list[Path], min_fraction: float = 0.99) -> dict:
     return {"files": len(files), "bytes": total_bytes, "resident_fraction": fraction}
 
 
+def cache_state(paths: list[Path]) -> dict:
+    """The page-cache state of every file (folders: every file inside), read nothing, refuse
+    nothing: for an engine held open across passes, which read its files once, at its
+    start, so a later eviction cannot reach its timings (and reading its files again would
+    only compete with the engines' own memory)."""
+    files = _expand(paths)
+    counts = [resident_pages(file) for file in files]
+    pages = sum(t for _, t in counts)
+    return {"files": len(files), "bytes": sum(f.stat().st_size for f in files),
+            "resident_fraction": sum(r for r, _ in counts) / pages if pages else 1.0,
+            "read_through": False}
+
+
 def _expand(paths: list[Path]) -> list[Path]:
     files = []
     for path in map(Path, paths):

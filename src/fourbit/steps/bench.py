@@ -66,7 +66,7 @@ from fourbit.bench.contention import check_quiet
 from fourbit.bench.hostmemory import available_memory_bytes
 from fourbit.bench.passes import run_rounds
 from fourbit.bench.provenance import provenance
-from fourbit.bench.residency import warm_and_check
+from fourbit.bench.residency import cache_state, warm_and_check
 from fourbit.checkpoints.hf import quantizable_linears, skeleton, weight_files
 from fourbit.config import block
 from fourbit.engines import Bench, EngineSpec, NotBenchmarked, engine_spec, get_engine
@@ -261,12 +261,16 @@ def _time_pairs(pairs: list[BenchPair], specs: dict[str, EngineSpec],
 
     def before_pass(name: str, number: int) -> dict:
         # Both sides run in the pass, so both are warmed and checked: neither may have
-        # been evicted by the other pairs' runs.
+        # been evicted by the other pairs' runs. A side held open read its files at its
+        # start: its cache state is only recorded.
         pair = by_name[name]
         gate = check_quiet(cores, settings["busy_threshold"], settings["allow_busy"],
                            when=f"before pass {number} of {name}")
-        return {"contention": gate, "residency": {"arm": warm_and_check([pair.arm]),
-                                                  "baseline": warm_and_check([pair.baseline])}}
+        residency = {}
+        for side, checkpoint in (("arm", pair.arm), ("baseline", pair.baseline)):
+            held_open = sides[_side_key(pair, side)].bench is Bench.SESSION
+            residency[side] = (cache_state if held_open else warm_and_check)([checkpoint])
+        return {"contention": gate, "residency": residency}
 
     results, peaks, group_of = {}, {}, {}
     with pinned(cores):
