@@ -85,10 +85,7 @@ def warm_and_check(paths: list[Path], min_fraction: float = 0.99) -> dict:
             while f.readinto(buffer):
                 pass
     counts = {file: resident_pages(file) for file in files}
-    resident = sum(r for r, _ in counts.values())
-    pages = sum(t for _, t in counts.values())
-    fraction = resident / pages if pages else 1.0
-    total_bytes = sum(f.stat().st_size for f in files)
+    fraction, total_bytes = _resident_share(counts)
     if fraction < min_fraction:
         worst = min((f for f in files if counts[f][1]), key=lambda f: counts[f][0] / counts[f][1])
         raise ResidencyError(
@@ -106,11 +103,16 @@ def cache_state(paths: list[Path]) -> dict:
     start, so a later eviction cannot reach its timings (and reading its files again would
     only compete with the engines' own memory)."""
     files = _expand(paths)
-    counts = [resident_pages(file) for file in files]
-    pages = sum(t for _, t in counts)
-    return {"files": len(files), "bytes": sum(f.stat().st_size for f in files),
-            "resident_fraction": sum(r for r, _ in counts) / pages if pages else 1.0,
+    fraction, total_bytes = _resident_share({file: resident_pages(file) for file in files})
+    return {"files": len(files), "bytes": total_bytes, "resident_fraction": fraction,
             "read_through": False}
+
+
+def _resident_share(counts: dict[Path, tuple[int, int]]) -> tuple[float, int]:
+    """(resident pages / pages over all files, their bytes) from {file: resident_pages}."""
+    pages = sum(t for _, t in counts.values())
+    fraction = sum(r for r, _ in counts.values()) / pages if pages else 1.0
+    return fraction, sum(f.stat().st_size for f in counts)
 
 
 def _expand(paths: list[Path]) -> list[Path]:

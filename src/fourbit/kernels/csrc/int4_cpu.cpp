@@ -658,10 +658,10 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Te
   check(packed, scales, zeros, g);
   TORCH_CHECK(numerics == W4A16 || numerics == W4A8 || numerics == W4A8_GROUP,
               "fourbit int4: numerics ", numerics);
-  const std::string runs = on.empty() ? path(numerics, g) : on;
-  TORCH_CHECK(runs == "avx2" || runs == path(numerics, g), "fourbit int4: path '", on,
-              "' does not run numerics ", numerics, " at group ", g, " on this CPU (it runs '",
-              path(numerics, g), "'; 'avx2' always does)");
+  const std::string own = path(numerics, g);
+  const std::string runs = on.empty() ? own : on;
+  TORCH_CHECK(runs == "avx2" || runs == own, "fourbit int4: path '", on, "' does not run numerics ",
+              numerics, " at group ", g, " on this CPU (it runs '", own, "'; 'avx2' always does)");
   const int64_t n = packed.size(0), k = packed.size(1) * 2;
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "fourbit int4: x must be [M, ", k, "]");
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
