@@ -13,7 +13,12 @@ from fourbit.inputs.builtin_model import (
     train_builtin_model,
     training_identity,
 )
-from fourbit.inputs.pinned_kernels import PINNED_KERNELS, _require_cpu_flags, training_environment
+from fourbit.inputs.pinned_kernels import (
+    PINNED_KERNELS,
+    _require_cpu_flags,
+    cpu_vendor,
+    training_environment,
+)
 from fourbit.steps.prepare import prepare_corpus
 
 # Smaller than TINY_SPEC so the unit tests stay quick; TINY_SPEC is for workflow tests.
@@ -213,6 +218,7 @@ def test_a_cpu_without_avx2_is_refused_by_name(tmp_path):
 def test_training_identity_follows_what_sets_the_weights():
     identity = training_identity("default", {})
     assert identity["spec"] == DEFAULT_SPEC and identity["kernels"] == PINNED_KERNELS
+    assert identity["cpu_vendor"] == cpu_vendor()
     assert sorted(identity["versions"]) == ["sentencepiece", "torch", "transformers"]
     assert training_identity("default", {"steps": 151}) != identity
     assert training_identity("tiny", {}) != identity

@@ -185,8 +185,8 @@ def test_vllm_copy_is_identical(models, tmp_path, caplog):
     assert out["top1_agreement"] == 1.0
     assert out["greedy"]["identical"] == 4
     # the arm's compile cache next to its record; the baseline's shared by every arm's job
-    assert (record.parent / "fidelity.cache" / "arm" / "inductor").is_dir()
-    assert (tmp_path / "vllm-x" / "baseline" / "fidelity.cache" / "inductor").is_dir()
+    assert (record.parent / "fidelity.cache" / "arm" / "vllm").is_dir()
+    assert (tmp_path / "vllm-x" / "baseline" / "fidelity.cache" / "vllm").is_dir()
     # The baseline's side is kept for the engine's next arm, which reads it instead.
     kept = list((tmp_path / "vllm-x" / "baseline" / "fidelity.cache").glob("side-*.json"))
     assert len(kept) == 1

@@ -10,6 +10,8 @@ import pytest
 from conftest import hub_cache, save_tiny_llama
 
 from fourbit.checkpoints.hf import read_config
+from fourbit.config import block, model_identity
+from fourbit.inputs.pinned_kernels import cpu_vendor
 from fourbit.inputs.sources import MANIFEST
 from fourbit.steps.prepare import fetch_model
 
@@ -65,8 +67,34 @@ def test_hf_source_with_remote_code_needs_consent(tmp_path):
 
 def test_path_source_links_the_folder(tmp_path):
     save_tiny_llama(tmp_path / "m", tied=False)
-    fetch_model({"source": "path", "path": str(tmp_path / "m")}, tmp_path / "out", tmp_path, 1)
+    spec = block("model", {"source": "path", "path": str(tmp_path / "m")})
+    fetch_model(spec, tmp_path / "out", tmp_path, 1, model_id=model_identity(spec, "c"),
+                corpus_id="c")
     assert (tmp_path / "out" / "model.safetensors").is_symlink()
+
+
+def test_a_model_id_this_host_would_not_make_is_refused_before_any_work(tmp_path):
+    """A builtin model's id holds the CPU vendor it trains on: a job on a host of another
+    vendor than where the workflow started stops, naming both ids and this host's vendor."""
+    spec = block("model", {"source": "builtin", "preset": "tiny"})
+    here = model_identity(spec, "c")
+    elsewhere = "builtin_tiny-0123456789"
+    with pytest.raises(ValueError, match=rf"this host would make model {here}, not the study's "
+                                         rf"{elsewhere}.*CPU vendor, here {cpu_vendor()}"):
+        fetch_model(spec, tmp_path / "out", tmp_path / "no-corpus", 1, model_id=elsewhere,
+                    corpus_id="c")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_builtin_model_id_follows_the_cpu_vendor(monkeypatch):
+    from fourbit.inputs import builtin_model
+
+    spec = {"source": "builtin", "preset": "tiny"}
+    ids = set()
+    for vendor in ("AuthenticAMD", "GenuineIntel"):
+        monkeypatch.setattr(builtin_model, "cpu_vendor", lambda vendor=vendor: vendor)
+        ids.add(model_identity(spec, "c"))
+    assert len(ids) == 2
 
 
 def test_synthetic_source_builds_random_weights_at_given_shapes(tmp_path):

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,13 +60,16 @@ def _reference_logprobs(model, ids):
 @pytest.mark.slow
 def test_score_windows_matches_transformers(model_dir, reference, cache_root):
     from fourbit.engines.vllm import prompt_logprobs
+    from fourbit.engines.vllm.lifecycle import inductor_cache
 
     stats = {}
     before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
     out = prompt_logprobs(model_dir, WINDOWS, top_k=4, cache_root=cache_root, stats=stats,
                           **OPTIONS)
     assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == before  # environment restored
-    assert (cache_root / "vllm").is_dir() and (cache_root / "inductor").is_dir()
+    # vLLM's own caches in the checkpoint's folder; inductor's in the one every engine shares
+    assert (cache_root / "vllm").is_dir() and not (cache_root / "inductor").exists()
+    assert any(inductor_cache().iterdir())
     assert stats["engine_init_s"] > 0
     assert stats["tokens"] == sum(len(w) for w in WINDOWS if len(w) > 1)
     assert len(out) == len(WINDOWS)
@@ -156,3 +162,21 @@ def test_torch_threads_restores_what_the_block_changed():
     assert torch.get_num_threads() == before
     with torch_threads(None):
         assert torch.get_num_threads() == before
+
+
+def test_inductor_cache_is_per_cpu_capability(tmp_path):
+    """Code inductor generated for one vector ISA must not load where ATen runs another:
+    the shared folder's name follows ATen's capability (here forced to two that every x86
+    host here has, so the test means the same on AVX2 and AVX-512 hosts)."""
+    script = "from fourbit.engines.vllm.lifecycle import inductor_cache; print(inductor_cache())"
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+
+    def folder(capability):
+        run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                             check=True, env={**env, "ATEN_CPU_CAPABILITY": capability})
+        return Path(run.stdout.strip())
+
+    avx2, default = folder("avx2"), folder("default")
+    assert avx2.parent == default.parent == tmp_path / "fourbit" / "torchinductor"
+    assert avx2.name.endswith("-avx2") and default.name.endswith("-default")
+    assert avx2 != default

@@ -35,6 +35,7 @@ rule download:
     params:
         spec=STUDY.config["model"],
         corpus_dir=f"{RESULTS}/corpus/{CORPUS}",
+        corpus_id=CORPUS,
     script:
         "../../scripts/download.py"
 

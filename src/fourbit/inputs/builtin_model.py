@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from fourbit.atomic import atomic_dir
-from fourbit.inputs.pinned_kernels import PINNED_KERNELS, training_environment
+from fourbit.inputs.pinned_kernels import PINNED_KERNELS, cpu_vendor, training_environment
 from fourbit.inputs.tokenizer import BOS_ID, EOS_ID
 
 log = logging.getLogger("fourbit")
@@ -207,6 +207,8 @@ def training_identity(preset: str, overrides: dict) -> dict:
         "scheme": TRAINING_SCHEME,
         "spec": resolve_spec({**PRESETS[preset], **overrides}),
         "kernels": PINNED_KERNELS,
+        # the pin gives one hash per vendor, not one for every x86 host (pinned_kernels)
+        "cpu_vendor": cpu_vendor(),
         "versions": {name: version(name) for name in ("torch", "transformers", "sentencepiece")},
     }
 

@@ -47,6 +47,12 @@ PINNED_KERNELS = {
     # prints nothing), capped anyway in case another torch routes matmuls there.
     "ONEDNN_MAX_CPU_ISA": "AVX2",
 }
+# The pin is not the whole story: measured with it, two AMD EPYC hosts (AVX2-only and
+# AVX-512) trained the default preset to one weights hash (0a80683d..., held-out
+# perplexity 30.44), and a 2-core Intel Xeon (AVX-512 with AMX) to another (fd58d7c2...,
+# 30.63), from the same corpus and library versions. Which step (tokenizer or model) or
+# library follows the vendor was not found, so the vendor is part of the model id.
+
 # ATen's AVX2 kernels are compiled for AVX2 with FMA: a CPU without both would
 # stop on an illegal instruction, so such a host is refused up front.
 PINNED_CPU_FLAGS = ("avx2", "fma")
@@ -88,3 +94,14 @@ def _require_cpu_flags(flags: tuple[str, ...], cpuinfo: Path = Path("/proc/cpuin
             "use a host with AVX2 and FMA (any x86 CPU since 2013-2015), or model.source: "
             "hf or path"
         )
+
+
+def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The x86 CPU's vendor string (vendor_id: "AuthenticAMD", "GenuineIntel"), or the
+    machine's name where there is none (another architecture, or not Linux)."""
+    if _is_x86_64() and cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "vendor_id":
+                return value.strip()
+    return platform.machine().lower()

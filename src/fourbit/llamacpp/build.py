@@ -33,6 +33,7 @@ import hashlib
 import json
 import logging
 import os
+import platform
 import re
 import resource
 import shutil
@@ -52,6 +53,7 @@ from typing import Iterator
 from fourbit.atomic import atomic_dir, write_json
 from fourbit.llamacpp import tail
 from fourbit.progress import Progress, setup_logging
+from fourbit.usercache import cache_home, cpu_isa_flags, cpu_key, short_hash
 
 log = logging.getLogger("fourbit")
 
@@ -94,6 +96,15 @@ CMAKE_OPTIONS = {
     ],  # the extracted tree has no git history to read it from
     "LLAMA_BUILD_NUMBER": "0",
 }
+# ggml's AMX matmul (compiled in wherever -march=native implies AMX: Intel Xeon since
+# Sapphire Rapids) crashed here: scoring the default study's Q4_K_M on a 2-core Intel Xeon
+# with amx_int8 died with SIGSEGV in ggml_backend_amx_mul_mat, as upstream reports
+# (ggml-org/llama.cpp#20824, open; #16315: wrong results for Q4_0/Q4_1). GCC lets an
+# explicit -mno-* outrank -march=native in either order (checked with GCC 12), so such a
+# host builds the AVX-512 VNNI kernels every other AVX-512 host runs.
+if platform.machine().lower() in ("x86_64", "amd64"):
+    NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    CMAKE_OPTIONS |= {"CMAKE_C_FLAGS": NO_AMX, "CMAKE_CXX_FLAGS": NO_AMX}
 # fourbit-score (fourbit.llamacpp.perplexity says why it exists) is C++ shipped beside this
 # module. Its text is part of the recipe hash, so these bytes name the cached build: edit the
 # file and the next ensure_llamacpp() builds afresh.
@@ -161,25 +172,7 @@ class LlamaCpp:
 
 
 def default_cache_root() -> Path:
-    cache_home = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache_home) / "fourbit" / "llama.cpp"
-
-
-def cpu_isa_flags() -> str:
-    """The CPU's instruction-set flags as the kernel reports them (x86 "flags", Arm "Features")."""
-    cpuinfo = Path("/proc/cpuinfo")
-    for line in cpuinfo.read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return " ".join(sorted(set(value.split())))
-    raise RuntimeError(
-        f"{cpuinfo} has no 'flags' or 'Features' line: cannot tell which CPU the native "
-        f"build would be for, so it cannot be cached safely"
-    )
-
-
-def _short_hash(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:8]
+    return cache_home() / "llama.cpp"
 
 
 def build_key() -> str:
@@ -194,7 +187,7 @@ def build_key() -> str:
     )
     return (
         f"{LLAMA_CPP_PYTHON_VERSION}-{LLAMA_CPP_COMMIT[:7]}"
-        f"-isa{_short_hash(cpu_isa_flags())}-recipe{_short_hash(recipe)}"
+        f"-{cpu_key()}-recipe{short_hash(recipe)}"
     )
 
 

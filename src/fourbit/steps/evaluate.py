@@ -89,8 +89,8 @@ def score_checkpoint(
     """Score ``checkpoint`` on the windows; write ``out_path``. ``model_weights_sha256``: the
     source model's weights this checkpoint was made from (fourbit.hashing.model_weights_sha256),
     carried into the record so the report never mixes records of other weights.
-    ``cache_root``: the engine's compile and inductor caches for this checkpoint alone (a
-    cache shared between arms can load another arm's graph); the workflow names it.
+    ``cache_root``: vLLM's compile caches for this checkpoint alone (vLLM's cache shared
+    between arms can load another arm's graph); the workflow names it.
     ``fidelity_side``: {"folder", "settings" (the config's fidelity block)} for a checkpoint
     the fidelity step compares, on an engine that keeps its side in the same pass
     (EngineSpec.keeps_fidelity_side); the scores are the same either way."""

@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 
 from fourbit.atomic import atomic_dir
-from fourbit.config import block
+from fourbit.config import block, model_identity
 from fourbit.checkpoints.hf import (
     load_tensors,
     module_name,
@@ -55,16 +55,38 @@ def prepare_corpus(spec: dict, out_dir: Path) -> dict:
     return manifest
 
 
-def fetch_model(spec: dict, target: str | os.PathLike, corpus_dir: str | os.PathLike, threads: int) -> None:
+def fetch_model(spec: dict, target: str | os.PathLike, corpus_dir: str | os.PathLike, threads: int,
+                *, model_id: str | None = None, corpus_id: str | None = None) -> None:
     """The model ``spec`` names (the config's model block, its defaults filled here if a
-    caller left them out), written to ``target`` with a manifest of its weights' hashes."""
+    caller left them out), written to ``target`` with a manifest of its weights' hashes.
+    ``model_id``, ``corpus_id``: the ids the study computed where the workflow started
+    (the workflow passes both; a direct call may leave them out); refused before any work
+    if this host would make another model id (a builtin model trained on another CPU
+    vendor or other library versions, as on a cluster node unlike the submitting host)."""
     spec = block("model", spec)
+    if model_id is not None and (here := model_identity(spec, corpus_id)) != model_id:
+        raise ValueError(
+            f"this host would make model {here}, not the study's {model_id}: the id holds "
+            f"what sets the weights ({_what_sets_the_weights(spec)}), computed where the "
+            "workflow started; run this job on a host like that one (same CPU vendor, same "
+            "environment), or start the workflow here"
+        )
     source = sources.source_of(spec)
     with atomic_dir(target) as folder:
         source.fetch(spec, folder, Path(corpus_dir), threads)
         weights = {p.name: file_sha256(p) for p in weight_files(folder)}
         manifest = {"spec": spec, "weights_sha256": weights}
         (folder / sources.MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+def _what_sets_the_weights(spec: dict) -> str:
+    if spec["source"] != "builtin":
+        return "the model block"
+    from fourbit.inputs.builtin_model import training_identity
+
+    identity = training_identity(spec["preset"], spec.get("train", {}))
+    versions = ", ".join(f"{name} {v}" for name, v in sorted(identity["versions"].items()))
+    return f"for the builtin model the CPU vendor, here {identity['cpu_vendor']}, and {versions}"
 
 
 def untie_head(source: str | os.PathLike, target: str | os.PathLike) -> None:

@@ -1,0 +1,37 @@
+"""fourbit's caches outside the results tree, one per user: what a key rebuilds exactly
+and costs minutes to rebuild (llama.cpp's tools, inductor's compiled kernels). They live
+under $XDG_CACHE_HOME/fourbit (default ~/.cache/fourbit). Where what is cached is machine
+code for this CPU, its key names the CPU's instruction sets, so the nodes of a cluster
+that share a home folder but differ in CPU never load each other's code."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+
+def cache_home() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fourbit"
+
+
+def cpu_isa_flags() -> str:
+    """The CPU's instruction-set flags as the kernel reports them (x86 "flags", Arm "Features")."""
+    cpuinfo = Path("/proc/cpuinfo")
+    for line in cpuinfo.read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return " ".join(sorted(set(value.split())))
+    raise RuntimeError(
+        f"{cpuinfo} has no 'flags' or 'Features' line: cannot tell which CPU the native "
+        f"build would be for, so it cannot be cached safely"
+    )
+
+
+def short_hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
+def cpu_key() -> str:
+    """"isa<hash of the CPU's flags>": the part of a cache key that names this CPU."""
+    return f"isa{short_hash(cpu_isa_flags())}"
