@@ -38,7 +38,7 @@ CONF_MARKER = "# written by fourbit tests/slurm/start.sh"
 # adds 10 s per poll while nothing finishes; from 1 s, a short job is seen sooner.
 FAST_POLL = ["--slurm-init-seconds-before-status-checks", "1"]
 STUDY_RULES = {"prepare_corpus", "download", "untie_head", "tokenize_evaluation", "quantize",
-               "dequantize", "ppl", "bench", "fidelity", "report", "build_llamacpp",
+               "dequantize", "ppl", "ppl_baseline", "bench", "fidelity", "report", "build_llamacpp",
                "convert_gguf", "quantize_gguf", "dequantize_gguf"}
 
 @dataclass
@@ -238,7 +238,8 @@ def _rule_bodies() -> dict[str, str]:
     bodies = {}
     for path in [ROOT / "Snakefile", *sorted((ROOT / "workflow" / "rules").glob("*.smk"))]:
         text = path.read_text()
-        heads = list(re.finditer(r"^([ ]*)rule (\w+):\n", text, re.M))
+        # `rule name:`, and `use rule parent as name with:` (its body: what it changes)
+        heads = list(re.finditer(r"^([ ]*)(?:use )?rule (?:\w+ as )?(\w+)(?: with)?:\n", text, re.M))
         for head, following in zip(heads, [*heads[1:], None]):
             bodies[head[2]] = text[head.end(): following.start() if following else len(text)]
     return bodies

@@ -89,8 +89,8 @@ def vllm_study(finished_study, tmp_path_factory):
 def test_vllm_engine_runs_the_study_end_to_end(vllm_study):
     workdir, scheduled = vllm_study
     arms = len(yaml.safe_load(TINY.read_text())["arms"]) - 1  # all but the GGUF arm
-    # Its baseline and every fourbit arm quantized and dense; each arm's fidelity.
-    assert scheduled == {"ppl": 1 + 2 * arms, "fidelity": arms, "bench": 1, "report": 1}
+    # Its baseline, and every fourbit arm quantized and dense in one job; each arm's fidelity.
+    assert scheduled == {"ppl_baseline": 1, "ppl": arms, "fidelity": arms, "bench": 1, "report": 1}
     rows = [r for r in csv.DictReader((workdir / "results/report.tsv").open(), delimiter="\t")
             if r["engine"].startswith("vllm")]
     assert len(rows) == 1 + arms
@@ -152,8 +152,8 @@ def test_changing_one_arm_reschedules_only_that_arm(finished_study, tmp_path):
     changed.write_text(yaml.safe_dump(config))
     dry = snakemake(finished_study, "-n", "results/report.md", config=changed)
     assert dry.returncode == 0, dry.stderr[-3000:]
-    # One new arm: quantize, dequantize, its two ppl runs, bench, fidelity, then the report.
-    expected = {"quantize": 1, "dequantize": 1, "ppl": 2, "bench": 1, "fidelity": 1, "report": 1}
+    # One new arm: quantize, dequantize, its ppl job (both forms), bench, fidelity, the report.
+    expected = {"quantize": 1, "dequantize": 1, "ppl": 1, "bench": 1, "fidelity": 1, "report": 1}
     assert scheduled_jobs(dry.stdout) == expected
 
 

@@ -61,7 +61,6 @@ wildcard_constraints:
     corpus=CORPUS,
     arm=f"baseline|{ID_PATTERN}",
     engine="|".join(engine.id for engine in STUDY.engines.values()),
-    form="quantized|dense",
 
 
 def get_arm_manifest(wildcards):
@@ -118,8 +117,16 @@ def scored_checkpoint(engine_id, arm, form):
     return expand(output, model=MODEL, arm=arm)[0]
 
 
-def get_scored_checkpoint(wildcards):
-    return scored_checkpoint(wildcards.engine, wildcards.arm, wildcards.form)
+def scored_forms(arm):
+    """What a ppl job scores: an arm as quantized and as its dense expansion; the baseline."""
+    return ("dense",) if arm == "baseline" else ("quantized", "dense")
+
+
+def get_scored_checkpoints(wildcards):
+    return {
+        form: scored_checkpoint(wildcards.engine, wildcards.arm, form)
+        for form in scored_forms(wildcards.arm)
+    }
 
 
 def arm_and_baseline(engine_id, arm):
@@ -137,22 +144,30 @@ def compile_cache(engine_id, arm, step):
     return f"{EVAL_DIR}/{engine_id}/{arm}/{step}.cache"
 
 
-def get_ppl_cache(wildcards):
-    return compile_cache(wildcards.engine, wildcards.arm, f"{wildcards.form}.ppl")
-
-
-def get_fidelity_side(wildcards):
-    """For a checkpoint the fidelity step compares (an arm as quantized, the baseline), on
-    an engine that keeps its side while scoring it: where the fidelity job will look for
-    it (its compile-cache folder); {} otherwise."""
-    engine = next(e for e in STUDY.engines.values() if e.id == wildcards.engine)
-    compared = wildcards.form == "quantized" or wildcards.arm == "baseline"
-    if not compared or not engine.keeps_fidelity_side:
-        return {}
+def get_ppl_caches(wildcards):
     return {
-        "folder": compile_cache(wildcards.engine, wildcards.arm, "fidelity"),
-        "settings": STUDY.config["fidelity"],
+        form: compile_cache(wildcards.engine, wildcards.arm, f"{form}.ppl")
+        for form in scored_forms(wildcards.arm)
     }
+
+
+def get_fidelity_sides(wildcards):
+    """Per scored form: for a checkpoint the fidelity step compares (an arm as quantized,
+    the baseline), on an engine that keeps its side while scoring it, where the fidelity
+    job will look for it (its compile-cache folder); {} otherwise."""
+    engine = next(e for e in STUDY.engines.values() if e.id == wildcards.engine)
+    sides = {}
+    for form in scored_forms(wildcards.arm):
+        compared = form == "quantized" or wildcards.arm == "baseline"
+        sides[form] = (
+            {
+                "folder": compile_cache(wildcards.engine, wildcards.arm, "fidelity"),
+                "settings": STUDY.config["fidelity"],
+            }
+            if compared and engine.keeps_fidelity_side
+            else {}
+        )
+    return sides
 
 
 def get_fidelity_caches(wildcards):
@@ -208,16 +223,16 @@ def all_results():
     for engine in STUDY.runnable_engines:
         records[engine.id] = {
             "baseline": {
-                "ppl_dense": rules.ppl.output.ppl.format(
-                    engine=engine.id, arm="baseline", form="dense"
+                "ppl_dense": rules.ppl_baseline.output.dense.format(
+                    engine=engine.id, arm="baseline"
                 )
             }
         }
         for arm_id in STUDY.arms_for(engine):
             ids = {"engine": engine.id, "arm": arm_id}
             records[engine.id][arm_id] = {
-                "ppl_quantized": rules.ppl.output.ppl.format(**ids, form="quantized"),
-                "ppl_dense": rules.ppl.output.ppl.format(**ids, form="dense"),
+                "ppl_quantized": rules.ppl.output.quantized.format(**ids),
+                "ppl_dense": rules.ppl.output.dense.format(**ids),
                 # rule bench's outputs are its pairs' "out" paths (bench_pairs), unnamed
                 "bench": f"{EVAL_DIR}/{engine.id}/{arm_id}/bench.json",
                 "fidelity": rules.fidelity.output.fidelity.format(**ids),

@@ -18,27 +18,45 @@ rule tokenize_evaluation:
         "../../scripts/tokenize_evaluation.py"
 
 
+# One job per arm scores its quantized checkpoint and its dense expansion, one engine
+# after the other in one process: a process's first vLLM engine takes longer to start than
+# its second (vLLM's lazy imports and warm-up: 14.8 s against 2.6 s for the default study's
+# model on a 2-core Intel Xeon), and vLLM's import costs ~4 s more, so one process per
+# checkpoint paid both twice per arm. The baseline has a job of its own (ppl_baseline).
 rule ppl:
     input:
-        checkpoint=get_scored_checkpoint,
+        unpack(get_scored_checkpoints),
         windows=f"{EVAL_DIR}/windows.json",
         # its fourbit-source.json: the weights' hash every record carries
         source=f"{MODEL_DIR}/source",
     output:
-        ppl=f"{EVAL_DIR}/{{engine}}/{{arm}}/{{form}}.ppl.json",
+        quantized=f"{EVAL_DIR}/{{engine}}/{{arm}}/quantized.ppl.json",
+        dense=f"{EVAL_DIR}/{{engine}}/{{arm}}/dense.ppl.json",
     log:
-        f"{RESULTS}/logs/ppl/{MODEL}/{CORPUS}/{{engine}}/{{arm}}.{{form}}.log",
+        f"{RESULTS}/logs/ppl/{MODEL}/{CORPUS}/{{engine}}/{{arm}}.log",
     benchmark:
-        f"{RESULTS}/benchmarks/ppl/{MODEL}/{CORPUS}/{{engine}}/{{arm}}.{{form}}.tsv"
+        f"{RESULTS}/benchmarks/ppl/{MODEL}/{CORPUS}/{{engine}}/{{arm}}.tsv"
+    wildcard_constraints:
+        arm=ID_PATTERN,
     conda:
         "../../envs/fourbit.yaml"
     threads: workflow.cores
-    resources:  # the checkpoint held in float32 + logits of one window
-        mem_mb=held("checkpoint", 3, 4000),
-        runtime=per_attempt(240),
+    resources:  # one checkpoint at a time, held in float32, + logits of one window
+        mem_mb=held("dense", 3, 4000),
+        runtime=per_attempt(480),
     params:
         engine=get_engine_settings,
-        cache_root=get_ppl_cache,
-        fidelity_side=get_fidelity_side,
+        cache_roots=get_ppl_caches,
+        fidelity_sides=get_fidelity_sides,
     script:
         "../../scripts/ppl.py"
+
+
+use rule ppl as ppl_baseline with:
+    output:
+        dense=f"{EVAL_DIR}/{{engine}}/{{arm}}/dense.ppl.json",
+    wildcard_constraints:
+        arm="baseline",
+    resources:
+        mem_mb=held("dense", 3, 4000),
+        runtime=per_attempt(240),

@@ -18,9 +18,12 @@ from typing import NamedTuple
 
 from fourbit import records as record_schema
 
-# Each kind's record schema (fourbit.records), named as the rule that writes it: what to
-# rerun when one must be remade. The two ppl kinds are one record kind.
+# Each kind's record schema (fourbit.records); the two ppl kinds are one record kind.
 RECORD_KINDS = {"ppl_quantized": "ppl", "ppl_dense": "ppl", "bench": "bench", "fidelity": "fidelity"}
+# The rules that write each record kind: what to rerun when one must be remade (a ppl
+# record is an arm's ppl job's or the baseline's).
+WRITTEN_BY = {"ppl": "ppl ppl_baseline", "bench": "bench", "fidelity": "fidelity",
+              "arm": "quantize (quantize_gguf for a llama.cpp arm)"}
 
 RecordPaths = Mapping[str, Mapping[str, Mapping[str, str | os.PathLike]]]
 
@@ -76,8 +79,8 @@ def _checked(kind: str, data: dict, path: str | os.PathLike) -> dict:
     try:
         return record_schema.check(kind, data, path)
     except record_schema.RecordError as error:
-        rule = "quantize (quantize_gguf for a llama.cpp arm)" if kind == "arm" else kind
-        raise ReportInputError(f"{error}; remake it: snakemake --forcerun {rule}, {path}") from None
+        raise ReportInputError(
+            f"{error}; remake it: snakemake --forcerun {WRITTEN_BY[kind]}, {path}") from None
 
 
 def _each(records: Records) -> Iterator[tuple[str, Record]]:
@@ -132,7 +135,7 @@ def check_same_weights(model_id: str, records: Records) -> str | None:
             raise ReportInputError(
                 f"{path}: has no model_weights_sha256, so it was written by an older fourbit "
                 "that did not record which weights it was computed from; rerun it: "
-                f"snakemake --forcerun {RECORD_KINDS[kind]}"
+                f"snakemake --forcerun {WRITTEN_BY[RECORD_KINDS[kind]]}"
             )
         weights = record["model_weights_sha256"]
         carriers.setdefault(weights, []).append(path)
@@ -140,7 +143,7 @@ def check_same_weights(model_id: str, records: Records) -> str | None:
     if len(carriers) < 2:
         return first[1] if first else None
     other = next(w for w in carriers if w != first[1])
-    rules = sorted({RECORD_KINDS[kind] for kind, _ in _each(records)})
+    rules = sorted({WRITTEN_BY[RECORD_KINDS[kind]] for kind, _ in _each(records)})
     raise ReportInputError(
         f"records under model id {model_id} were computed from different weights: "
         f"{first[0]} from model_weights_sha256 {first[1]} ({len(carriers[first[1]])} records), "
