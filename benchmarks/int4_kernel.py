@@ -63,6 +63,7 @@ SHAPES = [
     ("lm_head", 151936, 896, 1),
 ]
 METHODS = ("dense fp32", "dense bf16", "tinygemm bf16", "tinygemm fp32", "fourbit W4A16",
+           "fourbit W4A16 (avx2)",
            "fourbit W4A8", "fourbit W4A8_GROUP", "fourbit W4A8 (avx2)",
            "fourbit W4A8_GROUP (avx2)", "fourbit W8A16")
 

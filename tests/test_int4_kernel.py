@@ -5,10 +5,10 @@ size including K % 64 == 32 (the half chunk at G = 32), symmetric and asymmetric
 and batches of 1 to 9 rows. W4A16 is held to float32 summation error of x @ W_hat.T;
 W4A8 and W4A8_GROUP to the same bound against x_rounded @ W_hat.T, where x_rounded is
 recomputed here from Q8_0's definition (per 32 columns, or per group), so both the
-kernel's integer arithmetic and its rounding are checked, on each ISA path: AVX2 anywhere
-the kernel runs, AVX-512 VNNI where the host has it (its tests skip elsewhere; on such a
-host the AVX2 code is checked too, by asking for it). The ISA tests skip where the host
-has no AVX2 (the fallback test runs anywhere).
+kernel's integer arithmetic and its rounding are checked. Every numerics is checked on
+each ISA path: AVX2 anywhere the kernel runs, AVX-512 VNNI where the host has it (its
+tests skip elsewhere; on such a host the AVX2 code is checked too, by asking for it).
+The ISA tests skip where the host has no AVX2 (the fallback test runs anywhere).
 """
 
 from __future__ import annotations
@@ -107,11 +107,12 @@ def test_all_zero_group_and_extreme_codes():
 @pytest.mark.parametrize(("n", "k", "g"), SHAPES)
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("rows", [1, 2, 9])
-def test_w4a16_matches_float_reference(n, k, g, sym, rows):
+@pytest.mark.parametrize("on", PATHS)
+def test_w4a16_matches_float_reference(n, k, g, sym, rows, on):
     qw = random_qweight(n, k, g, sym, seed=7 * n + k)
     w_hat = qw.dequantize()
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-    y = int4_cpu.linear(x, int4_cpu.repack(qw), "w4a16")
+    y = int4_cpu.linear(x, int4_cpu.repack(qw), "w4a16", on)
     assert y.shape == (rows, n) and y.dtype == torch.float32
     err = (y.double() - x.double() @ w_hat.double().T).abs()
     assert torch.all(err <= error_bound(x, w_hat)), err.max()
@@ -257,15 +258,17 @@ def test_w8a16_splits_rows_over_threads_and_names_bad_inputs():
 
 @needs_kernel
 def test_each_call_names_its_path(monkeypatch):
-    """AVX-512 VNNI runs the int8 numerics at groups of 128 * n where the host has it; every
-    other call runs AVX2; FOURBIT_INT4_ISA=avx2 caps a whole process at AVX2."""
+    """Where the host has AVX-512 VNNI, it runs the int8 numerics at groups of 128 * n and
+    W4A16 at every group; every other call (and 8-bit weights) runs AVX2;
+    FOURBIT_INT4_ISA=avx2 caps a whole process at AVX2."""
     host = int4_cpu.isa()
     assert host in ("avx2", "avx512_vnni")
     for numerics in ("w4a8", "w4a8_group"):
         assert int4_cpu.path(numerics, 128) == int4_cpu.path(numerics, 256) == host
         assert int4_cpu.path(numerics, 64) == int4_cpu.path(numerics, 32) == "avx2"
-    assert int4_cpu.path("w4a16", 128) == int4_cpu.path_int8() == "avx2"
-    assert int4_cpu.paths("w4a16") == "avx2"
+    assert all(int4_cpu.path("w4a16", g) == host for g in (32, 64, 128, 256))
+    assert int4_cpu.paths("w4a16") == host
+    assert int4_cpu.path_int8() == "avx2"
     wide = "avx512_vnni at groups that are multiples of 128, avx2 at others"
     assert int4_cpu.paths("w4a8_group") == (wide if host == "avx512_vnni" else "avx2")
     monkeypatch.setenv("FOURBIT_INT4_ISA", "avx2")
