@@ -387,7 +387,8 @@ def vllm_quant_config(name: str, cfg: dict):
 
 def native_kernel_or_skip() -> None:
     """Skip, naming the host's reason, where vLLM's own W4A16 kernel is not built."""
-    from fourbit.bench.hostprobe import choose_runtimes, isa_flags
+    from fourbit.bench.hostprobe import choose_runtimes
+    from fourbit.cpuinfo import isa_flags
 
     verdict = choose_runtimes(isa_flags())["vllm_native_w4a16"]
     if not verdict["available"]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fourbit.bench.hostprobe import choose_runtimes, isa_flags
+from fourbit.bench.hostprobe import choose_runtimes
 
 # An AVX2-only laptop (Intel Core i7-8550U, Kaby Lake R).
 LAPTOP_AVX2 = set(
@@ -95,13 +95,3 @@ def test_no_avx2_means_no_tinygemm():
     assert verdict == {"available": False, "reason": "no avx2: torch's int4 CPU kernel would run its scalar path"}
 
 
-def test_flags_come_from_the_first_processor():
-    text = "processor\t: 0\nflags\t\t: fpu avx2\n\nprocessor\t: 1\nflags\t\t: fpu avx2 avx512f\n"
-    assert isa_flags(text) == {"fpu", "avx2"}
-    assert isa_flags("processor\t: 0\nFeatures\t: fp asimd sve\n") == {"fp", "asimd", "sve"}
-    with pytest.raises(ValueError, match="no 'flags' or 'Features' line"):
-        isa_flags("processor\t: 0\n")
-
-
-def test_this_host_flags_parse():
-    assert isa_flags()  # non-empty on any Linux host

@@ -453,7 +453,8 @@ def test_kernels_and_dequant_paths_agree(root, cache_root):
 def test_native_kernel_runs_the_gptq_checkpoint_without_the_plugin(root, cache_root):
     """Where vLLM's cpu_gemm_wna16 exists (AVX-512), the vllm_native engine runs a GPTQ
     checkpoint on it, not on the plugin, and stays within bf16 rounding of its dense control."""
-    from fourbit.bench.hostprobe import choose_runtimes, isa_flags
+    from fourbit.bench.hostprobe import choose_runtimes
+    from fourbit.cpuinfo import isa_flags
     from fourbit.engines import unavailable_here, vllm_native
     from fourbit.vllm_plugin import ops
 

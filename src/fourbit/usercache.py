@@ -10,22 +10,17 @@ import hashlib
 import os
 from pathlib import Path
 
+from fourbit.cpuinfo import isa_flags
+
 
 def cache_home() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fourbit"
 
 
 def cpu_isa_flags() -> str:
-    """The CPU's instruction-set flags as the kernel reports them (x86 "flags", Arm "Features")."""
-    cpuinfo = Path("/proc/cpuinfo")
-    for line in cpuinfo.read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return " ".join(sorted(set(value.split())))
-    raise RuntimeError(
-        f"{cpuinfo} has no 'flags' or 'Features' line: cannot tell which CPU the native "
-        f"build would be for, so it cannot be cached safely"
-    )
+    """The CPU's instruction-set flags, sorted, as one string (what a native build's
+    cache key names)."""
+    return " ".join(sorted(isa_flags()))
 
 
 def short_hash(text: str) -> str:

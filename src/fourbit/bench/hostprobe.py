@@ -28,19 +28,6 @@ from collections.abc import Mapping
 from pathlib import Path
 
 
-def isa_flags(cpuinfo_text: str | None = None) -> set[str]:
-    """The first processor's ISA flags from /proc/cpuinfo (or the text given).
-
-    x86 lists them under "flags", Arm under "Features".
-    """
-    text = Path("/proc/cpuinfo").read_text() if cpuinfo_text is None else cpuinfo_text
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return set(value.split())
-    raise ValueError("cpuinfo has no 'flags' or 'Features' line; pass the text of /proc/cpuinfo")
-
-
 def choose_runtimes(flags: set[str], env: Mapping[str, str] | None = None) -> dict:
     """{runtime: {"available": bool, "reason": str}} for each 4-bit runtime.
 

@@ -12,7 +12,7 @@ import os
 import platform
 from pathlib import Path
 
-from fourbit.bench.hostprobe import isa_flags
+from fourbit.cpuinfo import first_processor, isa_flags
 
 ISA_FLAGS_OF_INTEREST = (
     "avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8",
@@ -49,11 +49,8 @@ def provenance(threads: int, cores: list[int]) -> dict:
 
 
 def _cpu_model(cpuinfo: str) -> str:
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name":
-            return value.strip()
-    return f"unknown ({platform.machine()}: /proc/cpuinfo has no 'model name')"
+    name = first_processor(cpuinfo).get("model name")
+    return name or f"unknown ({platform.machine()}: /proc/cpuinfo has no 'model name')"
 
 
 def _package_versions() -> dict:

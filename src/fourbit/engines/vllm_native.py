@@ -22,7 +22,8 @@ from fourbit.engines import vllm
 
 def kernel_missing() -> str | None:
     """Why vLLM's native W4A16 kernel cannot run on this host, or None."""
-    from fourbit.bench.hostprobe import choose_runtimes, isa_flags
+    from fourbit.bench.hostprobe import choose_runtimes
+    from fourbit.cpuinfo import isa_flags
 
     verdict = choose_runtimes(isa_flags())["vllm_native_w4a16"]
     return None if verdict["available"] else verdict["reason"]

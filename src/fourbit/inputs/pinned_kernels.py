@@ -12,6 +12,8 @@ import os
 import platform
 from pathlib import Path
 
+from fourbit import cpuinfo
+
 # Waiting threads sleep instead of spinning: no effect on the numbers, but on a
 # host where another job holds a core, two spinning threads trained slower than
 # one. Measured on a 2-core AMD EPYC (AVX2) beside one other busy process,
@@ -78,14 +80,10 @@ def _is_x86_64() -> bool:
     return platform.machine().lower() in X86_64
 
 
-def _require_cpu_flags(flags: tuple[str, ...], cpuinfo: Path = Path("/proc/cpuinfo")) -> None:
-    if not cpuinfo.is_file():
+def _require_cpu_flags(flags: tuple[str, ...], cpuinfo_text: str | None = None) -> None:
+    if cpuinfo_text is None and not cpuinfo.CPUINFO.is_file():
         return  # not Linux: torch itself then says whether it could run AVX2 kernels
-    present = set()
-    for line in cpuinfo.read_text().splitlines():
-        if line.startswith("flags"):
-            present = set(line.split(":", 1)[1].split())
-            break
+    present = cpuinfo.isa_flags(cpuinfo_text)
     missing = [flag for flag in flags if flag not in present]
     if missing:
         raise RuntimeError(
@@ -96,12 +94,7 @@ def _require_cpu_flags(flags: tuple[str, ...], cpuinfo: Path = Path("/proc/cpuin
         )
 
 
-def cpu_vendor(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+def cpu_vendor() -> str:
     """The x86 CPU's vendor string (vendor_id: "AuthenticAMD", "GenuineIntel"), or the
     machine's name where there is none (another architecture, or not Linux)."""
-    if _is_x86_64() and cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "vendor_id":
-                return value.strip()
-    return platform.machine().lower()
+    return (_is_x86_64() and cpuinfo.vendor()) or platform.machine().lower()
