@@ -181,7 +181,7 @@ def test_op_paths_agree_with_dense_expansion():
         x = torch.randn(rows, 256, generator=gen)
         ref = x.double() @ w.double().T
         for kernel, mode, tensors, small, large in cases:
-            ops.calls.clear()
+            ops.clear_calls()
             knobs = torch.tensor([8, mode, f32, kernel])
             y = torch.ops.fourbit.int4_linear(x, *tensors, knobs, GROUP, 96)
             assert y.shape == (rows, 96) and y.dtype == torch.float32
@@ -189,7 +189,50 @@ def test_op_paths_agree_with_dense_expansion():
             # W4A8 rounds activations to 8 bits: ~0.4% of |x| per element
             tol = 0.02 * ref.abs().max() if path.startswith("w4a8") else 1e-4
             assert (y.double() - ref).abs().max() < tol, (rows, kernel, mode)
-            assert ops.calls == {path: 1}
+            assert ops.path_calls() == {path: 1}
+
+
+def test_op_is_the_extensions_with_the_general_ops_arguments():
+    """With the kernel built, fourbit::int4_linear is the extension's C++ op (the decode path
+    without a Python round trip); its arguments are those of the Python op it hands the
+    other paths to, so the traced graph is the same whichever defines the op."""
+    from fourbit.kernels import int4_cpu
+    from fourbit.vllm_plugin import ops  # noqa: F401  (defines the Python ops)
+
+    if int4_cpu._ext() is None:
+        pytest.skip("the extension is not built; test_op_without_the_extension covers this")
+    op = torch.ops.fourbit.int4_linear.default._schema
+    general = torch.ops.fourbit.int4_linear_general.default._schema
+    assert "int4_cpu" in torch.ops.fourbit.int4_linear.default._handle.debug()
+    assert [(a.name, str(a.type).replace("SymInt", "int")) for a in op.arguments] == \
+        [(a.name, str(a.type).replace("SymInt", "int")) for a in general.arguments]
+
+
+def test_op_without_the_extension():
+    """A package installed without a compiler: fourbit::int4_linear is the Python op and runs
+    tinygemm (in a fresh process whose import of the extension fails)."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+sys.modules["fourbit.kernels._int4_cpu"] = None  # import fails, as when it was never built
+import torch
+from fourbit.kernels import tinygemm
+from fourbit.quant.qweight import QuantizedWeight
+from fourbit.vllm_plugin import ops
+qw = QuantizedWeight(torch.randint(0, 16, (16, 64), dtype=torch.uint8), torch.full((16, 1), 0.01),
+                     torch.full((16, 1), 8, dtype=torch.uint8), 64)
+packed, sz = tinygemm.to_tinygemm(qw, torch.bfloat16)
+e = torch.empty(0)
+x = torch.randn(2, 64)
+y = torch.ops.fourbit.int4_linear(x, packed, sz, e, e, e, e, torch.tensor([8, 0, 0, 0]), 64, 16)
+assert (y - x @ qw.dequantize().T).abs().max() < 0.05, y
+assert ops.path_calls() == {"tinygemm": 1}, ops.path_calls()
+assert "int4_cpu" not in torch.ops.fourbit.int4_linear.default._handle.debug()
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_op_pads_and_casts():
@@ -265,9 +308,9 @@ def test_embedding_lookup_is_exactly_the_dense_controls_rows(bits):
         placeholder.weight_loader(placeholder, tensor)
     method.process_weights_after_loading(layer)
     ids = torch.tensor([[3, 0, 39], [7, 7, 12]])
-    ops.calls.clear()
+    ops.clear_calls()
     rows = method.embedding(layer, ids)
-    assert ops.calls["embedding"] == 1
+    assert ops.path_calls()["embedding"] == 1
     assert rows.shape == (2, 3, hidden) and rows.dtype == torch.float32
     assert torch.equal(rows, qw.dequantize(torch.float32)[ids])
     assert method.embedding(layer, torch.tensor([], dtype=torch.long)).shape == (0, hidden)
@@ -325,7 +368,7 @@ CASES = [(f, "llama", True, 512, False, "w4a16") for f in FORMATS] + [
     ("gptq", "qwen2", True, 512, False, "w4a8_group"),
     ("cpu_int4", "llama", True, 488, False, "tinygemm"),  # bfloat16 where vectorized
 ]
-EIGHT_BIT_PATHS = {"w8a16", "int8_dense"}  # ops.calls of a matrix on the 8-bit grid
+EIGHT_BIT_PATHS = {"w8a16", "int8_dense"}  # ops.path_calls() paths of a matrix on the 8-bit grid
 # Max |logprob difference| from the dense control over WINDOWS. w4a16 is exact up to
 # float32 summation order (measured <= 3e-5). w4a8 rounds every linear's activations to
 # int8 per 32 columns; on this random model that moves logprobs by up to 0.14-0.20
@@ -346,18 +389,18 @@ def test_plugin_matches_dense_control(root, cache_root, fmt_name, arch, quantize
 
     quant_dir, dense_dir = build_pair(root, fmt_name, arch=arch, quantize_head=quantize_head,
                                       vocab=vocab, embedding=embedding)
-    ops.calls.clear()
+    ops.clear_calls()
     quant = _score(quant_dir, cache_root,
                    quant_overrides={"kernel": kernel, "prefill_dequant": False})
     ran = kernel if kernel == "tinygemm" or int4_cpu.isa() != "none" else "tinygemm"
-    assert set(ops.calls) - {"embedding", *EIGHT_BIT_PATHS} == {ran}, dict(ops.calls)
-    assert bool(set(ops.calls) & EIGHT_BIT_PATHS) == (quantize_head == 8)
+    assert set(ops.path_calls()) - {"embedding", *EIGHT_BIT_PATHS} == {ran}, dict(ops.path_calls())
+    assert bool(set(ops.path_calls()) & EIGHT_BIT_PATHS) == (quantize_head == 8)
     # 2 layers x (qkv, o, gate_up, down) per forward, plus the head's calls
-    assert ops.calls[ran] >= 8
-    assert bool(ops.calls["embedding"]) == bool(embedding)
-    ops.calls.clear()
+    assert ops.path_calls()[ran] >= 8
+    assert bool(ops.path_calls()["embedding"]) == bool(embedding)
+    ops.clear_calls()
     dense = _score(dense_dir, cache_root)
-    assert not ops.calls
+    assert not ops.path_calls()
     assert [r["tokens"] for r in quant] == [len(w) - 1 for w in WINDOWS]
     diff = _max_diff(quant, dense)
     assert diff <= KERNEL_TOL[ran], diff
@@ -378,12 +421,12 @@ def test_plugin_runs_a_mixed_precision_checkpoint(root, cache_root, fmt_name):
 
     quant_dir, dense_dir = build_pair(root, fmt_name, arch="qwen2", quantize_head=8, mixed=True)
     kernel = "w4a16" if int4_cpu.isa() != "none" else "tinygemm"
-    ops.calls.clear()
+    ops.clear_calls()
     quant = _score(quant_dir, cache_root, quant_overrides={"kernel": kernel, "prefill_dequant": False})
     # 2 layers x (qkv, o, gate_up, down) per forward, 2 of them 8-bit, the head 8-bit too;
     # the windows shorter than INT8_DENSE_ROWS take the 8-bit kernel, the 40-token one not
     eight_bit = {"w8a16", "int8_dense"} if int4_cpu.isa() != "none" else {"int8_dense"}
-    assert set(ops.calls) == {kernel, *eight_bit} and ops.calls[kernel] >= 6, dict(ops.calls)
+    assert set(ops.path_calls()) == {kernel, *eight_bit} and ops.path_calls()[kernel] >= 6, dict(ops.path_calls())
     diff = _max_diff(quant, _score(dense_dir, cache_root))
     assert diff <= TOL, diff
 
@@ -391,25 +434,26 @@ def test_plugin_runs_a_mixed_precision_checkpoint(root, cache_root, fmt_name):
 @pytest.mark.slow
 def test_compiled_mode_runs_the_op(root, cache_root):
     """Eager forwards call the op's implementation directly (config.py apply); a compiled
-    model (Dynamo traces apply, which then takes the custom op) must still run every
-    linear on the kernel and agree with the dense control."""
+    model (Dynamo traces apply, which then takes the custom op: the extension's C++ op,
+    which counts its own calls, where it is built) must still run every linear on the
+    kernel and agree with the dense control."""
     from fourbit.kernels import int4_cpu
     from fourbit.vllm_plugin import ops
 
     quant_dir, dense_dir = build_pair(root, "cpu_int4")
     kernel = "w4a16" if int4_cpu.isa() != "none" else "tinygemm"
-    ops.calls.clear()
+    ops.clear_calls()
     quant = _score(quant_dir, cache_root, enforce_eager=False,
                    quant_overrides={"kernel": kernel, "prefill_dequant": False})
-    assert set(ops.calls) == {kernel} and ops.calls[kernel] >= 8, dict(ops.calls)
+    assert set(ops.path_calls()) == {kernel} and ops.path_calls()[kernel] >= 8, dict(ops.path_calls())
     assert _max_diff(quant, _score(dense_dir, cache_root)) <= KERNEL_TOL[kernel]
     # ... and the 8-bit matrices take their own opaque op, both its paths
     quant_dir, dense_dir = build_pair(root, "cpu_int4", quantize_head=8, mixed=True)
-    ops.calls.clear()
+    ops.clear_calls()
     quant = _score(quant_dir, cache_root / "mixed", enforce_eager=False,
                    quant_overrides={"kernel": kernel, "prefill_dequant": False})
     eight_bit = EIGHT_BIT_PATHS if int4_cpu.isa() != "none" else {"int8_dense"}
-    assert set(ops.calls) == {kernel, *eight_bit}, dict(ops.calls)
+    assert set(ops.path_calls()) == {kernel, *eight_bit}, dict(ops.path_calls())
     assert _max_diff(quant, _score(dense_dir, cache_root)) <= KERNEL_TOL[kernel]
 
 
@@ -434,9 +478,9 @@ def test_kernels_and_dequant_paths_agree(root, cache_root):
         variants["w4a16 direct"] = ({"dequant_threshold": 0, "kernel": "w4a16"}, "direct")
     runs = {}
     for name, (overrides, path) in variants.items():
-        ops.calls.clear()
+        ops.clear_calls()
         runs[name] = _score(folder, cache_root, quant_overrides=overrides)
-        assert set(ops.calls) == {path}, (name, dict(ops.calls))
+        assert set(ops.path_calls()) == {path}, (name, dict(ops.path_calls()))
     for a in runs:
         for b in runs:
             assert _max_diff(runs[a], runs[b]) <= TOL, (a, b)
@@ -464,9 +508,9 @@ def test_native_kernel_runs_the_gptq_checkpoint_without_the_plugin(root, cache_r
         pytest.skip(f"vLLM's native 4-bit kernel cannot run here: {verdict['reason']}")
     quant_dir, dense_dir = build_pair(root, "gptq")
     settings = {**engine_settings("vllm_native", kv_cache_gib=1 / 32), "cache_root": str(cache_root)}
-    ops.calls.clear()
+    ops.clear_calls()
     native = vllm_native.score_windows(quant_dir, WINDOWS, settings, 2)
-    assert not ops.calls  # the plugin's op never ran
+    assert not ops.path_calls()  # the plugin's op never ran
     dense = vllm_native.score_windows(dense_dir, WINDOWS, settings, 2)
     nll = [sum(r["nll_sum"] for r in side) / sum(r["tokens"] for r in side) for side in (native, dense)]
     assert abs(nll[0] - nll[1]) <= 0.002 * nll[1], nll  # perplexity within ~0.2%

@@ -114,6 +114,14 @@ W4A8_GROUP (70% of triad) and 33.4 with W4A16, against 28.7 for tinygemm bfloat1
 is not covered (``unsupported``), callers fall back to tinygemm by name.
 
 Threads: the op splits output rows over torch's intra-op threads (at::parallel_for).
+
+The plugin's op. The extension also registers ``fourbit::int4_linear`` (csrc, "the
+plugin's op"; its arguments and paths are fourbit/vllm_plugin/ops.py's), the op a compiled
+vLLM model calls for every quantized linear. It runs the decode path in C++ and hands the
+others (the dense expansion, tinygemm) to the Python op ``fourbit::int4_linear_general``:
+through the dispatcher a Python op cost 34-36 us a call against 7 us for ``linear``
+itself, the C++ one 14 us (1 x 128 -> 16, W4A8_GROUP, 2 threads, best of 5 x 20000 calls
+on the 2-core Xeon), i.e. ~2 ms saved of a Qwen2.5-0.5B token's 97 linear calls.
 """
 
 from __future__ import annotations

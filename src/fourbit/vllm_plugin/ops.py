@@ -64,7 +64,8 @@ KERNEL_NAME = {v: k for k, v in KERNEL_CODE.items()}
 
 # Calls per path in this process ("w4a16", "w4a8", "w4a8_group", "tinygemm", "direct", "kept",
 # "w8a16" and "int8_dense" for 8-bit matrices, and "embedding" for a quantized table's
-# lookups): for tests and sanity checks.
+# lookups), the Python paths only: path_calls() adds the extension op's, for tests and
+# sanity checks.
 calls: Counter[str] = Counter()
 
 
@@ -142,19 +143,44 @@ def int4_linear_impl(
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
-# The op the traced graph holds. Eager callers (vLLM's default here, enforce_eager) call
-# int4_linear_impl directly instead: going through the dispatcher to this Python op cost
-# 19-27 us a call under inference_mode against 7-8 us for the function itself (best of 5 x
-# 20000 calls, one thread, a 16 x 128 layer, W4A8, on the 2-core AVX2 EPYC while it was
-# loaded), i.e. 1-2 ms per Qwen2.5-0.5B token of 97 linear calls.
-int4_linear = torch.library.custom_op("fourbit::int4_linear", mutates_args=())(int4_linear_impl)
-
-
-@int4_linear.register_fake
+# The op the traced graph holds. With fourbit's kernel built, fourbit::int4_linear is the
+# extension's (kernels/csrc/int4_cpu.cpp, "the plugin's op"): it runs the decode path itself
+# and hands every other path to fourbit::int4_linear_general below, this function. A Python
+# op through the dispatcher costs ~28 us a call more than the kernel (2-core Xeon, 2
+# threads), ~2.7 ms of a Qwen2.5-0.5B token's 97 linears. Without the extension the Python
+# op is fourbit::int4_linear itself.
 def _int4_linear_fake(
     x, packed, scales_and_zeros, codes, scales, offsets, zeros, knobs, group_size, out_features
 ):
     return x.new_empty((x.shape[0], out_features))
+
+
+int4_linear_general = torch.library.custom_op("fourbit::int4_linear_general",
+                                              mutates_args=())(int4_linear_impl)
+int4_linear_general.register_fake(_int4_linear_fake)
+if int4_cpu._ext() is None:
+    torch.library.custom_op("fourbit::int4_linear", mutates_args=())(
+        int4_linear_impl).register_fake(_int4_linear_fake)
+else:
+    torch.library.register_fake("fourbit::int4_linear")(_int4_linear_fake)
+
+
+def path_calls() -> Counter[str]:
+    """Calls per path in this process since ``clear_calls``: ``calls`` and the decode-path
+    calls the extension's op counts itself."""
+    counts = Counter(calls)
+    ext = int4_cpu._ext()
+    if ext is not None:
+        counts.update({name: n for name, n in zip(int4_cpu.NUMERICS, ext.op_kernel_calls())
+                       if n})
+    return counts
+
+
+def clear_calls() -> None:
+    calls.clear()
+    ext = int4_cpu._ext()
+    if ext is not None:
+        ext.op_kernel_calls(reset=True)
 
 
 # From this many rows (prefill) an 8-bit matrix is expanded and multiplied densely, a block

@@ -34,10 +34,14 @@
 // Threads: at::parallel_for over blocks of output rows (torch's intra-op threads).
 
 #include <torch/extension.h>
+#include <torch/library.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/Parallel.h>
 
 #include <immintrin.h>
 
+#include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -871,7 +875,66 @@ std::vector<at::Tensor> quantize_activations(const at::Tensor& x_in, int64_t blo
   return {q, d};
 }
 
+// ---- the plugin's op -----------------------------------------------------------------
+//
+// fourbit::int4_linear, the one op every quantized linear of a compiled vLLM model calls
+// (fourbit/vllm_plugin/ops.py describes its arguments and paths). Its decode path -- a
+// batch below the threshold on fourbit's kernel -- is decided and run here: a Python op
+// costs ~28 us more per call through the dispatcher than the kernel itself (1 x 128 ->
+// 16, W4A8_GROUP, 2 threads, 2-core Xeon), ~2.7 ms of a Qwen2.5-0.5B token's 97 linears.
+// Every other path (the dense expansion for prefill, tinygemm) is the Python op
+// fourbit::int4_linear_general, called through the dispatcher.
+
+constexpr int64_t KERNEL_TINYGEMM = 0;  // knobs[3]; fourbit's numerics are codes 1 + Numerics
+constexpr int64_t MODE_NEVER = 0;       // knobs[1]: never the dense path
+
+std::array<std::atomic<int64_t>, 3> kernel_calls{};  // per Numerics, for the plugin's tests
+
+at::Tensor int4_linear_op(const at::Tensor& x, const at::Tensor& packed,
+                          const at::Tensor& scales_and_zeros, const at::Tensor& codes,
+                          const at::Tensor& scales, const at::Tensor& offsets,
+                          const at::Tensor& zeros, const at::Tensor& knobs, int64_t group_size,
+                          int64_t out_features) {
+  TORCH_CHECK(knobs.dtype() == at::kLong && knobs.numel() == 4 && knobs.is_contiguous(),
+              "fourbit int4_linear: knobs must be int64 [threshold, mode, dtype, kernel]");
+  const int64_t* knob = knobs.data_ptr<int64_t>();
+  const int64_t threshold = knob[0], mode = knob[1], kernel = knob[3];
+  const int64_t rows = x.size(0);
+  const bool dense = mode != MODE_NEVER && rows >= threshold;
+  if (kernel != KERNEL_TINYGEMM && rows > 0 && !dense) {
+    const int64_t numerics = kernel - 1;
+    TORCH_CHECK(numerics >= W4A16 && numerics <= W4A8_GROUP, "fourbit int4_linear: kernel ", kernel);
+    kernel_calls[numerics]++;
+    at::Tensor y = linear(x, packed, scales, zeros, group_size, numerics, "");  // [M, N] float32
+    TORCH_CHECK(y.size(1) == out_features, "fourbit int4_linear: ", y.size(1),
+                " packed rows, out_features ", out_features);
+    return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
+  }
+  static const auto general =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("fourbit::int4_linear_general", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, const at::Tensor&, int64_t, int64_t)>();
+  return general.call(x, packed, scales_and_zeros, codes, scales, offsets, zeros, knobs,
+                      group_size, out_features);
+}
+
+// Calls of the decode path per numerics since the last reset (reset = true clears them).
+std::vector<int64_t> op_kernel_calls(bool reset) {
+  std::vector<int64_t> counts;
+  for (auto& count : kernel_calls) counts.push_back(reset ? count.exchange(0) : count.load());
+  return counts;
+}
+
 }  // namespace
+
+TORCH_LIBRARY_FRAGMENT(fourbit, m) {
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor scales_and_zeros, Tensor codes, "
+        "Tensor scales, Tensor offsets, Tensor zeros, Tensor knobs, int group_size, "
+        "int out_features) -> Tensor");
+  m.impl("int4_linear", c10::DispatchKey::CPU, TORCH_FN(int4_linear_op));
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fourbit's CPU 4-bit linear (W4A16 / W4A8 / W4A8_GROUP on AVX2 and AVX-512 VNNI) and 8-bit W8A16; see fourbit/kernels/int4_cpu.py";
@@ -882,5 +945,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("numerics"), py::arg("on") = "");
   m.def("dequantize", &dequantize, "W_hat float32 [N, K] from the packed layout");
   m.def("quantize_activations", &quantize_activations, "the int8 rounding of x [M, K] per block columns");
+  m.def("op_kernel_calls", &op_kernel_calls, "fourbit::int4_linear's decode-path calls per numerics",
+        py::arg("reset") = false);
   m.def("linear_int8", &linear_int8, "x [M, K] @ W_hat^T -> [M, N] float32, 8-bit weights (W8A16)");
 }
