@@ -57,6 +57,8 @@ use rule ppl as ppl_baseline with:
         dense=f"{EVAL_DIR}/{{engine}}/{{arm}}/dense.ppl.json",
     wildcard_constraints:
         arm="baseline",
+    # a `use rule` block replaces the parent's resources whole (only params merge), so
+    # mem_mb is stated again beside the shorter runtime
     resources:
         mem_mb=held("dense", 3, 4000),
         runtime=per_attempt(240),
