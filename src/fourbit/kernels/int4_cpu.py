@@ -121,7 +121,9 @@ vLLM model calls for every quantized linear. It runs the decode path in C++ and 
 others (the dense expansion, tinygemm) to the Python op ``fourbit::int4_linear_general``:
 through the dispatcher a Python op cost 34-36 us a call against 7 us for ``linear``
 itself, the C++ one 14 us (1 x 128 -> 16, W4A8_GROUP, 2 threads, best of 5 x 20000 calls
-on the 2-core Xeon), i.e. ~2 ms saved of a Qwen2.5-0.5B token's 97 linear calls.
+on the 2-core Xeon). In one compiled engine at Qwen2.5-0.5B's shapes (W4A8_GROUP, 97 linear
+calls a token), the C++ op alternated with the Python one registered over it: 32.40 against
+34.66 ms a token, medians of 8 pairs, every pair faster.
 """
 
 from __future__ import annotations

@@ -117,6 +117,7 @@ def int4_linear_impl(
 ) -> torch.Tensor:
     """x [M, K] -> [M, out_features] in x's dtype; knobs = int64 [threshold, mode, dtype
     code, kernel code]."""
+    # The extension's op takes the same decision for its decode path (csrc, "the plugin's op").
     threshold, mode, _, kernel = (int(v) for v in knobs.tolist())
     rows, in_features = x.shape
     if rows == 0:
@@ -144,11 +145,10 @@ def int4_linear_impl(
 
 
 # The op the traced graph holds. With fourbit's kernel built, fourbit::int4_linear is the
-# extension's (kernels/csrc/int4_cpu.cpp, "the plugin's op"): it runs the decode path itself
-# and hands every other path to fourbit::int4_linear_general below, this function. A Python
-# op through the dispatcher costs ~28 us a call more than the kernel (2-core Xeon, 2
-# threads), ~2.7 ms of a Qwen2.5-0.5B token's 97 linears. Without the extension the Python
-# op is fourbit::int4_linear itself.
+# extension's (kernels/csrc/int4_cpu.cpp, "the plugin's op"; the cost it saves is in
+# kernels/int4_cpu.py): it runs the decode path itself and hands every other path to
+# fourbit::int4_linear_general below, this function. Without the extension the Python op
+# is fourbit::int4_linear itself.
 def _int4_linear_fake(
     x, packed, scales_and_zeros, codes, scales, offsets, zeros, knobs, group_size, out_features
 ):

@@ -878,12 +878,11 @@ std::vector<at::Tensor> quantize_activations(const at::Tensor& x_in, int64_t blo
 // ---- the plugin's op -----------------------------------------------------------------
 //
 // fourbit::int4_linear, the one op every quantized linear of a compiled vLLM model calls
-// (fourbit/vllm_plugin/ops.py describes its arguments and paths). Its decode path -- a
-// batch below the threshold on fourbit's kernel -- is decided and run here: a Python op
-// costs ~28 us more per call through the dispatcher than the kernel itself (1 x 128 ->
-// 16, W4A8_GROUP, 2 threads, 2-core Xeon), ~2.7 ms of a Qwen2.5-0.5B token's 97 linears.
-// Every other path (the dense expansion for prefill, tinygemm) is the Python op
-// fourbit::int4_linear_general, called through the dispatcher.
+// (fourbit/vllm_plugin/ops.py describes its arguments and paths; int4_cpu.py, "The
+// plugin's op", why it is here and what it saves). Its decode path -- a batch below the
+// threshold on fourbit's kernel, the same rule as ops.py's int4_linear_impl -- is decided
+// and run here; every other path (the dense expansion for prefill, tinygemm) is the
+// Python op fourbit::int4_linear_general, called through the dispatcher.
 
 constexpr int64_t KERNEL_TINYGEMM = 0;  // knobs[3]; fourbit's numerics are codes 1 + Numerics
 constexpr int64_t MODE_NEVER = 0;       // knobs[1]: never the dense path
