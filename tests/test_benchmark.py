@@ -240,8 +240,7 @@ def test_engines_that_do_not_fit_together_are_timed_in_groups_that_do(
     pairs = [pair_of(checkpoint, baseline, ENGINE, tmp_path / name / "bench.json", f"e/{name}")
              for name, checkpoint in (("a", arm), ("b", tmp_path / "second"),
                                       ("c", tmp_path / "third"))]
-    one_engine = benchmark.held_open_bytes(benchmark._sides(pairs[:1], {
-        "e/a": benchmark.engine_spec("fake")})[benchmark._side_key(pairs[0], "baseline")])
+    one_engine = benchmark.held_open_bytes(baseline, ENGINE["dtype"])
     available = 2 * one_engine + one_engine // 2  # room for two engines, not three
     monkeypatch.setattr(benchmark, "available_memory_bytes", lambda: available)
 
