@@ -36,40 +36,15 @@ ARMS = {
 }
 
 
-def build(workdir: Path, architecture: str, layers: int | None) -> dict[str, Path]:
+def build(workdir: Path, architecture: str) -> dict[str, Path]:
     """{"dense": untied float32 at the architecture's shapes, arm name: its checkpoint}."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from vllm_speed import quantized_checkpoint, untied_dense  # the same folder
 
-    from fourbit.atomic import atomic_dir
-    from fourbit.config import canonical_quant, load_schema
-    from fourbit.hashing import short_hash
-    from fourbit.inputs.sources import ARCHITECTURES
-    from fourbit.steps.prepare import untie_head
-    from fourbit.steps.quantize import quantize_checkpoint
-
-    tied, dense = workdir / "tied", workdir / "dense"
-    if not dense.exists():
-        if not tied.exists():
-            torch.manual_seed(0)
-            config = AutoConfig.from_pretrained(ARCHITECTURES / f"{architecture}.json")
-            if layers is not None:
-                config.num_hidden_layers = layers
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-            with atomic_dir(tied) as folder:
-                model.save_pretrained(folder)
-            del model
-        untie_head(tied, dense)
-    paths = {"dense": dense}
-    schema = load_schema()
-    for name, given in ARMS.items():
-        quant = canonical_quant(given, schema)
-        arm_id = f"{quant['method']}-{short_hash('quant', quant)}"
-        paths[name] = workdir / arm_id
-        if not paths[name].exists():
-            arm = {"name": arm_id.split("-")[0], "id": arm_id, "quant": quant}
-            quantize_checkpoint(dense, paths[name], workdir / f"{arm_id}.arm.json", arm,
-                                threads=torch.get_num_threads())
-    return paths
+    dense = untied_dense(workdir, architecture)
+    return {"dense": dense, **{
+        name: quantized_checkpoint(dense, workdir, quant["method"], quant["method"], quant,
+                                   threads=torch.get_num_threads())
+        for name, quant in ARMS.items()}}
 
 
 def rss_bytes(pid: int) -> int:
@@ -95,8 +70,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/fourbit-engine-memory"))
     parser.add_argument("--architecture", default="qwen2.5-0.5b")
-    parser.add_argument("--layers", type=int, default=None,
-                        help="decoder layers (default: the architecture's own)")
     parser.add_argument("--arms", nargs="*", default=None, help=f"a subset of {list(ARMS)}")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
@@ -106,14 +79,13 @@ def main() -> None:
     from fourbit.steps.bench import held_open_bytes
 
     args.workdir.mkdir(parents=True, exist_ok=True)
-    paths = build(args.workdir, args.architecture, args.layers)
+    paths = build(args.workdir, args.architecture)
     names = ["dense", *(args.arms if args.arms is not None else ARMS)]
     sizes = llama_bench_sizes()
     # the study's engine block, as config.yaml sets it (the bench sizes its KV cache itself)
     settings = vllm_settings({"dtype": "float32", "kv_cache_gib": 1},
                              args.workdir / "cache")
-    print(f"model: random weights at {args.architecture}'s shapes"
-          f"{f', {args.layers} layers' if args.layers else ''}, head untied; "
+    print(f"model: random weights at {args.architecture}'s shapes, head untied; "
           f"engine float32 eager, {args.threads} threads")
     print("| checkpoint | files MiB | estimate GiB | peak GiB | peak / estimate | resident GiB | s |")
     print("|---|---|---|---|---|---|---|")

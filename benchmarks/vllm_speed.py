@@ -62,34 +62,50 @@ TARGETS = {"decode": 2.5, "prefill": 0.9, "memory": 0.35}
 
 
 def build_checkpoints(workdir: Path, architecture: str) -> dict[str, Path]:
-    """{"dense": untied float32, "int4": its cpu_int4 quantization}; reused when present
-    (the int4 folder is named by a hash of QUANT, so a changed QUANT is never served stale)."""
+    """{"dense": untied float32, "int4": its cpu_int4 quantization}; reused when present."""
+    dense = untied_dense(workdir, architecture)
+    int4 = quantized_checkpoint(dense, workdir, "int4", "cpu_int4_g128", QUANT,
+                                threads=torch.get_num_threads())
+    return {"dense": dense, "int4": int4}
+
+
+def untied_dense(workdir: Path, architecture: str) -> Path:
+    """workdir/dense: random float32 weights at the architecture's shapes, head untied;
+    reused when present."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from fourbit.atomic import atomic_dir
-    from fourbit.config import canonical_quant, load_schema
-    from fourbit.hashing import short_hash
     from fourbit.inputs.sources import ARCHITECTURES
     from fourbit.steps.prepare import untie_head
-    from fourbit.steps.quantize import quantize_checkpoint
 
-    quant = canonical_quant(QUANT, load_schema())
-    int4 = workdir / f"int4-{short_hash('quant', quant)}"
-    paths = {"tied": workdir / "tied", "dense": workdir / "dense", "int4": int4}
-    if not paths["dense"].exists():
-        if not paths["tied"].exists():
+    tied, dense = workdir / "tied", workdir / "dense"
+    if not dense.exists():
+        if not tied.exists():
             torch.manual_seed(0)
             config = AutoConfig.from_pretrained(ARCHITECTURES / f"{architecture}.json")
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-            with atomic_dir(paths["tied"]) as folder:  # a half-written folder is never reused
+            with atomic_dir(tied) as folder:  # a half-written folder is never reused
                 model.save_pretrained(folder)
             del model
-        untie_head(paths["tied"], paths["dense"])
-    if not paths["int4"].exists():
-        arm = {"name": "cpu_int4_g128", "id": int4.name, "quant": quant}
-        quantize_checkpoint(paths["dense"], paths["int4"], workdir / f"{int4.name}.arm.json", arm,
-                            threads=torch.get_num_threads())
-    return {"dense": paths["dense"], "int4": paths["int4"]}
+        untie_head(tied, dense)
+    return dense
+
+
+def quantized_checkpoint(dense: Path, workdir: Path, key: str, name: str, quant: dict, *,
+                         threads: int) -> Path:
+    """``dense`` quantized by ``quant`` (defaults filled) as arm ``name``, in
+    workdir/<key>-<hash of the quant>; reused when present: named by the hash, a changed
+    quant builds anew instead of reusing a stale folder."""
+    from fourbit.config import canonical_quant, load_schema
+    from fourbit.hashing import short_hash
+    from fourbit.steps.quantize import quantize_checkpoint
+
+    canonical = canonical_quant(quant, load_schema())
+    folder = workdir / f"{key}-{short_hash('quant', canonical)}"
+    if not folder.exists():
+        arm = {"name": name, "id": folder.name, "quant": canonical}
+        quantize_checkpoint(dense, folder, workdir / f"{folder.name}.arm.json", arm, threads=threads)
+    return folder
 
 
 def vllm_settings(given: dict, cache_root: Path, engine: str = "vllm") -> dict:

@@ -42,6 +42,7 @@ import torch
 from vllm_speed import QUANT as QWEN_QUANT  # its cpu_int4 g128 arm (minmax, head quantized)
 from vllm_speed import (  # the same folder: python puts it on sys.path
     llama_bench_sizes,
+    quantized_checkpoint,
     summary,
     vllm_settings,
 )
@@ -98,13 +99,10 @@ def default_model(study: Path) -> dict:
 def qwen_shaped_model(workdir: Path, threads: int) -> dict:
     """Random Qwen2.5-0.5B-shaped weights, cpu_int4 g128 and Q4_K_M; reused when present
     (the quantized folders are named by a hash of their quant)."""
-    from fourbit.config import canonical_quant, load_schema
-    from fourbit.hashing import short_hash
     from fourbit.llamacpp.build import ensure_llamacpp
     from fourbit.llamacpp.convert import convert_to_gguf
     from fourbit.llamacpp.quantize import quantize_gguf
     from fourbit.steps.prepare import fetch_model, prepare_corpus, untie_head
-    from fourbit.steps.quantize import quantize_checkpoint
 
     paths = {name: workdir / name for name in ("corpus", "tied", "untied")}
     if not (paths["corpus"] / "manifest.json").is_file():
@@ -118,13 +116,7 @@ def qwen_shaped_model(workdir: Path, threads: int) -> dict:
             *((f"int4_{kernel}", f"cpu_int4_g128_{kernel}", {**QWEN_QUANT, "kernel": kernel})
               for kernel in KERNEL_CHECKPOINTS))
     for key, name, quant in arms:
-        canonical = canonical_quant(quant, load_schema())
-        # Named by the quant's hash: a changed QUANT builds anew instead of reusing a stale one.
-        paths[key] = workdir / f"{key}-{short_hash('quant', canonical)}"
-        if not paths[key].exists():
-            arm = {"name": name, "id": paths[key].name, "quant": canonical}
-            quantize_checkpoint(paths["untied"], paths[key], workdir / f"{paths[key].name}.arm.json",
-                                arm, threads=threads)
+        paths[key] = quantized_checkpoint(paths["untied"], workdir, key, name, quant, threads=threads)
     tools = ensure_llamacpp(jobs=threads)
     f16, q4km = workdir / "f16.gguf", workdir / "Q4_K_M.gguf"
     if not f16.is_file():
