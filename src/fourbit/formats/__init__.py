@@ -20,7 +20,6 @@ keeps inside a checkpoint of any format.
 """
 
 from fourbit.formats.base import (
-    CODES_PER_INT32,
     FORMATS,
     Format,
     Layout,
@@ -39,7 +38,6 @@ from fourbit.formats import compressed_tensors, cpu_int4, gptq  # noqa: E402, F4
 from fourbit.formats.int8 import INT8, INT8_EMBEDDING, INT8_MODULES, int8_modules  # noqa: E402
 
 __all__ = [
-    "CODES_PER_INT32",
     "FORMATS",
     "Format",
     "INT8",

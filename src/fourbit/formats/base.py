@@ -5,6 +5,7 @@ packing the formats share."""
 from __future__ import annotations
 
 import abc
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -12,9 +13,6 @@ from typing import Any
 import torch
 
 from fourbit.quant.qweight import QuantizedWeight
-
-CODES_PER_INT32 = 8  # 32 bits / 4 bits
-_NIBBLE_SHIFTS = torch.arange(CODES_PER_INT32, dtype=torch.int32) * 4  # 0, 4, ..., 28
 
 
 @dataclass(frozen=True)
@@ -207,18 +205,35 @@ def pack_nibbles_int32(codes: torch.Tensor, dim: int) -> torch.Tensor:
 
     Element 8*j + i along ``dim`` goes to bits 4i..4i+3 of word j (element 8j in the
     lowest nibble). A word whose top nibble is >= 8 is negative as an int32; the bit
-    pattern is what counts.
+    pattern is what counts. On a little-endian host byte b of word j is bits 8b..8b+7,
+    i.e. elements 8j + 2b (low nibble) and 8j + 2b + 1 (high), so the words are built
+    as bytes: one byte per two elements, where shifting into int64 words took 16.
     """
-    moved = codes.movedim(dim, -1)  # packed dim last: [..., L]
-    runs = moved.reshape(*moved.shape[:-1], -1, CODES_PER_INT32)  # [..., L] -> [..., L/8, 8]
-    words = (runs.long() << _NIBBLE_SHIFTS.long()).sum(-1)  # -> [..., L/8], in 0 .. 2^32-1
-    words = torch.where(words >= 1 << 31, words - (1 << 32), words)  # same bits, as signed
-    return words.to(torch.int32).movedim(-1, dim).contiguous()  # packed dim back in place
+    _require_little_endian()
+    moved = codes.movedim(dim, -1).to(torch.uint8)  # packed dim last: [..., L]
+    pairs = moved.reshape(*moved.shape[:-1], -1, 2)  # [..., L] -> [..., L/2, 2]
+    packed_bytes = pairs[..., 0] | (pairs[..., 1] << 4)  # -> [..., L/2]
+    words = packed_bytes.contiguous().view(torch.int32)  # [..., L/2] -> [..., L/8]; L % 8 == 0
+    return words.movedim(-1, dim).contiguous()  # packed dim back in place
 
 
 def unpack_nibbles_int32(words: torch.Tensor, dim: int) -> torch.Tensor:
-    """The inverse of ``pack_nibbles_int32``: int32 words -> uint8 values 0..15 along ``dim``."""
-    moved = words.movedim(dim, -1)  # packed dim last: [..., L/8]
-    nibbles = (moved.unsqueeze(-1) >> _NIBBLE_SHIFTS) & 0xF  # [..., L/8] -> [..., L/8, 8]
-    flat = nibbles.reshape(*moved.shape[:-1], -1)  # [..., L/8, 8] -> [..., L]
-    return flat.to(torch.uint8).movedim(-1, dim).contiguous()  # packed dim back in place
+    """The inverse of ``pack_nibbles_int32``: int32 words -> uint8 values 0..15 along ``dim``.
+
+    Read as bytes (see there), so a loader decoding a large matrix (a 150k-row head)
+    holds 2 bytes per weight at most instead of the 8 of shifting int32 words.
+    """
+    _require_little_endian()
+    moved = words.movedim(dim, -1).contiguous()  # packed dim last: [..., L/8]
+    packed_bytes = moved.view(torch.uint8)  # [..., L/8] -> [..., L/2]
+    pairs = torch.stack([packed_bytes & 0xF, packed_bytes >> 4], dim=-1)  # -> [..., L/2, 2]
+    flat = pairs.reshape(*moved.shape[:-1], -1)  # [..., L/2, 2] -> [..., L]
+    return flat.movedim(-1, dim).contiguous()  # packed dim back in place
+
+
+def _require_little_endian() -> None:
+    if sys.byteorder != "little":
+        raise RuntimeError(
+            f"the int32 nibble packing reads words as bytes in little-endian order; this host "
+            f"is {sys.byteorder}-endian (every x86-64 and common arm64 host is little-endian)"
+        )

@@ -106,7 +106,9 @@ class Gptq(Format):
         t = self.checked(tensors, out_features, in_features, group_size)
         if not torch.equal(t["g_idx"], torch.arange(in_features, dtype=torch.int32) // group_size):
             raise ValueError("gptq g_idx is not k // G (an act-order checkpoint); not supported")
-        codes = unpack_nibbles_int32(t["qweight"], dim=0).T  # [K/8, N] -> [K, N] -> [N, K]
+        # Decoded from the transposed words, so the codes come out as [N, K] without a
+        # transposed copy of the whole matrix.
+        codes = unpack_nibbles_int32(t["qweight"].T, dim=1)  # [K/8, N] -> [N, K/8] -> [N, K]
         stored = unpack_nibbles_int32(t["qzeros"], dim=1).T  # [K/G, N/8] -> [K/G, N] -> [N, K/G]
         zeros = stored + V1_ZERO_OFFSET
         if torch.any(zeros > 15):
@@ -114,9 +116,7 @@ class Gptq(Format):
                 "gptq qzeros hold nibble 15, i.e. zero 16 (the v1 zero-0 wrap); not a 4-bit zero"
             )
         scales = t["scales"].T  # [K/G, N] -> [N, K/G]
-        return QuantizedWeight(
-            codes.contiguous(), scales.contiguous(), zeros.contiguous(), group_size
-        )
+        return QuantizedWeight(codes, scales.contiguous(), zeros.contiguous(), group_size)
 
     def quantization_config(
         self, group_size: int, sym: bool, *, lm_head: bool = False, embedding: bool = False

@@ -347,9 +347,11 @@ ENGINE_OVERHEAD_BYTES = 1 << 30
 # allocates each parameter in the engine's dtype and copies the checkpoint's tensor
 # into it, and the plugin repacks the 4-bit codes into the kernel's layout beside the
 # loaded ones; the engines of a group start side by side, so their peaks add up.
-# It holds for dense and cpu_int4 checkpoints, not yet for GPTQ and compressed-tensors
-# ones, which peaked at 1.2-1.6x this estimate (benchmarks/engine_memory.py prints
-# both; every bench record carries both too).
+# Measured by benchmarks/engine_memory.py (every bench record carries both too): at
+# Qwen2.5-0.5B's shapes the peak was 0.87-0.96x this estimate for the dense, cpu_int4,
+# GPTQ and compressed-tensors checkpoints alike, once the GPTQ and compressed-tensors
+# words were decoded as bytes (fourbit.formats.base.unpack_nibbles_int32; decoding them
+# as int32 had those two peak at 1.2-1.6x).
 LOAD_PEAK_FACTOR = 2
 
 
