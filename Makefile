@@ -31,8 +31,15 @@ $(STAMP): $(ENV_FILES)
 	PATH=$(abspath $(BIN)):$$PATH envs/fourbit.post-deploy.sh
 	rm -f $(VENV)/.installed-* && touch $@
 
-report: setup
-	$(BIN)/snakemake --cores $(CORES) results/report.md
+# The workflow starts as soon as the venv is ready, with llama.cpp's build still going
+# beside it: its first job, the builtin model's training, needs only the venv and runs
+# meanwhile on the cores the build leaves idle (linking, waiting on pip). The workflow's
+# build_llamacpp job waits on the build's lock, or finds it done; if this build fails,
+# that job builds again and reports why.
+report:
+	$(MAKE) --no-print-directory llamacpp & build=$$!; \
+	$(MAKE) --no-print-directory venv && $(BIN)/snakemake --cores $(CORES) results/report.md; \
+	status=$$?; wait $$build; exit $$status
 
 test: setup
 	$(BIN)/python -m pytest

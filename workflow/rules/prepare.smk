@@ -6,6 +6,8 @@ rule prepare_corpus:
         evaluation=f"{RESULTS}/corpus/{{corpus}}/evaluation.txt",
     log:
         f"{RESULTS}/logs/prepare_corpus/{{corpus}}.log",
+    # Before build_llamacpp, as download is: nothing needs llama.cpp before the model.
+    priority: 1
     conda:
         "../../envs/fourbit.yaml"
     resources:
@@ -26,6 +28,9 @@ rule download:
         f"{RESULTS}/logs/download/{{model}}.log",
     benchmark:
         f"{RESULTS}/benchmarks/download/{{model}}.tsv"
+    # The builtin model's training is the longest job and every other one waits on it,
+    # so it runs before build_llamacpp, which `make report` has started already.
+    priority: 1
     conda:
         "../../envs/fourbit.yaml"
     threads: workflow.cores
