@@ -436,6 +436,19 @@ def test_before_llamacpp_is_built_its_converter_sources_check_the_model(tmp_path
                "arms": [{"name": "q4", "quant": {"method": "llamacpp"}}]})
 
 
+def test_a_machine_that_cannot_build_llamacpp_stops_before_any_job(tmp_path, monkeypatch):
+    """The workflow trains the model before its build job runs, so a missing compiler is
+    named by the config check, not after the training."""
+    from fourbit.llamacpp import build
+
+    monkeypatch.setattr(build, "find_llamacpp", lambda cache_root=None: None)
+    monkeypatch.setattr(build.shutil, "which", lambda tool: None if tool == "cmake" else "/bin/x")
+    monkeypatch.setattr(build, "converter_source", lambda cache_root=None: pytest.fail("fetched the sdist"))
+    with pytest.raises(ConfigError, match="missing: cmake .*apt-get install cmake build-essential"):
+        study({**BASE, "model": synthetic_576(tmp_path), "engines": {"llamacpp": {}},
+               "arms": [{"name": "q4", "quant": {"method": "llamacpp"}}]})
+
+
 def bpe_tokenizer(folder: Path) -> None:
     """A byte-level-free BPE split on whitespace: a pre-tokenizer no released model uses."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers

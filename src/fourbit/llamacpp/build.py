@@ -205,6 +205,18 @@ def missing_build_tools() -> list[str]:
     return [tool for tool in BUILD_TOOLS if shutil.which(tool) is None]
 
 
+def require_build_tools() -> None:
+    """Stop, naming what is missing, on a machine that cannot build the tools: checked by
+    the build and, before any job, by the config check, since the workflow's first jobs
+    (the model's training) run before its build job."""
+    missing = missing_build_tools()
+    if missing:
+        raise FileNotFoundError(
+            f"building llama.cpp's tools needs {', '.join(BUILD_TOOLS)} on PATH; missing: "
+            f"{', '.join(missing)} (Debian: apt-get install cmake build-essential)"
+        )
+
+
 def ensure_llamacpp(cache_root: Path | None = None, jobs: int | None = None) -> LlamaCpp:
     """The cached build for this machine and recipe, built first if there is none
     (about 10 CPU-minutes)."""
@@ -214,12 +226,7 @@ def ensure_llamacpp(cache_root: Path | None = None, jobs: int | None = None) -> 
     if found:
         log.info("using the llama.cpp build in %s", found.root)
         return found
-    missing = missing_build_tools()
-    if missing:  # before the download and the half-hour build, not in the middle of it
-        raise FileNotFoundError(
-            f"building llama.cpp's tools needs {', '.join(BUILD_TOOLS)} on PATH; missing: "
-            f"{', '.join(missing)} (Debian: apt-get install cmake build-essential)"
-        )
+    require_build_tools()  # before the download and the build, not in the middle of it
     cache_root.mkdir(parents=True, exist_ok=True)
     with _exclusive(cache_root / f"{key}.lock"):
         found = find_llamacpp(cache_root)  # another job may have finished it while this one waited
