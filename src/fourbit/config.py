@@ -351,14 +351,16 @@ def _check_engines_read(model: dict, model_config: dict, engines: dict, has_gguf
             from fourbit.llamacpp.build import converter_source, find_llamacpp, require_build_tools
 
             tools = find_llamacpp()
-            if tools is None:
+            if tools:
+                tree = tools.convert_script.parent
+            else:
                 # Not built yet: the build job will need a compiler, and the same pinned
                 # converter's sources, from its sdist, answer the same questions now.
                 try:
                     require_build_tools()
                 except FileNotFoundError as error:
                     raise ConfigError(str(error)) from None
-            tree = tools.convert_script.parent if tools else converter_source()
+                tree = converter_source()
             # Builtin and synthetic models get fourbit's SentencePiece tokenizer, which the
             # converter reads from tokenizer.model: only a model's own tokenizer is checked.
             folder = sources.tokenizer_folder(model, model_dir / "source")
