@@ -8,7 +8,7 @@ import pytest
 
 from fourbit import records as records_schema
 from fourbit.config import block, load_schema
-from fourbit.report.records import RECORD_KINDS, ReportInputError, record_paths
+from fourbit.report.loading import RECORD_KINDS, ReportInputError, record_paths
 from fourbit.report.verdicts import Measure, compare_measure
 from fourbit.steps.report import write_report
 

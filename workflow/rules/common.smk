@@ -216,7 +216,7 @@ def get_fidelity_input(wildcards):
 
 def all_results():
     """Every record the report reads, by engine id -> arm id ("baseline" for the
-    engine's own) -> kind (fourbit.report.records): each engine that can run on this
+    engine's own) -> kind (fourbit.report.loading): each engine that can run on this
     host scores the arms it runs, each both as quantized and as its dense expansion
     (the control), benches and compares them. Called once the rules are defined."""
     records = {}

@@ -1,4 +1,4 @@
-from fourbit.report.records import record_paths
+from fourbit.report.loading import record_paths
 
 # What each record is (engine id, arm id, kind) is said here, not read back from its path.
 REPORT_RECORDS = all_results()

@@ -14,7 +14,7 @@ import io
 from fourbit.bench.bandwidth import decode_roofline
 from fourbit.bench.passes import summarize
 from fourbit.metrics.stats import delta_ppl_interval
-from fourbit.report.records import Records, ReportInputError
+from fourbit.report.loading import Records, ReportInputError
 from fourbit.report.verdicts import distribution_measures
 
 COLUMNS = [

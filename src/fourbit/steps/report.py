@@ -17,7 +17,7 @@ from fourbit.atomic import write_text
 from fourbit.checkpoints.quantized import storage_stats
 from fourbit.report.markdown import render_markdown
 from fourbit.report.plots import plot
-from fourbit.report.records import (
+from fourbit.report.loading import (
     RecordPaths,
     bench_records,
     check_records,
@@ -48,7 +48,7 @@ def write_report(
 ) -> None:
     """``report_settings``: the config's validated ``report`` block (the schema's defaults
     filled in; this module has none of its own); ``records``: engine id -> arm id (or
-    "baseline") -> kind -> path (fourbit.report.records); ``plot_paths``: by figure name
+    "baseline") -> kind -> path (fourbit.report.loading); ``plot_paths``: by figure name
     (fourbit.report.plots.FIGURES, the rule's output names), where to write it."""
     read = read_records(records)
     weights = check_same_weights(study["model"]["id"], read)
