@@ -123,7 +123,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from fourbit.config import canonical_quant, load_schema
+    from fourbit.schema import canonical_quant, load_schema
     from fourbit.steps.quantize import dequantize_checkpoint, quantize_checkpoint
 
     torch.set_num_threads(1)

@@ -96,7 +96,7 @@ def quantized_checkpoint(dense: Path, workdir: Path, key: str, name: str, quant:
     """``dense`` quantized by ``quant`` (defaults filled) as arm ``name``, in
     workdir/<key>-<hash of the quant>; reused when present: named by the hash, a changed
     quant builds anew instead of reusing a stale folder."""
-    from fourbit.config import canonical_quant, load_schema
+    from fourbit.schema import canonical_quant, load_schema
     from fourbit.hashing import short_hash
     from fourbit.steps.quantize import quantize_checkpoint
 
@@ -112,7 +112,7 @@ def vllm_settings(given: dict, cache_root: Path, engine: str = "vllm") -> dict:
     """The settings of the vllm engine (or vllm_native) as the workflow passes them:
     ``given`` over eager mode and a KV_CACHE_BYTES cache, the rest the schema's defaults,
     and a compile cache of its own."""
-    from fourbit.config import block
+    from fourbit.schema import block
 
     given = {"enforce_eager": True, "kv_cache_gib": KV_CACHE_BYTES / 2**30, **given}
     return {"name": engine, **block(f"engines.{engine}", given), "cache_root": str(cache_root)}
@@ -120,7 +120,7 @@ def vllm_settings(given: dict, cache_root: Path, engine: str = "vllm") -> dict:
 
 def llama_bench_sizes() -> dict[str, int]:
     """pp512 and tg128 as the study's bench block defines them (the schema's constants)."""
-    from fourbit.config import block
+    from fourbit.schema import block
 
     settings = block("bench")
     return {"prompt_tokens": settings["prompt_tokens"], "decode_tokens": settings["decode_tokens"]}

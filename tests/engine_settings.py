@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fourbit.config import block
+from fourbit.schema import block
 
 
 def engine_settings(name: str, **given) -> dict:

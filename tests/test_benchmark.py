@@ -23,7 +23,7 @@ from engine_settings import engine_settings
 
 from fourbit.bench import hostmemory
 from fourbit.bench.contention import ContentionError, check_quiet
-from fourbit.config import block, canonical_quant, load_schema
+from fourbit.schema import block, canonical_quant, load_schema
 from fourbit.engines import ENGINES, Bench, EngineSpec, Fidelity
 from fourbit.steps import bench as benchmark
 from fourbit.steps.quantize import quantize_checkpoint

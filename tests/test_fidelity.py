@@ -121,7 +121,7 @@ def test_reference_greedy_matches_a_loop_without_cache(models):
 
 def test_reference_quantized_arm(models, tmp_path):
     """A real 4-bit arm: loads through the int4 kernel, close to but not equal to its baseline."""
-    from fourbit.config import canonical_quant, load_schema
+    from fourbit.schema import canonical_quant, load_schema
     from fourbit.steps.quantize import quantize_checkpoint
 
     arm = {"name": "t", "id": "t-0000000000",

@@ -7,7 +7,7 @@ import torch
 
 from fourbit.checkpoints.hf import load_tensors, read_config
 from fourbit.checkpoints.quantized import read_quantized
-from fourbit.config import canonical_quant, load_schema
+from fourbit.schema import canonical_quant, load_schema
 from fourbit.engines import reference
 from fourbit.steps.quantize import GroupSizeError, dequantize_checkpoint, quantize_checkpoint
 

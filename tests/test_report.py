@@ -7,7 +7,7 @@ import math
 import pytest
 
 from fourbit import records as records_schema
-from fourbit.config import block, load_schema
+from fourbit.schema import block, load_schema
 from fourbit.report.loading import RECORD_KINDS, ReportInputError, record_paths
 from fourbit.report.verdicts import Measure, compare_measure
 from fourbit.steps.report import write_report

@@ -161,7 +161,7 @@ def test_fallback_dense_writes_a_checkpoint_the_control_and_the_reference_engine
     from conftest import save_tiny_llama
 
     from fourbit.checkpoints.hf import load_tensors
-    from fourbit.config import canonical_quant, load_schema
+    from fourbit.schema import canonical_quant, load_schema
     from fourbit.engines import reference
     from fourbit.steps.quantize import dequantize_checkpoint, quantize_checkpoint
 
@@ -196,7 +196,7 @@ def test_vllm_serves_a_fallback_arm_whose_merged_layers_stay_dense(tmp_path):
     import torch
     import transformers
 
-    from fourbit.config import canonical_quant, load_schema
+    from fourbit.schema import canonical_quant, load_schema
     from fourbit.engines import vllm
     from fourbit.steps.quantize import dequantize_checkpoint, quantize_checkpoint
 

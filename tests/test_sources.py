@@ -10,7 +10,8 @@ import pytest
 from conftest import hub_cache, save_tiny_llama
 
 from fourbit.checkpoints.hf import read_config
-from fourbit.config import block, model_identity
+from fourbit.config import model_identity
+from fourbit.schema import block
 from fourbit.inputs.pinned_kernels import cpu_vendor
 from fourbit.inputs.sources import MANIFEST
 from fourbit.steps.prepare import fetch_model
@@ -145,7 +146,7 @@ def test_path_config_is_the_folders_and_a_folder_without_one_is_named(tmp_path):
 def test_synthetic_config_of_a_shipped_name_and_of_an_unknown_one():
     from fourbit.inputs.sources import model_config
 
-    from fourbit.config import block
+    from fourbit.schema import block
 
     def spec(**given):
         return block("model", {"source": "synthetic", **given})

@@ -140,7 +140,7 @@ def test_settings_come_whole_from_the_schema():
     assert settings.dtype == "float32" and settings.kv_cache_bytes == 1 << 30  # the schema's
     assert settings.cache_root is None and settings.quantization == "auto"
     partial = {key: value for key, value in full.items() if key != "dtype"}
-    with pytest.raises(ValueError, match=r"lack \['dtype'\].*fourbit.config.block"):
+    with pytest.raises(ValueError, match=r"lack \['dtype'\].*fourbit.schema.block"):
         VllmSettings.from_engine(partial, plugin=True)
     native = VllmSettings.from_engine(engine_settings("vllm_native"), plugin=False)
     assert native.dtype == "bfloat16" and native.quant == {} and native.quantization is None

@@ -114,7 +114,7 @@ def test_a_mispacked_checkpoint_fails_the_control_at_every_tolerance(finished_st
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from fourbit.config import block
+    from fourbit.schema import block
     from fourbit.steps.evaluate import score_checkpoint
 
     results = finished_study / "results"

@@ -9,25 +9,19 @@ canonical JSON of exactly the settings that change that thing's outputs.
 from __future__ import annotations
 
 import copy
-import functools
 import json
 import re
 import sys
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import jsonschema
-import yaml
 
 from fourbit.engines import engine_spec, unavailable_here
-from fourbit.hashing import canonical_json, file_sha256, short_hash
+from fourbit.hashing import file_sha256, short_hash
 from fourbit.inputs import sources, supported
 from fourbit.quant import shapes
+from fourbit.schema import ConfigError, canonical_quant, load_schema, sorted_keys, validate
 
-# Inside the package, so an installed fourbit (not only this checkout) validates configs.
-SCHEMA_PATH = Path(__file__).resolve().parent / "schemas" / "config.schema.yaml"
 ID_PATTERN = r"[a-z0-9][a-z0-9_.]*-[0-9a-f]{10}"
 GGUF_METHODS = {"llamacpp"}  # methods whose checkpoints only llama.cpp reads
 VLLM_ENGINES = ("vllm", "vllm_native")  # engines that need vLLM's registry to list the architecture
@@ -36,124 +30,6 @@ VLLM_ENGINES = ("vllm", "vllm_native")  # engines that need vLLM's registry to l
 # modules_in_block_to_quantize), while fourbit's plugin reads what is quantized from the
 # safetensors themselves.
 NEEDS_EVERY_LINEAR_QUANTIZED = ("vllm_native",)
-
-
-class ConfigError(ValueError):
-    """A config problem, reported before any job runs."""
-
-
-@functools.cache
-def _schema_text(path: Path) -> str:
-    return Path(path).read_text()
-
-
-def load_schema(path: Path = SCHEMA_PATH) -> dict:
-    """The config schema, a fresh copy each call (validation fills defaults into what it
-    checks, never into the schema, but callers may edit what they get)."""
-    return yaml.safe_load(_schema_text(path))
-
-
-def block(name: str, given: Mapping[str, Any] | None = None) -> dict:
-    """One block of the config (``name`` a dotted path of the schema's properties, e.g.
-    "bench", "fidelity", "engines.vllm"), validated and with the schema's defaults filled:
-    the one way a library function gets settings a caller may have left out, so the schema
-    stays the only source of defaults. Raises ConfigError naming the key and the fix."""
-    schema = load_schema()
-    node = schema
-    for part in name.split("."):
-        node = node["properties"][part]
-        if "$ref" in node:
-            node = _resolve(schema, node["$ref"])
-    filled = copy.deepcopy(dict(given or {}))
-    _validate(filled, {**node, "$defs": schema["$defs"]}, name)
-    return _sorted(filled)
-
-
-def _with_defaults(validator_class):
-    """A validator that also fills in ``default`` values (the jsonschema recipe)."""
-    validate_properties = validator_class.VALIDATORS["properties"]
-
-    def set_defaults(validator, properties, instance, schema):
-        if isinstance(instance, dict):
-            for name, subschema in properties.items():
-                if "default" in subschema:
-                    instance.setdefault(name, copy.deepcopy(subschema["default"]))
-        yield from validate_properties(validator, properties, instance, schema)
-
-    return jsonschema.validators.extend(validator_class, {"properties": set_defaults})
-
-
-_Validator = _with_defaults(jsonschema.Draft202012Validator)
-
-
-def _validate(instance: Any, schema: dict, where: str) -> None:
-    errors = sorted(_Validator(schema).iter_errors(instance), key=lambda e: list(e.path))
-    if errors:
-        lines = []
-        for error in errors:
-            path = ".".join(str(p) for p in error.absolute_path) or "(top level)"
-            hint = ""
-            context = _message_of(error, schema)
-            if context:
-                hint = f" ({context})"
-            elif error.validator == "additionalProperties":
-                allowed = sorted(error.schema.get("properties", {}))
-                hint = f"; allowed keys: {', '.join(allowed)}"
-            elif error.validator in ("enum", "const"):
-                allowed = error.schema.get("enum", [error.schema.get("const")])
-                hint = f"; allowed: {', '.join(map(str, allowed))}"
-            if not context and error.path and "description" in error.schema:
-                hint += f" ({error.schema['description'].strip()})"
-            lines.append(f"{where}{'.' + path if path != '(top level)' else ''}: {error.message}{hint}")
-        raise ConfigError("invalid config:\n  " + "\n  ".join(lines))
-
-
-def _message_of(error, root: dict) -> str | None:
-    """The deepest ``errorMessage`` written in the schema on the way to the failed rule."""
-    message, node = None, root
-    for step in error.absolute_schema_path:
-        if not isinstance(node, (dict, list)):
-            break
-        if isinstance(node, dict) and step not in node and "$ref" in node:
-            node = _resolve(root, node["$ref"])  # the schema path steps through refs silently
-        node = node[step]
-        if isinstance(node, dict) and "errorMessage" in node:
-            message = node["errorMessage"]
-    return message
-
-
-def _resolve(root: dict, ref: str) -> dict:
-    """A local "#/$defs/name" reference of ``root``."""
-    node = root
-    for part in ref.removeprefix("#/").split("/"):
-        node = node[part]
-    return node
-
-
-def canonical_quant(quant: dict, schema: dict, where: str = "quant") -> dict:
-    """Validate one arm's quant config against its method's schema; fill defaults."""
-    methods = schema["$defs"]["methods"]
-    method = quant.get("method")
-    if method not in methods:
-        raise ConfigError(
-            f"{where}.method: {method!r} is not a known quantization method; "
-            f"allowed: {', '.join(sorted(methods))}"
-        )
-    filled = copy.deepcopy(quant)
-    _validate(filled, {**methods[method], "$defs": schema["$defs"]}, where)
-    mixed = filled.get("mixed_precision")
-    if mixed and mixed["windows"] > filled["calibration"]["heldout"]:
-        raise ConfigError(
-            f"{where}.mixed_precision.windows: {mixed['windows']} windows, but calibration.heldout "
-            f"draws only {filled['calibration']['heldout']}; lower windows or raise heldout"
-        )
-    return _sorted(filled)
-
-
-def _sorted(value: Any) -> Any:
-    """Keys sorted all the way down: Snakemake compares rule params by their text,
-    and a reordered (but equal) config must not rerun anything."""
-    return json.loads(canonical_json(value))
 
 
 @dataclass(frozen=True)
@@ -227,12 +103,12 @@ class Study:
         schema = schema or load_schema()
         config = copy.deepcopy(config)
         quant_parts = [arm.get("quant") for arm in config.get("arms", []) if isinstance(arm, dict)]
-        _validate(config, schema, "config")
+        validate(config, schema, "config")
         _check_unique_names(config["arms"])
         corpus_id = corpus_identity(config["corpus"])
         model_id = model_identity(config["model"], corpus_id)
         engines = {
-            name: Engine(name, _sorted(settings), f"{name}-{short_hash('engine', settings)}")
+            name: Engine(name, sorted_keys(settings), f"{name}-{short_hash('engine', settings)}")
             for name, settings in sorted(config["engines"].items())
         }
         model_config = _model_config(config, model_id)
@@ -246,7 +122,7 @@ class Study:
             canonical = canonical_quant(quant, schema, f"arms[{index}].quant")
             if "calibration" in canonical:
                 # Calibration data is part of a calibrated arm's identity.
-                canonical["calibration"] = _sorted({**canonical["calibration"], "corpus": corpus_id})
+                canonical["calibration"] = sorted_keys({**canonical["calibration"], "corpus": corpus_id})
             arm["quant"] = canonical
             arm_id = f"{arm['name']}-{short_hash('arm', canonical)}"
             if any(a.quant != canonical and a.id == arm_id for a in arms.values()):
@@ -261,7 +137,7 @@ class Study:
             raise ConfigError("no arm of the config can run on this model:\n  "
                               + "\n  ".join(r["reason"] for r in refused))
         return cls(
-            config=_sorted(config),
+            config=sorted_keys(config),
             results=config["results"],
             model_id=model_id,
             corpus_id=corpus_id,

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from fourbit import config
+from fourbit import schema
 
 log = logging.getLogger("fourbit")
 
@@ -135,7 +135,7 @@ def builtin_corpus(spec: dict) -> Selection:
     until the next one would exceed ``max_bytes``. Each file is one document,
     so a file never straddles two splits; see :func:`_split_by_path_hash`.
     """
-    options = config.block("corpus", spec)
+    options = schema.block("corpus", spec)
     # The schema keeps each fraction below 0.5, so train always keeps some text.
     calibration, evaluation = options["calibration_fraction"], options["evaluation_fraction"]
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -217,7 +217,7 @@ def file_corpus(spec: dict) -> Selection:
     ``evaluation_fraction`` of them is evaluation, the ``calibration_fraction``
     before that is calibration, the rest (the beginning) is train.
     """
-    options = config.block("corpus", spec)
+    options = schema.block("corpus", spec)
     # The schema keeps each fraction below 0.5, so train always keeps some text.
     calibration, evaluation = options["calibration_fraction"], options["evaluation_fraction"]
     path = Path(options["path"])
@@ -284,7 +284,7 @@ def hf_corpus(spec: dict) -> Selection:
     per row). Files come through ``huggingface_hub.hf_hub_download``, so the
     usual cache and HF_HUB_OFFLINE apply.
     """
-    options = config.block("corpus", spec)
+    options = schema.block("corpus", spec)
     revision = options["revision"]
     files = options["files"]  # the schema requires exactly the three splits
     splits, fingerprint_lines = {}, []

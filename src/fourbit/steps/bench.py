@@ -68,7 +68,7 @@ from fourbit.bench.passes import run_rounds
 from fourbit.bench.provenance import provenance
 from fourbit.bench.residency import cache_state, warm_and_check
 from fourbit.checkpoints.hf import quantizable_linears, skeleton, weight_files
-from fourbit.config import block
+from fourbit.schema import block
 from fourbit.engines import Bench, EngineSpec, NotBenchmarked, engine_spec, get_engine
 from fourbit.hashing import require_sha256
 

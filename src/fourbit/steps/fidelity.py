@@ -62,7 +62,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from fourbit.atomic import write_json
-from fourbit.config import block
+from fourbit.schema import block
 from fourbit.engines import Fidelity, engine_spec, get_engine
 from fourbit.hashing import require_sha256
 from fourbit.metrics.kl import FULL

@@ -21,7 +21,8 @@ import os
 from pathlib import Path
 
 from fourbit.atomic import atomic_dir
-from fourbit.config import block, model_identity
+from fourbit.config import model_identity
+from fourbit.schema import block
 from fourbit.checkpoints.hf import (
     load_tensors,
     module_name,

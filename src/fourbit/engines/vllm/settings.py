@@ -50,7 +50,7 @@ class VllmSettings:
             raise ValueError(
                 f"{block} settings lack {missing} (given: {sorted(settings)}); the study "
                 "config's validation fills them from the schema, and a direct call gets them "
-                f"from fourbit.config.block({block!r}, given)"
+                f"from fourbit.schema.block({block!r}, given)"
             )
         unknown = sorted(set(settings) - set(keys) - set(STEP_KEYS))
         if unknown:
