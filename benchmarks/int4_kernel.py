@@ -160,7 +160,7 @@ def _callgrind(command: list[str], function: str, out: Path) -> int:
 
 def count_instructions(group_size: int) -> dict[str, float]:
     """Instructions per weight of one batch-1 linear at COUNT_SHAPE, one thread."""
-    from fourbit.llamacpp.build import find_llamacpp
+    from fourbit.llamacpp.installed import find_llamacpp
 
     n, k = COUNT_SHAPE
     per_weight: dict[str, float] = {}

@@ -392,7 +392,7 @@ def test_the_converters_architectures_and_pre_tokenizers_are_read_from_its_sourc
 
 
 def built_llamacpp_tree() -> Path:
-    from fourbit.llamacpp.build import find_llamacpp
+    from fourbit.llamacpp.installed import find_llamacpp
 
     tools = find_llamacpp()
     if tools is None:
@@ -416,10 +416,11 @@ def test_before_llamacpp_is_built_its_converter_sources_check_the_model(tmp_path
     import shutil
 
     from fourbit.inputs import supported
-    from fourbit.llamacpp import build
+    from fourbit.llamacpp import build, installed
+    from fourbit.llamacpp.sdist import SDIST_NAME
 
     built = built_llamacpp_tree()
-    sdist = build.default_cache_root() / "sdist" / build.SDIST_NAME
+    sdist = installed.default_cache_root() / "sdist" / SDIST_NAME
     if not sdist.is_file():
         pytest.skip(f"no cached sdist at {sdist} (make llamacpp fetches it)")
     cache = tmp_path / "cache"
@@ -428,7 +429,7 @@ def test_before_llamacpp_is_built_its_converter_sources_check_the_model(tmp_path
     tree = build.converter_source(cache)
     assert supported.llamacpp_architectures(tree) == supported.llamacpp_architectures(built)
     assert supported.llamacpp_pre_tokenizers(tree) == supported.llamacpp_pre_tokenizers(built)
-    monkeypatch.setattr(build, "find_llamacpp", lambda cache_root=None: None)
+    monkeypatch.setattr(installed, "find_llamacpp", lambda cache_root=None: None)
     monkeypatch.setattr(build, "default_cache_root", lambda: cache)
     model = synthetic_576(tmp_path, architectures=["LlamaForCausalLMNotInLlamaCpp"])
     with pytest.raises(ConfigError, match=f"LlamaForCausalLMNotInLlamaCpp is not one llama.cpp's converter \\({tree}"):
@@ -439,10 +440,10 @@ def test_before_llamacpp_is_built_its_converter_sources_check_the_model(tmp_path
 def test_a_machine_that_cannot_build_llamacpp_stops_before_any_job(tmp_path, monkeypatch):
     """The workflow trains the model before its build job runs, so a missing compiler is
     named by the config check, not after the training."""
-    from fourbit.llamacpp import build
+    from fourbit.llamacpp import build, installed, toolchain
 
-    monkeypatch.setattr(build, "find_llamacpp", lambda cache_root=None: None)
-    monkeypatch.setattr(build.shutil, "which", lambda tool: None if tool == "cmake" else "/bin/x")
+    monkeypatch.setattr(installed, "find_llamacpp", lambda cache_root=None: None)
+    monkeypatch.setattr(toolchain.shutil, "which", lambda tool: None if tool == "cmake" else "/bin/x")
     monkeypatch.setattr(build, "converter_source", lambda cache_root=None: pytest.fail("fetched the sdist"))
     with pytest.raises(ConfigError, match="missing: cmake .*apt-get install cmake build-essential"):
         study({**BASE, "model": synthetic_576(tmp_path), "engines": {"llamacpp": {}},

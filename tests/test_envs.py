@@ -54,8 +54,8 @@ def test_the_llamacpp_build_runs_before_the_venv_exists():
     src = ENVS.parent / "src"
     run = subprocess.run(
         [sys.executable, "-I", "-S", "-c",
-         f"import sys; sys.path.insert(0, {str(src)!r}); import fourbit.llamacpp.build as b; "
-         "print(b.build_key())"],
+         f"import sys; sys.path.insert(0, {str(src)!r}); import fourbit.llamacpp.build; "
+         "from fourbit.llamacpp.installed import build_key; print(build_key())"],
         capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert "PYTHONPATH=src $(PYTHON) -m fourbit.llamacpp.build" in (ENVS.parent / "Makefile").read_text()

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from fourbit import llamacpp
-from fourbit.llamacpp import ToolError, build, run_tool
+from fourbit.llamacpp import ToolError, build, installed, recipe, run_tool, sdist, toolchain
 from fourbit.llamacpp.bench import llama_bench, parse_bench_json
 from fourbit.llamacpp.convert import convert_to_gguf
 from fourbit.llamacpp.perplexity import (
@@ -313,19 +313,19 @@ def test_perplexity_is_retried_then_its_output_shown(tmp_path):
 
 
 def test_cache_key_names_version_commit_and_this_cpu():
-    key = build.build_key()
-    assert key.startswith(f"{build.LLAMA_CPP_PYTHON_VERSION}-{build.LLAMA_CPP_COMMIT[:7]}-isa")
+    key = installed.build_key()
+    assert key.startswith(f"{recipe.LLAMA_CPP_PYTHON_VERSION}-{recipe.LLAMA_CPP_COMMIT[:7]}-isa")
     assert "-recipe" in key
 
 
-def _fake_sdist(path, commit=build.LLAMA_CPP_COMMIT):
+def _fake_sdist(path, commit=recipe.LLAMA_CPP_COMMIT):
     files = {
-        build._VENDORED_COMMIT_FILE: commit + "\n",
-        build._VENDORED_TREE + "CMakeLists.txt": "project(x)\n",
-        build._VENDORED_TREE + "gguf-py/gguf/__init__.py": "",
-        build._VENDORED_TREE + "models/ggml-vocab-big.gguf": "unused",
-        build._VENDORED_TREE + "docs/build.md": "unused",
-        build._SDIST_TOP + "llama_cpp/__init__.py": "not llama.cpp",
+        sdist._VENDORED_COMMIT_FILE: commit + "\n",
+        sdist._VENDORED_TREE + "CMakeLists.txt": "project(x)\n",
+        sdist._VENDORED_TREE + "gguf-py/gguf/__init__.py": "",
+        sdist._VENDORED_TREE + "models/ggml-vocab-big.gguf": "unused",
+        sdist._VENDORED_TREE + "docs/build.md": "unused",
+        sdist._SDIST_TOP + "llama_cpp/__init__.py": "not llama.cpp",
     }
     with tarfile.open(path, "w:gz") as tar:
         for name, text in files.items():
@@ -336,7 +336,7 @@ def _fake_sdist(path, commit=build.LLAMA_CPP_COMMIT):
 
 
 def test_only_the_vendored_tree_without_its_unused_parts_is_extracted(tmp_path):
-    build._extract_tree(_fake_sdist(tmp_path / "s.tar.gz"), tmp_path / "tree")
+    sdist.extract_tree(_fake_sdist(tmp_path / "s.tar.gz"), tmp_path / "tree")
     extracted = sorted(
         str(p.relative_to(tmp_path / "tree")) for p in (tmp_path / "tree").rglob("*") if p.is_file()
     )
@@ -345,21 +345,21 @@ def test_only_the_vendored_tree_without_its_unused_parts_is_extracted(tmp_path):
 
 def test_an_sdist_vendoring_another_commit_is_refused(tmp_path):
     with pytest.raises(RuntimeError, match="vendors llama.cpp 1234567, expected 0c1e57"):
-        build._extract_tree(_fake_sdist(tmp_path / "s.tar.gz", commit="1234567"), tmp_path / "tree")
+        sdist.extract_tree(_fake_sdist(tmp_path / "s.tar.gz", commit="1234567"), tmp_path / "tree")
 
 
 def test_an_incomplete_cached_build_is_named_not_used(tmp_path):
-    assert build.find_llamacpp(tmp_path) is None
-    (tmp_path / build.build_key() / "bin").mkdir(parents=True)
+    assert installed.find_llamacpp(tmp_path) is None
+    (tmp_path / installed.build_key() / "bin").mkdir(parents=True)
     with pytest.raises(FileNotFoundError, match="lacks .*llama-quantize.*delete that folder"):
-        build.find_llamacpp(tmp_path)
+        installed.find_llamacpp(tmp_path)
 
 
 def _fake_build(calls):
-    def fake(sdist, out, jobs):
+    def fake(source, out, jobs):
         calls.append(out)
         time.sleep(0.5)  # long enough for a second job to find the lock taken
-        tools = build.LlamaCpp.at(out)
+        tools = installed.LlamaCpp.at(out)
         tools.gguf_py.mkdir(parents=True)
         tools.convert_script.touch()
         tools.quantize.parent.mkdir()
@@ -371,30 +371,30 @@ def _fake_build(calls):
 
 def test_concurrent_jobs_build_once_and_share_the_result(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(build, "_fetch_sdist", lambda folder: folder / "sdist.tar.gz")
-    monkeypatch.setattr(build, "_build", _fake_build(calls))
+    monkeypatch.setattr(build, "fetch_sdist", lambda folder: folder / "sdist.tar.gz")
+    monkeypatch.setattr(build, "compile_tools", _fake_build(calls))
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda _: build.ensure_llamacpp(tmp_path, jobs=1), range(2)))
     assert len(calls) == 1 and results[0] == results[1]
-    assert results[0].root == tmp_path / build.build_key()
+    assert results[0].root == tmp_path / installed.build_key()
     assert calls[0] != results[0].root  # built under a temporary name, then renamed
 
 
 def test_a_failed_build_leaves_nothing_that_looks_finished(tmp_path, monkeypatch):
-    def failing(sdist, out, jobs):
+    def failing(source, out, jobs):
         (out / "bin").mkdir()
         raise RuntimeError("compiler crashed")
 
-    monkeypatch.setattr(build, "_fetch_sdist", lambda folder: folder / "sdist.tar.gz")
-    monkeypatch.setattr(build, "_build", failing)
+    monkeypatch.setattr(build, "fetch_sdist", lambda folder: folder / "sdist.tar.gz")
+    monkeypatch.setattr(build, "compile_tools", failing)
     with pytest.raises(RuntimeError, match="compiler crashed"):
         build.ensure_llamacpp(tmp_path, jobs=1)
-    assert build.find_llamacpp(tmp_path) is None
-    assert not list(tmp_path.glob(f".{build.build_key()}.tmp-*"))
+    assert installed.find_llamacpp(tmp_path) is None
+    assert not list(tmp_path.glob(f".{installed.build_key()}.tmp-*"))
 
 
 def test_leftovers_of_interrupted_builds_are_removed(tmp_path):
-    key = build.build_key()
+    key = installed.build_key()
     (tmp_path / f".{key}.tmp-12345" / "build").mkdir(parents=True)
     (tmp_path / ".other.tmp-1").mkdir()
     build._remove_interrupted_builds(tmp_path, key)
@@ -402,8 +402,8 @@ def test_leftovers_of_interrupted_builds_are_removed(tmp_path):
 
 
 def test_a_build_without_its_tools_stops_before_any_download(tmp_path, monkeypatch):
-    monkeypatch.setattr(build.shutil, "which", lambda tool: None if tool == "cmake" else "/bin/x")
-    monkeypatch.setattr(build, "_fetch_sdist", lambda folder: pytest.fail("fetched the sdist"))
+    monkeypatch.setattr(toolchain.shutil, "which", lambda tool: None if tool == "cmake" else "/bin/x")
+    monkeypatch.setattr(build, "fetch_sdist", lambda folder: pytest.fail("fetched the sdist"))
     with pytest.raises(FileNotFoundError, match="missing: cmake .*apt-get install cmake build-essential"):
         build.ensure_llamacpp(cache_root=tmp_path)
 
@@ -415,13 +415,13 @@ def test_a_build_without_its_tools_stops_before_any_download(tmp_path, monkeypat
 def tools():
     """The cached build; built here once (~10 CPU-minutes) if there is none and a
     compiler is at hand."""
-    found = build.find_llamacpp()
+    found = installed.find_llamacpp()
     if found:
         return found
-    missing = build.missing_build_tools()
+    missing = toolchain.missing_build_tools()
     if missing:
         pytest.skip(
-            f"no llama.cpp build in {build.default_cache_root()} and {missing} "
+            f"no llama.cpp build in {installed.default_cache_root()} and {missing} "
             f"not on PATH to build one; "
             f"install them or run `{sys.executable} -m fourbit.llamacpp.build`"
         )

@@ -224,7 +224,9 @@ def _check_engines_read(model: dict, model_config: dict, engines: dict, has_gguf
         if vllm:
             supported.check_vllm(model_config, vllm)
         if "llamacpp" in engines or has_gguf_arms:
-            from fourbit.llamacpp.build import converter_source, find_llamacpp, require_build_tools
+            from fourbit.llamacpp.build import converter_source
+            from fourbit.llamacpp.installed import find_llamacpp
+            from fourbit.llamacpp.toolchain import require_build_tools
 
             tools = find_llamacpp()
             if tools:

@@ -1,7 +1,12 @@
 """llama.cpp as a comparison engine, built here from the llama.cpp source that
 llama-cpp-python's sdist vendors.
 
-- :mod:`.build`: fetch, verify, build and cache the tools (``ensure_llamacpp``).
+- :mod:`.build`: find or build the cached tools (``ensure_llamacpp``); the command line.
+  - :mod:`.recipe`: the pinned version and commit, CMake options, targets, fourbit-score.
+  - :mod:`.installed`: a finished build in the cache (``LlamaCpp``, ``find_llamacpp``).
+  - :mod:`.toolchain`: whether this machine has what the build runs.
+  - :mod:`.sdist`: fetch and verify llama-cpp-python's sdist; extract its llama.cpp.
+  - :mod:`.cmake`: one build with CMake, recorded in build-info.json.
 - :mod:`.convert`: Hugging Face folder → GGUF with the same tree's converter.
 - :mod:`.quantize`: GGUF → Q4_K_M / Q4_0 / Q8_0, and the bits per weight a file really stores.
 - :mod:`.perplexity`: teacher-forced scoring of exact token windows, and

@@ -17,7 +17,7 @@ import statistics
 from pathlib import Path
 
 from fourbit.llamacpp import ARITHMETIC, ToolError, bench_arithmetic_flags, run_tool
-from fourbit.llamacpp.build import LlamaCpp
+from fourbit.llamacpp.installed import LlamaCpp
 
 log = logging.getLogger("fourbit")
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from fourbit.atomic import atomic_path
 from fourbit.llamacpp import run_tool, tool_environment
-from fourbit.llamacpp.build import LlamaCpp
+from fourbit.llamacpp.installed import LlamaCpp
 from fourbit.progress import Progress
 
 log = logging.getLogger("fourbit")

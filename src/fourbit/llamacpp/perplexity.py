@@ -32,7 +32,7 @@ import tempfile
 from pathlib import Path
 
 from fourbit.llamacpp import ARITHMETIC, ToolError, common_arithmetic_flags, run_tool, tail
-from fourbit.llamacpp.build import LlamaCpp
+from fourbit.llamacpp.installed import LlamaCpp
 from fourbit.progress import Progress
 
 log = logging.getLogger("fourbit")

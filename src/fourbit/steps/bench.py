@@ -175,7 +175,7 @@ def linear_weight_bytes(checkpoint: str | os.PathLike, dense_dtype: str) -> dict
 
 def gguf_weight_bytes(checkpoint: str | os.PathLike) -> dict:
     """A GGUF file's matrix weights as stored (llama.cpp computes on its block formats)."""
-    from fourbit.llamacpp.build import find_llamacpp
+    from fourbit.llamacpp.installed import find_llamacpp
     from fourbit.llamacpp.quantize import gguf_bits_per_weight
 
     tools = find_llamacpp()

@@ -16,8 +16,9 @@ from pathlib import Path
 
 from fourbit import records
 from fourbit.atomic import write_json
-from fourbit.llamacpp.build import LlamaCpp, ensure_llamacpp
+from fourbit.llamacpp.build import ensure_llamacpp
 from fourbit.llamacpp.convert import convert_to_gguf
+from fourbit.llamacpp.installed import LlamaCpp
 from fourbit.llamacpp.quantize import dequantize_gguf, gguf_bits_per_weight, quantize_gguf
 
 log = logging.getLogger("fourbit")

@@ -1,0 +1,106 @@
+"""A finished llama.cpp build in the cache: where it lies, the key that names it, and what
+it holds.
+
+Binaries built with ``-march=native`` may crash (illegal instruction) or run slower on
+another CPU, so the key hashes the CPU's ISA flags as well as the version, the commit and
+the recipe (:mod:`fourbit.llamacpp.recipe`)::
+
+    ~/.cache/fourbit/llama.cpp/<llama-cpp-python version>-<commit>-isa<hash>-recipe<hash>/
+        bin/         the four programs (static: the folder can move)
+        llama.cpp/   the source tree (convert_hf_to_gguf.py, gguf-py/, conversion/ ...)
+        scorer/      the CMake project that adds fourbit-score to llama.cpp's build
+        build-info.json, build.log
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from fourbit.llamacpp.recipe import (
+    CMAKE_OPTIONS,
+    LLAMA_CPP_COMMIT,
+    LLAMA_CPP_PYTHON_VERSION,
+    SCORER_CMAKELISTS,
+    SCORER_SOURCE,
+    SCORER_TARGET,
+    TOOL_TARGETS,
+)
+from fourbit.usercache import cache_home, cpu_key, short_hash
+
+
+@dataclass(frozen=True)
+class LlamaCpp:
+    """One built llama.cpp tree: its programs, its converter and the gguf-py that goes with it."""
+
+    root: Path
+    quantize: Path
+    perplexity: Path
+    bench: Path
+    scorer: Path
+    convert_script: Path
+    gguf_py: Path
+    commit: str
+    llama_cpp_python_version: str
+
+    @classmethod
+    def at(cls, root: Path) -> LlamaCpp:
+        bin_dir, tree = root / "bin", root / "llama.cpp"
+        return cls(
+            root=root,
+            quantize=bin_dir / "llama-quantize",
+            perplexity=bin_dir / "llama-perplexity",
+            bench=bin_dir / "llama-bench",
+            scorer=bin_dir / SCORER_TARGET,
+            convert_script=tree / "convert_hf_to_gguf.py",
+            gguf_py=tree / "gguf-py",
+            commit=LLAMA_CPP_COMMIT,
+            llama_cpp_python_version=LLAMA_CPP_PYTHON_VERSION,
+        )
+
+    def check_complete(self) -> LlamaCpp:
+        missing = [
+            str(p)
+            for p in (
+                self.quantize,
+                self.perplexity,
+                self.bench,
+                self.scorer,
+                self.convert_script,
+                self.gguf_py,
+            )
+            if not p.exists()
+        ]
+        if missing:
+            raise FileNotFoundError(
+                f"the llama.cpp build in {self.root} lacks {missing}; delete that folder "
+                f"so the next ensure_llamacpp() builds it again"
+            )
+        return self
+
+
+def default_cache_root() -> Path:
+    return cache_home() / "llama.cpp"
+
+
+def build_key() -> str:
+    recipe = json.dumps(
+        {
+            "cmake": CMAKE_OPTIONS,
+            "targets": TOOL_TARGETS,
+            "scorer_cmake": SCORER_CMAKELISTS,
+            "scorer": SCORER_SOURCE,
+        },
+        sort_keys=True,
+    )
+    return (
+        f"{LLAMA_CPP_PYTHON_VERSION}-{LLAMA_CPP_COMMIT[:7]}"
+        f"-{cpu_key()}-recipe{short_hash(recipe)}"
+    )
+
+
+def find_llamacpp(cache_root: Path | None = None) -> LlamaCpp | None:
+    """The cached build for this machine and recipe, or None if there is none yet."""
+    root = Path(cache_root or default_cache_root()) / build_key()
+    return LlamaCpp.at(root).check_complete() if root.is_dir() else None

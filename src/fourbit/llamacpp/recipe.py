@@ -1,0 +1,65 @@
+"""What fourbit builds of llama.cpp: the pinned source, the CMake options, the targets and
+fourbit-score's CMake project. All of it is hashed into the cached build's name
+(:func:`fourbit.llamacpp.installed.build_key`), so a change here builds afresh.
+
+The code is compiled for this CPU (``GGML_NATIVE=ON``, i.e. ``-march=native``):
+llama.cpp is here to be compared at its best on the host being measured.
+"""
+
+from __future__ import annotations
+
+import platform
+from importlib.resources import files
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+LLAMA_CPP_COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
+
+TOOL_TARGETS = ("llama-quantize", "llama-perplexity", "llama-bench")
+CMAKE_OPTIONS = {
+    "CMAKE_BUILD_TYPE": "Release",
+    # Static binaries keep working after the folder is renamed into place.
+    "BUILD_SHARED_LIBS": "OFF",
+    "GGML_NATIVE": "ON",
+    "GGML_CPU": "ON",
+    "GGML_CUDA": "OFF",
+    "GGML_METAL": "OFF",
+    "GGML_VULKAN": "OFF",
+    "GGML_BLAS": "OFF",  # a system BLAS would change the matmul arithmetic
+    "GGML_OPENMP": "ON",
+    "GGML_CCACHE": "OFF",  # the same compile wherever it runs
+    # This commit has no libcurl any more (LLAMA_CURL only warns that it is
+    # deprecated); downloads go through cpp-httplib, without TLS when this is OFF.
+    "LLAMA_OPENSSL": "OFF",
+    "LLAMA_BUILD_COMMON": "ON",
+    "LLAMA_BUILD_TOOLS": "ON",
+    "LLAMA_BUILD_SERVER": "OFF",
+    "LLAMA_BUILD_TESTS": "OFF",
+    "LLAMA_BUILD_EXAMPLES": "OFF",
+    "FETCHCONTENT_FULLY_DISCONNECTED": "ON",  # never fetch anything at configure time
+    "LLAMA_BUILD_COMMIT": LLAMA_CPP_COMMIT[
+        :7
+    ],  # the extracted tree has no git history to read it from
+    "LLAMA_BUILD_NUMBER": "0",
+}
+# ggml's AMX matmul (compiled in wherever -march=native implies AMX: Intel Xeon since
+# Sapphire Rapids) crashes with SIGSEGV in ggml_backend_amx_mul_mat on Q4_K_M
+# (ggml-org/llama.cpp#20824, open; #16315: wrong results for Q4_0/Q4_1). GCC lets an
+# explicit -mno-* outrank -march=native in either order (checked with GCC 12), so such a
+# host builds the AVX-512 VNNI kernels every other AVX-512 host runs.
+if platform.machine().lower() in ("x86_64", "amd64"):
+    NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    CMAKE_OPTIONS |= {"CMAKE_C_FLAGS": NO_AMX, "CMAKE_CXX_FLAGS": NO_AMX}
+# fourbit-score (fourbit.llamacpp.perplexity says why it exists) is C++ shipped beside this
+# module. Its text is part of the recipe hash, so these bytes name the cached build: edit the
+# file and the next ensure_llamacpp() builds afresh.
+SCORER_TARGET = "fourbit-score"
+SCORER_SOURCE = files("fourbit.llamacpp").joinpath("scorer.cpp").read_text(encoding="utf-8")
+# Adds fourbit-score to llama.cpp's own build, against the same static libllama.
+SCORER_CMAKELISTS = f"""cmake_minimum_required(VERSION 3.14)
+project(fourbit_llamacpp C CXX)
+add_subdirectory(${{CMAKE_CURRENT_SOURCE_DIR}}/../llama.cpp llama.cpp)
+add_executable({SCORER_TARGET} {SCORER_TARGET}.cpp)
+target_link_libraries({SCORER_TARGET} PRIVATE llama)
+target_compile_features({SCORER_TARGET} PRIVATE cxx_std_17)
+set_target_properties({SCORER_TARGET} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${{CMAKE_BINARY_DIR}}/bin)
+"""
