@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from fourbit.engines.limits import prompt_exceeds_positions
-from fourbit.engines.threads import torch_threads
 from fourbit.engines.vllm.lifecycle import dtype_name, llm_options, open_llm
 from fourbit.engines.vllm.settings import VllmSettings, resolve
+from fourbit.threads import torch_threads
 
 log = logging.getLogger(__name__)
 
