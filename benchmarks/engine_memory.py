@@ -3,8 +3,8 @@
     .venv/bin/python benchmarks/engine_memory.py --workdir /tmp/fourbit-engine-memory
 
 The bench holds one vLLM worker per checkpoint open and plans its groups from an
-estimate of each worker's peak (fourbit.steps.bench.held_open_bytes): engines whose
-estimates add up beyond the available memory are timed in separate groups, so an
+estimate of each worker's peak (fourbit.bench.memory_groups.held_open_bytes): engines
+whose estimates add up beyond the available memory are timed in separate groups, so an
 estimate below the real peak lets the OOM killer end the job. This starts the bench's
 own worker (fourbit.engines.vllm.bench_worker, the bench's settings, one pass of
 pp512 and tg128) on each checkpoint in turn, alone on the host, and prints its
@@ -76,7 +76,7 @@ def main() -> None:
 
     from vllm_speed import llama_bench_sizes, vllm_settings  # the same folder
 
-    from fourbit.steps.bench import held_open_bytes
+    from fourbit.bench.memory_groups import held_open_bytes
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     paths = build(args.workdir, args.architecture)

@@ -16,7 +16,7 @@ Protocol (one JSON object per line):
                                "peak_rss_bytes": ..}
 
 peak_rss_bytes is the process's largest resident set so far (VmHWM), which the job
-records beside its estimate (fourbit.steps.bench.held_open_bytes).
+records beside its estimate (fourbit.bench.memory_groups.held_open_bytes).
     in        end of input: close the engine and exit 0
     out       {"error": "<traceback>"} on any failure, then exit 1
 
