@@ -56,7 +56,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
-from fourbit.atomic import write_json
+from fourbit import records
 from fourbit.bench.bandwidth import decode_roofline, measure_bandwidth
 from fourbit.bench.contention import check_quiet
 from fourbit.bench.hostmemory import available_memory_bytes
@@ -125,16 +125,16 @@ def bench_study(pairs: list[BenchPair], bench_settings: dict, threads: int, *,
     # Why a pair is not timed: its engine is not a deployment engine, or cannot time this model.
     untimed = {pair.name: pair.refusal or _not_deployed(specs[pair.name]) for pair in pairs}
     timed = [pair for pair in pairs if untimed[pair.name] is None]
-    records = {pair.name: _not_benchmarked(pair, untimed[pair.name])
-               for pair in pairs if pair not in timed}
+    record_of = {pair.name: _not_benchmarked(pair, untimed[pair.name])
+                 for pair in pairs if pair not in timed}
     if timed:
-        records |= _time_pairs(timed, specs, resolve_settings(bench_settings, threads))
+        record_of |= _time_pairs(timed, specs, resolve_settings(bench_settings, threads))
     for pair in pairs:
-        records[pair.name]["model_weights_sha256"] = model_weights_sha256
-        write_json(pair.out, records[pair.name])
+        record_of[pair.name]["model_weights_sha256"] = model_weights_sha256
+        records.write("bench", pair.out, record_of[pair.name])
     for pair in timed:
-        _log_summary(pair, records[pair.name])
-    return [records[pair.name] for pair in pairs]
+        _log_summary(pair, record_of[pair.name])
+    return [record_of[pair.name] for pair in pairs]
 
 
 def _not_deployed(spec: EngineSpec) -> str | None:
