@@ -6,7 +6,7 @@ The bench holds one vLLM worker per checkpoint open and plans its groups from an
 estimate of each worker's peak (fourbit.bench.memory_groups.held_open_bytes): engines
 whose estimates add up beyond the available memory are timed in separate groups, so an
 estimate below the real peak lets the OOM killer end the job. This starts the bench's
-own worker (fourbit.engines.vllm.bench_worker, the bench's settings, one pass of
+own worker (fourbit.engines.vllm.throughput_worker, the bench's settings, one pass of
 pp512 and tg128) on each checkpoint in turn, alone on the host, and prints its
 estimate beside the worker's measured peak (VmHWM) and its resident set once open.
 
@@ -57,7 +57,7 @@ def rss_bytes(pid: int) -> int:
 def measure(checkpoint: Path, settings: dict, threads: int, sizes: dict) -> dict:
     """One bench worker on ``checkpoint``: its peak (VmHWM) and resident set after
     opening and one pass."""
-    from fourbit.engines.vllm.bench import throughput_session
+    from fourbit.engines.vllm.throughput import throughput_session
 
     started = time.monotonic()
     with throughput_session(checkpoint, settings, threads, **sizes) as one_pass:

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fourbit.engines.vllm.bench import synthetic_prompt
+from fourbit.engines.vllm.throughput import synthetic_prompt
 from fourbit.engines.vllm.lifecycle import llm_options, open_llm
 from fourbit.engines.vllm.settings import VllmSettings, resolve
 from fourbit.threads import torch_threads

@@ -100,6 +100,7 @@ def qwen_shaped_model(workdir: Path, threads: int) -> dict:
     """Random Qwen2.5-0.5B-shaped weights, cpu_int4 g128 and Q4_K_M; reused when present
     (the quantized folders are named by a hash of their quant)."""
     from fourbit.llamacpp.build import ensure_llamacpp
+    from fourbit.llamacpp.throughput import llama_bench
     from fourbit.llamacpp.convert import convert_to_gguf
     from fourbit.llamacpp.quantize import quantize_gguf
     from fourbit.steps.prepare import fetch_model, prepare_corpus, untie_head
@@ -145,7 +146,6 @@ def one_run(variant: str, model: dict, cores: list[int], workdir: Path) -> dict:
     """pp512 and tg128 of one variant, tok/s."""
     from fourbit.bench.pinning import pinned
     from fourbit.engines import get_engine
-    from fourbit.llamacpp.bench import llama_bench
     from fourbit.llamacpp.build import ensure_llamacpp
 
     if variant == LLAMA:

@@ -372,7 +372,8 @@ def test_a_bench_worker_is_stopped_between_its_passes_and_ends_with_the_session(
         """This process's bench workers: pid -> scheduler state (R, S, T, ...)."""
         found = {}
         for child in Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split():
-            if b"fourbit.engines.vllm.bench_worker" in Path(f"/proc/{child}/cmdline").read_bytes():
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+            if b"fourbit.engines.vllm.throughput_worker" in cmdline:
                 found[int(child)] = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0]
         return found
 

@@ -1,6 +1,6 @@
 """One vLLM engine held open for a whole bench job, in a process of its own.
 
-Started by fourbit.engines.vllm.bench.throughput_session; not meant to be run by hand.
+Started by fourbit.engines.vllm.throughput.throughput_session; not meant to be run by hand.
 A bench job interleaves every arm and its baseline, pass after pass. Restarting
 an engine for every pass would spend most of the job on engine starts; two engines
 cannot be open side by side in one process, because vLLM's in-process engines
@@ -49,7 +49,7 @@ def main() -> int:
 
     try:
         request = json.loads(sys.argv[1])
-        from fourbit.engines.vllm.bench import bench_engine
+        from fourbit.engines.vllm.throughput import bench_engine
         from fourbit.engines.vllm.settings import VllmSettings
 
         with bench_engine(
