@@ -3,10 +3,10 @@
     .venv/bin/python benchmarks/engine_memory.py --workdir /tmp/fourbit-engine-memory
 
 The bench holds one vLLM worker per checkpoint open and plans its groups from an
-estimate of each worker's peak (fourbit.steps.bench.held_open_bytes): engines whose
-estimates add up beyond the available memory are timed in separate groups, so an
+estimate of each worker's peak (fourbit.bench.memory_groups.held_open_bytes): engines
+whose estimates add up beyond the available memory are timed in separate groups, so an
 estimate below the real peak lets the OOM killer end the job. This starts the bench's
-own worker (fourbit.engines.vllm.bench_worker, the bench's settings, one pass of
+own worker (fourbit.engines.vllm.throughput_worker, the bench's settings, one pass of
 pp512 and tg128) on each checkpoint in turn, alone on the host, and prints its
 estimate beside the worker's measured peak (VmHWM) and its resident set once open.
 
@@ -57,7 +57,7 @@ def rss_bytes(pid: int) -> int:
 def measure(checkpoint: Path, settings: dict, threads: int, sizes: dict) -> dict:
     """One bench worker on ``checkpoint``: its peak (VmHWM) and resident set after
     opening and one pass."""
-    from fourbit.engines.vllm.bench import throughput_session
+    from fourbit.engines.vllm.throughput import throughput_session
 
     started = time.monotonic()
     with throughput_session(checkpoint, settings, threads, **sizes) as one_pass:
@@ -76,7 +76,7 @@ def main() -> None:
 
     from vllm_speed import llama_bench_sizes, vllm_settings  # the same folder
 
-    from fourbit.steps.bench import held_open_bytes
+    from fourbit.bench.memory_groups import held_open_bytes
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     paths = build(args.workdir, args.architecture)

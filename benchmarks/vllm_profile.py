@@ -12,10 +12,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fourbit.engines.threads import torch_threads
-from fourbit.engines.vllm.bench import synthetic_prompt
+from fourbit.engines.vllm.throughput import synthetic_prompt
 from fourbit.engines.vllm.lifecycle import llm_options, open_llm
 from fourbit.engines.vllm.settings import VllmSettings, resolve
+from fourbit.threads import torch_threads
 
 
 def profile_step(checkpoint: str | os.PathLike, settings: Mapping[str, Any] | VllmSettings,

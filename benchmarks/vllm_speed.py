@@ -221,7 +221,7 @@ def median(values: list[float]) -> float:
 def speed_report(rates: dict, clock: str, checkpoints: dict, bandwidth: dict) -> list[str]:
     """Print the table, the roofline and the speed targets; return the targets TARGET_ARM missed."""
     from fourbit.bench.bandwidth import decode_roofline
-    from fourbit.steps.bench import linear_weight_bytes
+    from fourbit.bench.weight_bytes import linear_weight_bytes
 
     print(f"\n[{clock} clock] {'variant':28s} {'pp512 tok/s median [min-max]':>36s} "
           f"{'tg128 tok/s':>36s}   decode GB/s (of triad)")
@@ -290,7 +290,7 @@ def main() -> None:
 
     from fourbit.bench.bandwidth import measure_bandwidth
     from fourbit.bench.provenance import provenance
-    from fourbit.steps.bench import pinned
+    from fourbit.bench.pinning import pinned
 
     cores = sorted(args.cores)
     started = time.monotonic()

@@ -143,10 +143,10 @@ def variants(model: dict, chosen: list[str]) -> list[str]:
 
 def one_run(variant: str, model: dict, cores: list[int], workdir: Path) -> dict:
     """pp512 and tg128 of one variant, tok/s."""
+    from fourbit.bench.pinning import pinned
     from fourbit.engines import get_engine
-    from fourbit.llamacpp.bench import llama_bench
     from fourbit.llamacpp.build import ensure_llamacpp
-    from fourbit.steps.bench import pinned
+    from fourbit.llamacpp.throughput import llama_bench
 
     if variant == LLAMA:
         result = llama_bench(model["gguf"], tools=ensure_llamacpp(), threads=len(cores),
@@ -207,8 +207,8 @@ def report(label: str, timed: dict, model: dict, cores: list[int], workdir: Path
     if decode < 1:
         from vllm_profile import profile_step
 
+        from fourbit.bench.pinning import pinned
         from fourbit.engines.vllm import VllmSettings
-        from fourbit.steps.bench import pinned
 
         print(f"\nprofile of one decode step of {best} (top ops by self CPU time):", flush=True)
         checkpoint, engine, given = VLLM_VARIANTS[best]

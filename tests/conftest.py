@@ -60,6 +60,22 @@ def tiny_untied(tmp_path):
     return folder
 
 
+@pytest.fixture(scope="module")
+def int4_checkpoints(tmp_path_factory):
+    """(arm, baseline): a tiny untied Llama ("baseline") and its cpu_int4 g64
+    quantization ("arm"), the checkpoints the bench tests time and count."""
+    from fourbit.schema import canonical_quant, load_schema
+    from fourbit.steps.quantize import quantize_checkpoint
+
+    root = tmp_path_factory.mktemp("int4_checkpoints")
+    save_tiny_llama(root / "baseline", tied=False)
+    quant = canonical_quant({"method": "cpu_int4", "group_size": 64, "search": "minmax"},
+                            load_schema())
+    arm = {"name": "t", "id": "t-0000000000", "quant": quant}
+    quantize_checkpoint(root / "baseline", root / "arm", root / "arm.json", arm)
+    return root / "arm", root / "baseline"
+
+
 def random_qweight(n: int, k: int, g: int, *, sym: bool, gen: torch.Generator,
                    zeros: tuple[int, int] = (0, 16),
                    scales: tuple[float, float] = (0.002, 0.032)) -> QuantizedWeight:

@@ -19,7 +19,6 @@ import torch
 
 from fourbit import llamacpp
 from fourbit.llamacpp import ToolError, build, installed, recipe, run_tool, sdist, toolchain
-from fourbit.llamacpp.bench import llama_bench, parse_bench_json
 from fourbit.llamacpp.convert import convert_to_gguf
 from fourbit.llamacpp.perplexity import (
     _BASE_DONE,
@@ -33,6 +32,7 @@ from fourbit.llamacpp.perplexity import (
     score_windows,
 )
 from fourbit.llamacpp.quantize import dequantize_gguf, gguf_bits_per_weight, quantize_gguf
+from fourbit.llamacpp.throughput import llama_bench, parse_bench_json
 
 # --- recorded output of the real tools (llama.cpp 0c1e570), trimmed ---------------------------
 

@@ -152,18 +152,6 @@ def test_settings_come_whole_from_the_schema():
         runtime("unused", partial)  # every public entry builds the object first
 
 
-def test_torch_threads_restores_what_the_block_changed():
-    from fourbit.engines.threads import torch_threads
-
-    before = torch.get_num_threads()
-    with torch_threads(1):
-        assert torch.get_num_threads() == 1
-        torch.set_num_threads(before + 1)  # what an engine inside may do
-    assert torch.get_num_threads() == before
-    with torch_threads(None):
-        assert torch.get_num_threads() == before
-
-
 def test_inductor_cache_is_per_cpu_capability(tmp_path):
     """Code inductor generated for one vector ISA must not load where ATen runs another:
     the shared folder's name follows ATen's capability (here forced to two that every x86

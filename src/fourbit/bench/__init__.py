@@ -11,4 +11,11 @@ reported as a result. Each module here makes one of those errors loud:
     passes       paired, order-rotated passes with their spread; never one pass
     provenance   the host, versions and settings a number was measured under
     hostprobe    which 4-bit runtimes this CPU can run at all, and why not
+
+and the rest is what a bench job is planned with:
+
+    pinning        the job's cores, chosen once; every thread of the process on them
+    weight_bytes   the weight bytes a decode step reads (the roofline's) and an engine holds
+    hostmemory     how much memory the job may still allocate (its cgroup's limit included)
+    memory_groups  which engines held open for the job fit in memory together
 """

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from fourbit.engines.threads import torch_threads
+from fourbit.threads import torch_threads
 
 ARRAYS_COUNTED = 3
 MIN_ARRAY_BYTES = 256 << 20

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from pathlib import Path
 
 
 def choose_runtimes(flags: set[str], env: Mapping[str, str] | None = None) -> dict:

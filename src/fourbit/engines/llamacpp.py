@@ -9,12 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from fourbit.llamacpp import ARITHMETIC
-from fourbit.llamacpp.bench import llama_bench
 from fourbit.llamacpp.installed import find_llamacpp
 from fourbit.llamacpp.quantize import gguf_bits_per_weight
 from fourbit.llamacpp.perplexity import greedy_continuations as llamacpp_greedy
 from fourbit.llamacpp.perplexity import kl_divergence
 from fourbit.llamacpp.perplexity import score_windows as llamacpp_score
+from fourbit.llamacpp.throughput import llama_bench
 
 
 def _tools():

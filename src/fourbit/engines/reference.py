@@ -16,12 +16,12 @@ import torch
 
 from fourbit.checkpoints.hf import skeleton
 from fourbit.checkpoints.quantized import is_quantized, read_quantized
-from fourbit.engines.threads import torch_threads
 from fourbit.kernels import tinygemm
 from fourbit.metrics.kl import FULL, kl_full
 from fourbit.progress import Progress
 from fourbit.quant.int8 import Int8Weight
 from fourbit.quant.qweight import QuantizedWeight
+from fourbit.threads import torch_threads
 
 log = logging.getLogger("fourbit")
 BATCH_WINDOWS = 4

@@ -11,7 +11,7 @@ llama-cpp-python's sdist vendors.
 - :mod:`.quantize`: GGUF → Q4_K_M / Q4_0 / Q8_0, and the bits per weight a file really stores.
 - :mod:`.perplexity`: teacher-forced scoring of exact token windows, and
   llama-perplexity's KL divergence.
-- :mod:`.bench`: llama-bench pp512 / tg128.
+- :mod:`.throughput`: llama-bench pp512 / tg128.
 
 Every command that computes with a model pins the settings that change its
 arithmetic (:data:`ARITHMETIC`), so scores and speeds are always measured on

@@ -33,8 +33,8 @@ worker process each, all their weights resident) and a pass costs only its runs 
 untimed one and the timed ones), so many passes fit where one engine start per pass
 left room for few. When those engines would not fit in memory together (a model of a
 billion parameters, nine arms), the pairs are timed in groups that do, one after the
-other (plan_groups); the records say which group each pair ran in, and every held
-engine's estimated and measured peak memory.
+other (fourbit.bench.memory_groups); the records say which group each pair ran in, and
+every held engine's estimated and measured peak memory.
 llama.cpp's llama-bench loads its model itself, as llama.cpp users run it. The
 page-cache check before every pass matters for engines that read their files
 while timing (llama-bench maps the GGUF); an engine kept open read its files
@@ -52,32 +52,25 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
-from safetensors import safe_open
-
-from fourbit.atomic import write_json
+from fourbit import records
 from fourbit.bench.bandwidth import decode_roofline, measure_bandwidth
 from fourbit.bench.contention import check_quiet
 from fourbit.bench.hostmemory import available_memory_bytes
+from fourbit.bench.memory_groups import held_open_bytes, plan_groups
 from fourbit.bench.passes import run_rounds
+from fourbit.bench.pinning import choose_cores, pinned
 from fourbit.bench.provenance import provenance
 from fourbit.bench.residency import cache_state, warm_and_check
-from fourbit.checkpoints.hf import quantizable_linears, skeleton, weight_files
+from fourbit.bench.weight_bytes import decode_weight_bytes
 from fourbit.schema import block
 from fourbit.engines import Bench, EngineSpec, NotBenchmarked, engine_spec, get_engine
 from fourbit.hashing import require_sha256
 
 log = logging.getLogger("fourbit")
-
-_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2,
-                      "I8": 1, "U8": 1, "BOOL": 1}
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_FLOATING = ("F64", "F32", "BF16", "F16")
 
 
 def resolve_settings(given: dict, threads: int) -> dict:
@@ -89,101 +82,6 @@ def resolve_settings(given: dict, threads: int) -> dict:
     settings = block("bench", given)
     settings["cores"] = choose_cores(settings["cores"], threads)
     return settings
-
-
-def choose_cores(cores: list[int] | None, threads: int) -> list[int]:
-    """The CPUs to pin to: the config's, checked against the job, or the job's first ``threads``."""
-    allowed = sorted(os.sched_getaffinity(0))
-    if cores is None:
-        return allowed[:threads]
-    chosen = sorted(set(cores))
-    outside = sorted(set(chosen) - set(allowed))
-    if outside:
-        raise ValueError(
-            f"bench.cores {outside} are not available to this job; pick from {allowed}"
-        )
-    if len(chosen) > threads:
-        raise ValueError(
-            f"bench.cores lists {len(chosen)} cores but the job was given {threads}; "
-            f"run Snakemake with --cores {len(chosen)} or more, or list fewer cores"
-        )
-    return chosen
-
-
-@contextlib.contextmanager
-def pinned(cores: list[int]) -> Iterator[None]:
-    """Every thread of this process (and any it starts) on ``cores``; restored afterwards.
-
-    sched_setaffinity(0) would move the calling thread only; thread pools that already
-    exist (OpenMP's) must be moved one by one.
-    """
-    before = os.sched_getaffinity(0)
-    _set_all_threads(set(cores))
-    try:
-        yield
-    finally:
-        _set_all_threads(before)
-
-
-def _set_all_threads(cores: set[int]) -> None:
-    for task in Path("/proc/self/task").iterdir():
-        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-            os.sched_setaffinity(int(task.name), cores)
-
-
-def decode_weight_bytes(checkpoint: str | os.PathLike, engine_settings: dict) -> dict:
-    """Bytes of weights one decode step reads, for the kind of checkpoint the engine runs.
-
-    Every matrix a decode step multiplies by (the head included) is read once per token;
-    embeddings (one row per token), norms and biases are left out: together well under
-    1% of the bytes.
-    """
-    if engine_spec(engine_settings["name"]).reads == "gguf":
-        return gguf_weight_bytes(checkpoint)
-    return linear_weight_bytes(checkpoint, engine_settings["dtype"])
-
-
-def linear_weight_bytes(checkpoint: str | os.PathLike, dense_dtype: str) -> dict:
-    """A Hugging Face folder's linear weights (the head included), as an engine reads them.
-
-    A quantized module counts its stored tensors (packed codes, scales, zeros: the
-    runtime's copy differs by a few percent in how scales and zeros are held); a dense
-    one counts its weights in the engine's dtype, since the engine casts the checkpoint
-    to that. Read from the safetensors headers, so nothing is loaded.
-    """
-    if dense_dtype not in _DTYPE_BYTES:
-        raise ValueError(f"dtype {dense_dtype!r}; expected one of {sorted(_DTYPE_BYTES)}")
-    modules = set(quantizable_linears(skeleton(checkpoint)))
-    quantized = dense = 0
-    for path in weight_files(checkpoint):
-        with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():
-                module, _, suffix = name.rpartition(".")
-                if module not in modules or suffix == "bias":
-                    continue
-                piece = handle.get_slice(name)
-                count = 1
-                for size in piece.get_shape():
-                    count *= size
-                if suffix == "weight":
-                    dense += count * _DTYPE_BYTES[dense_dtype]
-                else:
-                    quantized += count * _SAFETENSORS_BYTES[piece.get_dtype()]
-    return {"bytes": quantized + dense, "quantized_bytes": quantized, "dense_bytes": dense,
-            "dense_dtype": dense_dtype, "linear_modules": len(modules)}
-
-
-def gguf_weight_bytes(checkpoint: str | os.PathLike) -> dict:
-    """A GGUF file's matrix weights as stored (llama.cpp computes on its block formats)."""
-    from fourbit.llamacpp.installed import find_llamacpp
-    from fourbit.llamacpp.quantize import gguf_bits_per_weight
-
-    tools = find_llamacpp()
-    if tools is None:
-        raise FileNotFoundError("llama.cpp is not built, so its gguf-py cannot read "
-                                f"{checkpoint}; the build_llamacpp rule builds it")
-    matmul = gguf_bits_per_weight(Path(checkpoint), tools.check_complete().gguf_py)["matmul_2d"]
-    return {"bytes": matmul["bytes"], "tensors": matmul["tensors"], "weights": matmul["weights"]}
 
 
 @dataclass(frozen=True)
@@ -227,16 +125,16 @@ def bench_study(pairs: list[BenchPair], bench_settings: dict, threads: int, *,
     # Why a pair is not timed: its engine is not a deployment engine, or cannot time this model.
     untimed = {pair.name: pair.refusal or _not_deployed(specs[pair.name]) for pair in pairs}
     timed = [pair for pair in pairs if untimed[pair.name] is None]
-    records = {pair.name: _not_benchmarked(pair, untimed[pair.name])
-               for pair in pairs if pair not in timed}
+    record_of = {pair.name: _not_benchmarked(pair, untimed[pair.name])
+                 for pair in pairs if pair not in timed}
     if timed:
-        records |= _time_pairs(timed, specs, resolve_settings(bench_settings, threads))
+        record_of |= _time_pairs(timed, specs, resolve_settings(bench_settings, threads))
     for pair in pairs:
-        records[pair.name]["model_weights_sha256"] = model_weights_sha256
-        write_json(pair.out, records[pair.name])
+        record_of[pair.name]["model_weights_sha256"] = model_weights_sha256
+        records.write("bench", pair.out, record_of[pair.name])
     for pair in timed:
-        _log_summary(pair, records[pair.name])
-    return [records[pair.name] for pair in pairs]
+        _log_summary(pair, record_of[pair.name])
+    return [record_of[pair.name] for pair in pairs]
 
 
 def _not_deployed(spec: EngineSpec) -> str | None:
@@ -256,7 +154,7 @@ def _time_pairs(pairs: list[BenchPair], specs: dict[str, EngineSpec],
             for key, side in sides.items()
             if side.bench is Bench.SESSION}
     available = available_memory_bytes()
-    groups = plan_groups(pairs, held, available)
+    groups = _groups(pairs, held, available)
     started = datetime.now(UTC).isoformat(timespec="seconds")
     by_name = {pair.name: pair for pair in pairs}
 
@@ -335,79 +233,19 @@ def _sides(pairs: list[BenchPair], specs: dict[str, EngineSpec]) -> dict[str, _S
             if key not in sides:
                 sides[key] = _Side(checkpoint, {**pair.engine, "cache_root": str(pair.caches[side])},
                                    get_engine(pair.engine["name"]), specs[pair.name].bench,
-                                   decode_weight_bytes(checkpoint, pair.engine))
+                                   decode_weight_bytes(checkpoint, reads=specs[pair.name].reads,
+                                                       dense_dtype=pair.engine.get("dtype")))
     return sides
 
 
-# What one engine held open for the job costs beyond its weights: the process, its
-# libraries and a KV cache sized for one bench sequence (a vLLM worker: ~0.7 GB here
-# for a 20 MB model).
-ENGINE_OVERHEAD_BYTES = 1 << 30
-# An engine's peak while it loads, as a multiple of the weights it then holds: vLLM
-# allocates each parameter in the engine's dtype and copies the checkpoint's tensor
-# into it, and the plugin repacks the 4-bit codes into the kernel's layout beside the
-# loaded ones; the engines of a group start side by side, so their peaks add up.
-# Measured by benchmarks/engine_memory.py (every bench record carries both too): at
-# Qwen2.5-0.5B's shapes the peak was 0.87-0.96x this estimate for the dense, cpu_int4,
-# GPTQ and compressed-tensors checkpoints alike, once the GPTQ and compressed-tensors
-# words were decoded as bytes (fourbit.formats.base.unpack_nibbles_int32; decoding them
-# as int32 had those two peak at 1.2-1.6x).
-LOAD_PEAK_FACTOR = 2
-
-
-def held_open_bytes(checkpoint: str | os.PathLike, dense_dtype: str) -> int:
-    """The memory an engine held open for the job may take at its peak (its start)."""
-    resident = resident_weight_bytes(checkpoint, dense_dtype)
-    return LOAD_PEAK_FACTOR * resident + ENGINE_OVERHEAD_BYTES
-
-
-def resident_weight_bytes(checkpoint: str | os.PathLike, dense_dtype: str) -> int:
-    """Every tensor of a Hugging Face folder as an engine holds it: dense weights and
-    biases in the engine's dtype (the input embedding and the norms included), packed
-    codes, scales and zeros as stored. From the safetensors headers; nothing is loaded."""
-    total = 0
-    for path in weight_files(checkpoint):
-        with safe_open(str(path), framework="pt") as handle:
-            for name in handle.keys():
-                piece = handle.get_slice(name)
-                count = 1
-                for size in piece.get_shape():
-                    count *= size
-                stored = piece.get_dtype()
-                dense = name.rpartition(".")[2] in ("weight", "bias") and stored in _FLOATING
-                total += count * (_DTYPE_BYTES[dense_dtype] if dense else _SAFETENSORS_BYTES[stored])
-    return total
-
-
-def plan_groups(pairs: list[BenchPair], held: dict[str, int],
-                available: int) -> list[list[BenchPair]]:
-    """The pairs split, in order, into groups whose engines fit in memory together.
-
-    ``held``: the peak bytes of each engine kept open for the job (by _side_key); engines
-    started per pass are not held. One group when everything fits, the usual case: every
-    arm is then interleaved with every other. Otherwise each group runs its rounds after
-    the previous one closed its engines, a shared baseline reopened in each group; a
-    pair that does not fit alone is refused before any engine starts.
-    """
-    groups: list[list[BenchPair]] = [[]]
-    open_keys: set[str] = set()
-    for pair in pairs:
-        keys = {_side_key(pair, side) for side in ("arm", "baseline")} & held.keys()
-        alone = sum(held[key] for key in keys)
-        if alone > available:
-            raise MemoryError(
-                f"bench pair {pair.name} alone needs about {alone / 2**30:.1f} GiB with its "
-                f"baseline (peak at the engines' start: {LOAD_PEAK_FACTOR}x the weights they "
-                f"hold plus {ENGINE_OVERHEAD_BYTES / 2**30:.0f} GiB per engine) and "
-                f"{available / 2**30:.1f} GiB is available; free memory, or run the bench "
-                "on a machine with more"
-            )
-        if sum(held[key] for key in open_keys | keys) > available:
-            groups.append([])
-            open_keys = set()
-        groups[-1].append(pair)
-        open_keys |= keys
-    return groups
+def _groups(pairs: list[BenchPair], held: dict[str, int],
+            available: int) -> list[list[BenchPair]]:
+    """The pairs in the groups memory_groups.plan_groups makes of them, their engines
+    named by _side_key (a baseline shared by several arms is one engine)."""
+    by_name = {pair.name: pair for pair in pairs}
+    engines = {pair.name: {_side_key(pair, side) for side in ("arm", "baseline")}
+               for pair in pairs}
+    return [[by_name[name] for name in group] for group in plan_groups(engines, held, available)]
 
 
 def _record(pair: BenchPair, sides: dict[str, _Side], result: dict, settings: dict,

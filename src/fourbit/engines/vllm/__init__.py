@@ -5,8 +5,9 @@ One module per job:
     settings      VllmSettings, the engine's settings as one frozen object
     lifecycle     the environment, opening and closing an LLM, runtime(), numerics()
     score         score_windows (the perplexity step), prompt_logprobs, greedy
-    bench         throughput, throughput_session (the bench step), bench_engine
-    bench_worker  the process throughput_session runs one engine in (python -m)
+    throughput    throughput, throughput_session (the bench step), bench_engine
+    throughput_worker
+                  the process throughput_session runs one engine in (python -m)
     fidelity      compare_with_baseline (the fidelity step), score_keeping_side (the ppl
                   step of a checkpoint the fidelity step compares)
 
@@ -15,11 +16,11 @@ names tests and benchmarks call directly. Nothing here imports vllm or torch: th
 when an engine opens.
 """
 
-from fourbit.engines.vllm.bench import throughput, throughput_session
 from fourbit.engines.vllm.fidelity import compare_with_baseline, score_keeping_side
 from fourbit.engines.vllm.lifecycle import checkpoint_quant_method, numerics, open_llm, runtime
 from fourbit.engines.vllm.score import greedy, prompt_logprobs, score_windows
 from fourbit.engines.vllm.settings import VllmSettings
+from fourbit.engines.vllm.throughput import throughput, throughput_session
 
 __all__ = [
     "VllmSettings",

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from fourbit.atomic import write_json
-from fourbit.engines.threads import torch_threads
+from fourbit.threads import torch_threads
 from fourbit.engines.vllm.lifecycle import llm_options, open_llm, runtime
 from fourbit.engines.vllm.score import greedy, greedy_on, logprobs_on, max_logprobs, prompt_logprobs
 from fourbit.engines.vllm.settings import VllmSettings, resolve

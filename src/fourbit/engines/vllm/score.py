@@ -29,9 +29,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fourbit.engines.threads import torch_threads
 from fourbit.engines.vllm.lifecycle import llm_options, open_llm
 from fourbit.engines.vllm.settings import VllmSettings, resolve
+from fourbit.threads import torch_threads
 
 
 def _check_windows(windows: Sequence[Sequence[int]]) -> list[list[int]]:

@@ -1,6 +1,6 @@
 """One vLLM engine held open for a whole bench job, in a process of its own.
 
-Started by fourbit.engines.vllm.bench.throughput_session; not meant to be run by hand.
+Started by fourbit.engines.vllm.throughput.throughput_session; not meant to be run by hand.
 A bench job interleaves every arm and its baseline, pass after pass. Restarting
 an engine for every pass would spend most of the job on engine starts; two engines
 cannot be open side by side in one process, because vLLM's in-process engines
@@ -16,7 +16,7 @@ Protocol (one JSON object per line):
                                "peak_rss_bytes": ..}
 
 peak_rss_bytes is the process's largest resident set so far (VmHWM), which the job
-records beside its estimate (fourbit.steps.bench.held_open_bytes).
+records beside its estimate (fourbit.bench.memory_groups.held_open_bytes).
     in        end of input: close the engine and exit 0
     out       {"error": "<traceback>"} on any failure, then exit 1
 
@@ -49,7 +49,7 @@ def main() -> int:
 
     try:
         request = json.loads(sys.argv[1])
-        from fourbit.engines.vllm.bench import bench_engine
+        from fourbit.engines.vllm.throughput import bench_engine
         from fourbit.engines.vllm.settings import VllmSettings
 
         with bench_engine(

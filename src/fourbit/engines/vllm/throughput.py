@@ -2,7 +2,7 @@
 
 bench_engine opens one engine and times passes in it; throughput is one pass in an
 engine of its own; throughput_session keeps one engine open for a whole bench job in
-a worker process (fourbit.engines.vllm.bench_worker). fourbit.steps.bench runs them.
+a worker process (fourbit.engines.vllm.throughput_worker). fourbit.steps.bench runs them.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from fourbit.engines.limits import prompt_exceeds_positions
-from fourbit.engines.threads import torch_threads
 from fourbit.engines.vllm.lifecycle import dtype_name, llm_options, open_llm
 from fourbit.engines.vllm.settings import VllmSettings, resolve
+from fourbit.threads import torch_threads
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ def throughput_session(
 ) -> Iterator[Callable[[], dict[str, float]]]:
     """One engine held open for a whole bench job; each call times one pass in it.
 
-    The engine lives in a worker process (fourbit.engines.vllm.bench_worker, which says
+    The engine lives in a worker process (fourbit.engines.vllm.throughput_worker, which says
     why), started here with this process's CPU affinity and stopped on exit. Entering
     returns as soon as the worker is launched; the first call waits until its engine is
     open, so all the engines of a job start side by side.
@@ -233,14 +233,14 @@ def throughput_session(
 
 
 class _BenchWorker:
-    """One fourbit.engines.vllm.bench_worker process and its side of the protocol; called,
+    """One fourbit.engines.vllm.throughput_worker process and its side of the protocol; called,
     it times one pass. ``peak_rss_bytes``: the worker's largest resident set so far (None
     until its engine is open)."""
 
     def __init__(self, checkpoint: str | os.PathLike, request: dict[str, Any]):
         self.checkpoint = checkpoint
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "fourbit.engines.vllm.bench_worker", json.dumps(request)],
+            [sys.executable, "-m", "fourbit.engines.vllm.throughput_worker", json.dumps(request)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
         self.waiting_for_ready = True
