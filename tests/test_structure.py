@@ -57,7 +57,7 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
 LAYERS = (
     # utilities that know nothing of models
     {"atomic", "cpuinfo", "envcheck", "hashing", "metrics", "progress", "records", "schema",
-     "threads", "usercache"},
+     "threads", "usercache", "versions"},
     # the numerics: grids and GPTQ, the CPU kernels, the on-disk formats
     {"quant", "kernels", "formats"},
     # checkpoints on disk
