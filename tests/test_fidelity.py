@@ -13,7 +13,9 @@ from engine_settings import engine_settings
 
 from fourbit.engines import ENGINES, EngineSpec, Fidelity, NotBenchmarked, reference
 from fourbit.metrics.kl import FULL, TOPK
-from fourbit.steps.fidelity import compare_arm, greedy_summary, resolve_settings, select
+from fourbit.config import block
+from fourbit.metrics.fidelity import greedy_summary, select
+from fourbit.steps.fidelity import compare_arm
 
 REFERENCE = engine_settings("reference", threads=2)
 VLLM = engine_settings("vllm", dtype="float32", enforce_eager=True, kv_cache_gib=1 / 32)
@@ -34,15 +36,15 @@ def test_greedy_summary_counts_identical_and_matching_prefixes():
 
 
 def test_settings_and_selection():
-    assert resolve_settings({})["top_k"] == 20
+    assert block("fidelity", {})["top_k"] == 20
     with pytest.raises(ValueError, match="'prompt_token' was unexpected.*allowed keys: new_tokens"):
-        resolve_settings({"prompt_token": 3})
+        block("fidelity", {"prompt_token": 3})
     with pytest.raises(ValueError, match="fidelity.new_tokens"):
-        resolve_settings({"new_tokens": 0})
-    windows, prompts = select(WINDOWS, resolve_settings(SMALL))
+        block("fidelity", {"new_tokens": 0})
+    windows, prompts = select(WINDOWS, block("fidelity", SMALL))
     assert windows == WINDOWS[:4] and prompts == [w[:8] for w in WINDOWS[:4]]
     with pytest.raises(ValueError, match="prompt_tokens=100"):
-        select(WINDOWS, resolve_settings({"prompt_tokens": 100}))
+        select(WINDOWS, block("fidelity", {"prompt_tokens": 100}))
 
 
 # --- tiny models ------------------------------------------------------------------------------
@@ -248,7 +250,7 @@ def test_vllm_topk_kl_is_a_lower_bound_of_the_full_kl(models, tmp_path):
     """Per position, on the same ids: vLLM's top-k bound <= the reference's full-logit KL."""
     from fourbit.engines import vllm
 
-    windows, prompts = select(WINDOWS, resolve_settings(SMALL))
+    windows, prompts = select(WINDOWS, block("fidelity", SMALL))
     settings = {**VLLM, "cache_root": str(tmp_path / "cache")}
     bound = vllm.compare_with_baseline(models / "perturbed", models / "baseline", windows, settings,
                                        2, prompts=prompts, new_tokens=8, top_k=20)

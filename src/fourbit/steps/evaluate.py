@@ -27,8 +27,10 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from fourbit.atomic import write_json
+from fourbit.config import block
 from fourbit.engines import engine_spec, get_engine
 from fourbit.hashing import canonical_json, file_sha256, require_sha256
+from fourbit.metrics.fidelity import select
 
 log = logging.getLogger("fourbit")
 
@@ -100,10 +102,8 @@ def score_checkpoint(
     engine = get_engine(engine_settings["name"])
     settings = {**engine_settings, "cache_root": str(cache_root)}
     if fidelity_side and engine_spec(engine_settings["name"]).keeps_fidelity_side:
-        from fourbit.steps import fidelity
-
-        compare = fidelity.resolve_settings(fidelity_side["settings"])
-        compared, prompts = fidelity.select(windows, compare)
+        compare = block("fidelity", fidelity_side["settings"])
+        compared, prompts = select(windows, compare)
         per_window = engine.score_keeping_side(
             Path(checkpoint), windows, settings, threads, side_folder=fidelity_side["folder"],
             compared=len(compared), prompts=prompts, new_tokens=compare["new_tokens"],
