@@ -14,7 +14,14 @@ returning {"method", "window_kl": [[float] per position] per window,
 "window_top1": [[bool]...], "greedy_baseline": [[ids]], "greedy_arm": [[ids]],
 "runtime": str, "baseline_runtime": str} and, for a top-k bound,
 "window_kl_merged", "window_kl_substituted" and "window_mass_topk" like
-window_kl. Fidelity.OWN_KL_MODE: the engine's own aggregate statistics over the
+window_kl. Fidelity.KEPT_SIDES: the same from the two sides the ppl jobs of the arm (as
+quantized) and of the baseline kept (fourbit.steps.evaluate), which the workflow declares
+as their outputs and passes here, through
+
+    compare_sides(arm_side, baseline_side, windows) -> dict
+
+(all of the above but the runtimes, which come from the engine's runtime()): the job
+starts no engine. Fidelity.OWN_KL_MODE: the engine's own aggregate statistics over the
 evaluation text, through
 
     divergence_from_baseline(arm_checkpoint, baseline_checkpoint, text_file, settings,
@@ -72,16 +79,15 @@ def compare_arm(
     *,
     threads: int,
     model_weights_sha256: str,
-    cache_roots: Mapping[str, str | os.PathLike],
+    sides: Mapping[str, str | os.PathLike] | None = None,
     text_path: str | os.PathLike | None = None,
 ) -> dict:
     """Compare one arm with the same engine's baseline; write ``out_path`` (JSON, atomically).
 
     ``model_weights_sha256``: the source model's weights both were made from
     (fourbit.hashing.model_weights_sha256), carried into the record, computed or not.
-    ``cache_roots``: compile caches for engines that compile (vLLM), {"arm": .., "baseline":
-    ..}, one per checkpoint and never shared between checkpoints; the workflow gives every
-    arm's job the same baseline folder, so only the first job compiles the baseline.
+    ``sides``, {"arm": .., "baseline": ..}: the sides the ppl jobs of the two checkpoints
+    kept, read by engines that keep them (Fidelity.KEPT_SIDES), which then start no engine.
     ``text_path``, the evaluation text, is read only by engines with their own KL mode."""
     require_sha256(model_weights_sha256)
     settings = block("fidelity", fidelity_settings)
@@ -104,9 +110,6 @@ def compare_arm(
     }
     how = engine_spec(engine_settings["name"]).fidelity
     if how is Fidelity.OWN_KL_MODE:
-        if text_path is None:
-            raise ValueError(f"engine {engine_settings['name']} compares on the evaluation text; "
-                             "pass text_path")
         return _own_kl_mode(engine, arm_checkpoint, baseline_checkpoint, text_path, out_path,
                             record, engine_settings, prompts, ctx=len(compared_windows[0]))
     if how is Fidelity.NOT_COMPARED:
@@ -115,22 +118,48 @@ def compare_arm(
         log.info("%s: %s", engine_settings["name"], NOT_COMPARED)
         return record
 
-    run_settings = {**engine_settings, "cache_root": str(cache_roots["arm"]),
-                    "baseline_cache_root": str(cache_roots["baseline"])}
-    return _per_position(engine, arm_checkpoint, baseline_checkpoint, out_path, record,
-                         run_settings, compared_windows, prompts, threads=threads)
-
-
-def _per_position(engine, arm_checkpoint, baseline_checkpoint, out_path, record: dict,
-                  engine_settings: Mapping, windows: list[list[int]], prompts: list[list[int]],
-                  *, threads: int) -> dict:
-    """The engine's compare_with_baseline on the compared windows, summarized."""
-    settings = record["settings"]
     start = time.perf_counter()
-    compared = engine.compare_with_baseline(
-        Path(arm_checkpoint), Path(baseline_checkpoint), windows, engine_settings, threads,
-        prompts=prompts, new_tokens=settings["new_tokens"], top_k=settings["top_k"],
-    )
+    if how is Fidelity.KEPT_SIDES:
+        compared = _from_sides(engine, sides, record, compared_windows)
+    else:
+        compared = engine.compare_with_baseline(
+            Path(arm_checkpoint), Path(baseline_checkpoint), compared_windows,
+            dict(engine_settings), threads, prompts=prompts, new_tokens=settings["new_tokens"],
+            top_k=settings["top_k"])
+    return _per_position(compared, record, out_path, start)
+
+
+def _from_sides(engine, sides: Mapping[str, str | os.PathLike] | None, record: dict,
+                windows: list[list[int]]) -> dict:
+    """The engine's compare_sides on the two kept sides, each checked to be of this
+    comparison, and what runs each checkpoint (read from its files: no engine starts)."""
+    if sides is None:
+        raise ValueError(f"engine {record['engine']['name']} compares the sides its ppl jobs "
+                         "kept; pass sides")
+    kept = {which: _kept_side(sides[which], record) for which in ("arm", "baseline")}
+    return {
+        **engine.compare_sides(kept["arm"], kept["baseline"], windows),
+        "runtime": engine.runtime(Path(record["checkpoint"]), record["engine"]),
+        "baseline_runtime": engine.runtime(Path(record["baseline"]), record["engine"]),
+    }
+
+
+def _kept_side(path: str | os.PathLike, record: dict) -> dict:
+    """The side in ``path`` if its ppl job kept it for these fidelity settings and windows;
+    else an error naming what differs."""
+    side = json.loads(Path(path).read_text())
+    kept_for = {"settings": side["fidelity"], "token_ids_sha256": side["token_ids_sha256"]}
+    wanted = {"settings": record["settings"], "token_ids_sha256": record["token_ids_sha256"]}
+    if kept_for != wanted:
+        raise ValueError(f"{path} was kept for {kept_for}, not {wanted}; rerun the ppl job that "
+                         "writes it")
+    return side
+
+
+def _per_position(compared: dict, record: dict, out_path, start: float) -> dict:
+    """``record`` with per-position results (an engine's compare_with_baseline or
+    compare_sides) summarized, written."""
+    new_tokens = record["settings"]["new_tokens"]
     record.update(
         {
             "computed": True,
@@ -138,19 +167,22 @@ def _per_position(engine, arm_checkpoint, baseline_checkpoint, out_path, record:
             "bound": "exact" if compared["method"] == FULL else "lower bound",
             **summarize(compared),
             "greedy": greedy_summary(compared["greedy_baseline"], compared["greedy_arm"],
-                                     settings["new_tokens"]),
+                                     new_tokens),
             "runtime": compared["runtime"],
             "baseline_runtime": compared["baseline_runtime"],
             "seconds": time.perf_counter() - start,
         }
     )
-    return _written(record, out_path, arm_checkpoint, baseline_checkpoint)
+    return _written(record, out_path, record["checkpoint"], record["baseline"])
 
 
 def _own_kl_mode(engine, arm_checkpoint, baseline_checkpoint, text_path, out_path, record: dict,
                  engine_settings: Mapping, prompts: list[list[int]], *, ctx: int) -> dict:
     """The engine's own aggregate KL statistics, over as many chunks as windows are compared,
     and the greedy continuations of the same prompts as every other engine."""
+    if text_path is None:
+        raise ValueError(f"engine {record['engine']['name']} compares on the evaluation text; "
+                         "pass text_path")
     start = time.perf_counter()
     settings, new_tokens = dict(engine_settings), record["settings"]["new_tokens"]
     statistics = engine.divergence_from_baseline(
