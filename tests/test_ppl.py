@@ -10,6 +10,7 @@ import torch
 from conftest import save_tiny_llama
 from engine_settings import engine_settings
 
+from fourbit.records import RecordError
 from fourbit.steps.evaluate import score_checkpoint
 
 REFERENCE = engine_settings("reference", threads=1)
@@ -42,6 +43,17 @@ def test_a_weights_hash_that_is_not_one_is_refused_before_scoring(scored, tmp_pa
     with pytest.raises(ValueError, match="model_weights_sha256 must be a sha256 in lowercase hex"):
         score_checkpoint(scored / "model", scored / "windows.json", tmp_path / "x.ppl.json",
                          REFERENCE, threads=1, model_weights_sha256="results/model/source",
+                         cache_root=tmp_path / "ppl.cache")
+    assert not (tmp_path / "x.ppl.json").exists()
+
+
+def test_a_record_readers_could_not_use_is_refused_before_it_is_written(scored, tmp_path):
+    """The record goes through fourbit.records.write: one its schema refuses never lands."""
+    windows = json.loads((scored / "windows.json").read_text())
+    (tmp_path / "windows.json").write_text(json.dumps({**windows, "token_ids_sha256": "test"}))
+    with pytest.raises(RecordError, match="token_ids_sha256"):
+        score_checkpoint(scored / "model", tmp_path / "windows.json", tmp_path / "x.ppl.json",
+                         REFERENCE, threads=1, model_weights_sha256=WEIGHTS,
                          cache_root=tmp_path / "ppl.cache")
     assert not (tmp_path / "x.ppl.json").exists()
 

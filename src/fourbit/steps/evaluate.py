@@ -26,6 +26,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from fourbit import records
 from fourbit.atomic import write_json
 from fourbit.config import block
 from fourbit.engines import engine_spec, get_engine
@@ -89,9 +90,10 @@ def score_checkpoint(
     side_path: str | os.PathLike | None = None,
     fidelity_settings: Mapping | None = None,
 ) -> dict:
-    """Score ``checkpoint`` on the windows; write ``out_path``. ``model_weights_sha256``: the
-    source model's weights this checkpoint was made from (fourbit.hashing.model_weights_sha256),
-    carried into the record so the report never mixes records of other weights.
+    """Score ``checkpoint`` on the windows; write the record to ``out_path``
+    (fourbit.records.write). ``model_weights_sha256``: the source model's weights this
+    checkpoint was made from (fourbit.hashing.model_weights_sha256), carried into the
+    record so the report never mixes records of other weights.
     ``cache_root``: vLLM's compile caches for this checkpoint alone (vLLM's cache shared
     between arms can load another arm's graph); the workflow names it.
     ``side_path``: for a checkpoint the fidelity step compares, on an engine that keeps its
@@ -128,7 +130,7 @@ def score_checkpoint(
         "mean_nll": total_nll / total_tokens,
         "ppl": math.exp(total_nll / total_tokens),
     }
-    write_json(out_path, result)
+    records.write("ppl", out_path, result)
     log.info("%s: ppl %.4f over %d tokens (%s)", checkpoint, result["ppl"], total_tokens, result["runtime"])
     return result
 

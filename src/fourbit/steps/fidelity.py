@@ -45,7 +45,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from fourbit.atomic import write_json
+from fourbit import records
 from fourbit.config import block
 from fourbit.engines import Fidelity, engine_spec, get_engine
 from fourbit.hashing import require_sha256
@@ -82,7 +82,8 @@ def compare_arm(
     sides: Mapping[str, str | os.PathLike] | None = None,
     text_path: str | os.PathLike | None = None,
 ) -> dict:
-    """Compare one arm with the same engine's baseline; write ``out_path`` (JSON, atomically).
+    """Compare one arm with the same engine's baseline; write the record to ``out_path``
+    (fourbit.records.write: checked against its schema, then atomically).
 
     ``model_weights_sha256``: the source model's weights both were made from
     (fourbit.hashing.model_weights_sha256), carried into the record, computed or not.
@@ -114,7 +115,7 @@ def compare_arm(
                             record, engine_settings, prompts, ctx=len(compared_windows[0]))
     if how is Fidelity.NOT_COMPARED:
         record.update({"computed": False, "method": None, "reason": NOT_COMPARED})
-        write_json(out_path, record)
+        records.write("fidelity", out_path, record)
         log.info("%s: %s", engine_settings["name"], NOT_COMPARED)
         return record
 
@@ -215,8 +216,8 @@ def _own_kl_mode(engine, arm_checkpoint, baseline_checkpoint, text_path, out_pat
 
 
 def _written(record: dict, out_path, arm_checkpoint, baseline_checkpoint) -> dict:
-    """``record``, once written to ``out_path`` (JSON, atomically) and its numbers logged."""
-    write_json(out_path, record)
+    """``record``, once written to ``out_path`` (fourbit.records.write) and its numbers logged."""
+    records.write("fidelity", out_path, record)
     log.info("%s vs %s (%s): KL mean %.5f p99 %.5f, top-1 %.4f, greedy %d/%d identical (%.1f s)",
              arm_checkpoint, baseline_checkpoint, record["method"], record["kl_mean"],
              record["kl_p99"], record["top1_agreement"], record["greedy"]["identical"],
