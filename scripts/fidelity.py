@@ -6,6 +6,8 @@ from fourbit.progress import setup_logging
 from fourbit.inputs.sources import MANIFEST
 
 setup_logging(snakemake.log[0])
+# the sides the ppl jobs kept, for an engine that keeps them (get_fidelity_input)
+sides = {side: snakemake.input.get(f"{side}_side") for side in ("arm", "baseline")}
 compare_arm(
     snakemake.input.checkpoint,
     snakemake.input.baseline,
@@ -15,6 +17,6 @@ compare_arm(
     dict(snakemake.params.fidelity),
     threads=snakemake.threads,
     model_weights_sha256=model_weights_sha256(Path(snakemake.input.source) / MANIFEST),
-    cache_roots=dict(snakemake.params.cache_roots),
+    sides=sides if sides["arm"] else None,
     text_path=snakemake.input.text,
 )

@@ -7,15 +7,18 @@ from fourbit.inputs.sources import MANIFEST
 
 setup_logging(snakemake.log[0])
 weights = model_weights_sha256(Path(snakemake.input.source) / MANIFEST)
-# rule ppl: the arm as quantized, then its dense expansion; rule ppl_baseline: the baseline
-for form, out in snakemake.output.items():
+# rules ppl, ppl_with_side: the arm as quantized, then its dense expansion; rules
+# ppl_baseline, ppl_baseline_with_side: the baseline (get_ppl_caches names the forms). The
+# *_with_side rules also name where the compared form's fidelity side goes.
+for form, cache_root in snakemake.params.cache_roots.items():
     score_checkpoint(
         getattr(snakemake.input, form),
         snakemake.input.windows,
-        out,
+        getattr(snakemake.output, form),
         dict(snakemake.params.engine),
         threads=snakemake.threads,
         model_weights_sha256=weights,
-        cache_root=snakemake.params.cache_roots[form],
-        fidelity_side=dict(snakemake.params.fidelity_sides[form]),
+        cache_root=cache_root,
+        side_path=snakemake.output.get(f"{form}_side"),
+        fidelity_settings=snakemake.params.get("fidelity"),
     )

@@ -14,11 +14,12 @@ from fourbit.engines import (
     unavailable_here,
 )
 
-# What the bench and fidelity steps call, per declaration (fourbit.engines' docstring).
+# What the bench, fidelity and ppl steps call, per declaration (fourbit.engines' docstring).
 CALLED = {
     Bench.PER_PASS: ["throughput"],
     Bench.SESSION: ["throughput", "throughput_session"],
     Fidelity.PER_POSITION: ["compare_with_baseline"],
+    Fidelity.KEPT_SIDES: ["score_keeping_side", "compare_sides"],
     Fidelity.OWN_KL_MODE: ["divergence_from_baseline", "greedy_continuations"],
     Fidelity.NOT_COMPARED: [],
 }

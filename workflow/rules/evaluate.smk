@@ -23,6 +23,11 @@ rule tokenize_evaluation:
 # its second (vLLM's lazy imports and warm-up: 14.8 s against 2.6 s for the default study's
 # model on a 2-core Intel Xeon), and vLLM's import costs ~4 s more, so one process per
 # checkpoint paid both twice per arm. The baseline has a job of its own (ppl_baseline).
+# Engines that keep fidelity sides (vLLM) also write, in the same engine pass, the side
+# of each checkpoint the fidelity job compares (the arm as quantized, the baseline): the
+# fidelity job reads the two and starts no engine. A rule's outputs are fixed, so those
+# engines' jobs come from the variants ppl_with_side and ppl_baseline_with_side, each
+# engine id matching exactly one rule of a pair (engine_pattern in common.smk).
 rule ppl:
     input:
         unpack(get_scored_checkpoints),
@@ -38,6 +43,7 @@ rule ppl:
         f"{RESULTS}/benchmarks/ppl/{MODEL}/{CORPUS}/{{engine}}/{{arm}}.tsv"
     wildcard_constraints:
         arm=ID_PATTERN,
+        engine=engine_pattern(keeps_side=False),
     conda:
         "../../envs/fourbit.yaml"
     threads: workflow.cores
@@ -47,9 +53,22 @@ rule ppl:
     params:
         engine=get_engine_settings,
         cache_roots=get_ppl_caches,
-        fidelity_sides=get_fidelity_sides,
     script:
         "../../scripts/ppl.py"
+
+
+# a `use rule` block replaces the parent's outputs and wildcard_constraints whole (only
+# params merge), so each variant states them all again
+use rule ppl as ppl_with_side with:
+    output:
+        quantized=f"{EVAL_DIR}/{{engine}}/{{arm}}/quantized.ppl.json",
+        dense=f"{EVAL_DIR}/{{engine}}/{{arm}}/dense.ppl.json",
+        quantized_side=f"{EVAL_DIR}/{{engine}}/{{arm}}/quantized.side.json",
+    wildcard_constraints:
+        arm=ID_PATTERN,
+        engine=engine_pattern(keeps_side=True),
+    params:
+        fidelity=STUDY.config["fidelity"],
 
 
 use rule ppl as ppl_baseline with:
@@ -57,8 +76,20 @@ use rule ppl as ppl_baseline with:
         dense=f"{EVAL_DIR}/{{engine}}/{{arm}}/dense.ppl.json",
     wildcard_constraints:
         arm="baseline",
+        engine=engine_pattern(keeps_side=False),
     # a `use rule` block replaces the parent's resources whole (only params merge), so
     # mem_mb is stated again beside the shorter runtime
     resources:
         mem_mb=held("dense", 3, 4000),
         runtime=per_attempt(240),
+
+
+use rule ppl_baseline as ppl_baseline_with_side with:
+    output:
+        dense=f"{EVAL_DIR}/{{engine}}/{{arm}}/dense.ppl.json",
+        dense_side=f"{EVAL_DIR}/{{engine}}/{{arm}}/dense.side.json",
+    wildcard_constraints:
+        arm="baseline",
+        engine=engine_pattern(keeps_side=True),
+    params:
+        fidelity=STUDY.config["fidelity"],

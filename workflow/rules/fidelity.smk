@@ -3,9 +3,10 @@
 # windows of windows.json, and how many fixed prompts keep the baseline's greedy
 # continuation exactly. Engines with full logits (the reference) give the KL exactly;
 # vLLM gives top-k logprobs, so its KL is a lower bound and labelled so; engines with
-# neither (llama.cpp) write a record saying it was not computed. vLLM's ppl jobs of the
-# two checkpoints compared keep each one's side (top-k logprobs, greedy continuations)
-# in the same engine pass, so this job reads both and starts no engine of its own.
+# neither write a record saying it was not computed; llama.cpp uses its own KL mode. vLLM's
+# ppl jobs of the two checkpoints compared write each one's side (top-k logprobs, greedy
+# continuations) in the same engine pass, as declared outputs (rules ppl_with_side and
+# ppl_baseline_with_side): this job reads both (get_fidelity_input) and starts no engine.
 
 
 rule fidelity:
@@ -28,6 +29,5 @@ rule fidelity:
     params:
         engine=get_engine_settings,
         fidelity=STUDY.config["fidelity"],
-        cache_roots=get_fidelity_caches,
     script:
         "../../scripts/fidelity.py"

@@ -22,15 +22,13 @@ and for the fidelity step (fourbit.steps.fidelity, which defines the arguments):
 
     Fidelity.PER_POSITION   compare_with_baseline(...): per-position results on the
                             study's windows
+    Fidelity.KEPT_SIDES     score_keeping_side(...) in the ppl step of each checkpoint the
+                            fidelity step compares (the baseline, an arm as quantized),
+                            then compare_sides(...): per-position results from the two
+                            sides, without an engine
     Fidelity.OWN_KL_MODE    divergence_from_baseline(...): the engine's own aggregate KL
                             statistics on the evaluation text; greedy_continuations(...)
     Fidelity.NOT_COMPARED   nothing; the record says it was not computed
-
-and, with keeps_fidelity_side, for the ppl step of a checkpoint the fidelity step compares:
-
-    score_keeping_side(checkpoint, windows, settings, threads, *, side_folder, compared,
-                       prompts, new_tokens, top_k) -> what score_windows returns, and that
-                       checkpoint's side of compare_with_baseline kept in side_folder
 
 Adding an engine: its module here, one EngineSpec in ENGINES, and its settings block
 in the schema (src/fourbit/schemas/config.schema.yaml).
@@ -65,6 +63,7 @@ class Fidelity(enum.Enum):
     """How fourbit.steps.fidelity compares an arm with its engine's baseline."""
 
     PER_POSITION = "compare_with_baseline"
+    KEPT_SIDES = "compare_sides"
     OWN_KL_MODE = "divergence_from_baseline"
     NOT_COMPARED = "not compared"
 
@@ -100,9 +99,12 @@ class EngineSpec:
     # Why it cannot time this model (its config.json, the bench's prompt tokens), or None:
     # checked before any job, so the bench records the reason instead of failing the study.
     bench_refusal: Callable[[dict, int], str | None] = _times_any_model
-    # Whether its ppl step also keeps a compared checkpoint's fidelity side, in the same
-    # engine (score_keeping_side), so that the fidelity step starts no engine of its own.
-    keeps_fidelity_side: bool = False
+
+    @property
+    def keeps_fidelity_side(self) -> bool:
+        """Whether its ppl job of a compared checkpoint also writes that checkpoint's
+        fidelity side (the workflow declares it as an output of that job)."""
+        return self.fidelity is Fidelity.KEPT_SIDES
 
 
 def _symmetric_gptq(quant: dict) -> bool:
@@ -128,12 +130,11 @@ ENGINES: dict[str, EngineSpec] = {
         ),
     ),
     "vllm": EngineSpec("fourbit.engines.vllm", reads="hf", bench=Bench.SESSION,
-                       fidelity=Fidelity.PER_POSITION, bench_refusal=prompt_exceeds_positions,
-                       keeps_fidelity_side=True),
+                       fidelity=Fidelity.KEPT_SIDES, bench_refusal=prompt_exceeds_positions),
     "vllm_native": EngineSpec("fourbit.engines.vllm_native", reads="hf", bench=Bench.SESSION,
-                              fidelity=Fidelity.PER_POSITION, runs_arm=_symmetric_gptq,
+                              fidelity=Fidelity.KEPT_SIDES, runs_arm=_symmetric_gptq,
                               host_check=_vllm_native_kernel_missing,
-                              bench_refusal=prompt_exceeds_positions, keeps_fidelity_side=True),
+                              bench_refusal=prompt_exceeds_positions),
     "llamacpp": EngineSpec("fourbit.engines.llamacpp", reads="gguf", bench=Bench.PER_PASS,
                            fidelity=Fidelity.OWN_KL_MODE),
 }

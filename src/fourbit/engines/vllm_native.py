@@ -67,6 +67,5 @@ def throughput_session(checkpoint, settings, threads, **kwargs):
     return vllm.throughput_session(checkpoint, _native(settings, checkpoint), threads, **kwargs)
 
 
-def compare_with_baseline(arm_checkpoint, baseline_checkpoint, windows, settings, threads, **kwargs):
-    return vllm.compare_with_baseline(arm_checkpoint, baseline_checkpoint, windows,
-                                      _native(settings, arm_checkpoint), threads, **kwargs)
+# Arithmetic on the two kept sides, which starts no engine: the vllm engine's, unchanged.
+compare_sides = vllm.compare_sides

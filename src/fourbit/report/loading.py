@@ -21,8 +21,10 @@ from fourbit import records as record_schema
 # Each kind's record schema (fourbit.records); the two ppl kinds are one record kind.
 RECORD_KINDS = {"ppl_quantized": "ppl", "ppl_dense": "ppl", "bench": "bench", "fidelity": "fidelity"}
 # The rules that write each record kind: what to rerun when one must be remade (a ppl
-# record is an arm's ppl job's or the baseline's).
-WRITTEN_BY = {"ppl": "ppl ppl_baseline", "bench": "bench", "fidelity": "fidelity",
+# record is an arm's ppl job's or the baseline's, on an engine that keeps fidelity sides
+# or not).
+WRITTEN_BY = {"ppl": "ppl ppl_baseline ppl_with_side ppl_baseline_with_side", "bench": "bench",
+              "fidelity": "fidelity",
               "arm": "quantize (quantize_gguf for a llama.cpp arm)"}
 
 RecordPaths = Mapping[str, Mapping[str, Mapping[str, str | os.PathLike]]]

@@ -1,6 +1,6 @@
-"""workflow/rules/evaluate.smk: rules tokenize_evaluation (tokenize_windows) and ppl
-(score_checkpoint). Teacher-forced perplexity, defined once and applied identically
-to every engine.
+"""workflow/rules/evaluate.smk: rules tokenize_evaluation (tokenize_windows) and ppl,
+with its variants ppl_baseline and *_with_side (score_checkpoint). Teacher-forced
+perplexity, defined once and applied identically to every engine.
 
 Definition (written next to every number this module produces):
 the evaluation split is tokenized once, as one stream, without BOS or other
@@ -26,9 +26,12 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from fourbit import records
 from fourbit.atomic import write_json
+from fourbit.schema import block
 from fourbit.engines import engine_spec, get_engine
 from fourbit.hashing import canonical_json, file_sha256, require_sha256
+from fourbit.metrics.fidelity import select
 
 log = logging.getLogger("fourbit")
 
@@ -84,32 +87,29 @@ def score_checkpoint(
     threads: int,
     model_weights_sha256: str,
     cache_root: str | os.PathLike,
-    fidelity_side: Mapping | None = None,
+    side_path: str | os.PathLike | None = None,
+    fidelity_settings: Mapping | None = None,
 ) -> dict:
-    """Score ``checkpoint`` on the windows; write ``out_path``. ``model_weights_sha256``: the
-    source model's weights this checkpoint was made from (fourbit.hashing.model_weights_sha256),
-    carried into the record so the report never mixes records of other weights.
+    """Score ``checkpoint`` on the windows; write the record to ``out_path``
+    (fourbit.records.write). ``model_weights_sha256``: the source model's weights this
+    checkpoint was made from (fourbit.hashing.model_weights_sha256), carried into the
+    record so the report never mixes records of other weights.
     ``cache_root``: vLLM's compile caches for this checkpoint alone (vLLM's cache shared
     between arms can load another arm's graph); the workflow names it.
-    ``fidelity_side``: {"folder", "settings" (the config's fidelity block)} for a checkpoint
-    the fidelity step compares, on an engine that keeps its side in the same pass
-    (EngineSpec.keeps_fidelity_side); the scores are the same either way."""
+    ``side_path``: for a checkpoint the fidelity step compares, on an engine that keeps its
+    side (EngineSpec.keeps_fidelity_side), where to write that side, computed in the same
+    engine pass with ``fidelity_settings`` (the config's fidelity block); the scores are
+    the same either way."""
     require_sha256(model_weights_sha256)
     windows_file = json.loads(Path(windows_path).read_text())
     windows = windows_file["windows"]
     engine = get_engine(engine_settings["name"])
     settings = {**engine_settings, "cache_root": str(cache_root)}
-    if fidelity_side and engine_spec(engine_settings["name"]).keeps_fidelity_side:
-        from fourbit.steps import fidelity
-
-        compare = fidelity.resolve_settings(fidelity_side["settings"])
-        compared, prompts = fidelity.select(windows, compare)
-        per_window = engine.score_keeping_side(
-            Path(checkpoint), windows, settings, threads, side_folder=fidelity_side["folder"],
-            compared=len(compared), prompts=prompts, new_tokens=compare["new_tokens"],
-            top_k=compare["top_k"])
-    else:
+    if side_path is None:
         per_window = engine.score_windows(Path(checkpoint), windows, settings, threads)
+    else:
+        per_window = _score_keeping_side(engine, checkpoint, windows_file, settings, threads,
+                                         side_path, block("fidelity", fidelity_settings))
     nll = [w["nll_sum"] for w in per_window]
     tokens = [w["tokens"] for w in per_window]
     total_nll, total_tokens = math.fsum(nll), sum(tokens)
@@ -130,6 +130,23 @@ def score_checkpoint(
         "mean_nll": total_nll / total_tokens,
         "ppl": math.exp(total_nll / total_tokens),
     }
-    write_json(out_path, result)
+    records.write("ppl", out_path, result)
     log.info("%s: ppl %.4f over %d tokens (%s)", checkpoint, result["ppl"], total_tokens, result["runtime"])
     return result
+
+
+def _score_keeping_side(engine, checkpoint, windows_file: dict, settings: dict, threads: int,
+                        side_path, fidelity: dict) -> list[dict]:
+    """The engine's score_keeping_side: the per-window scores, and the side written to
+    ``side_path`` (JSON, atomically) with the fidelity settings and token ids it was
+    computed for, which the fidelity step checks before comparing."""
+    if not engine_spec(settings["name"]).keeps_fidelity_side:
+        raise ValueError(f"engine {settings['name']} keeps no fidelity side; pass no side_path")
+    compared, prompts = select(windows_file["windows"], fidelity)
+    per_window, side = engine.score_keeping_side(
+        Path(checkpoint), windows_file["windows"], settings, threads, compared=len(compared),
+        prompts=prompts, new_tokens=fidelity["new_tokens"], top_k=fidelity["top_k"])
+    write_json(side_path, {**side, "fidelity": fidelity,
+                           "token_ids_sha256": windows_file["token_ids_sha256"]})
+    log.info("%s: fidelity side kept in %s", checkpoint, side_path)
+    return per_window

@@ -1,30 +1,8 @@
 """workflow/rules/fidelity.smk: rule fidelity (compare_arm). Fidelity of an arm to its
 engine's unquantized baseline: next-token KL, top-1, greedy.
 
-Definition (written next to every number this module produces):
-
-- Positions: the first ``windows`` windows of the study's windows file (the very
-  token ids ppl scores), positions 1..W-1 of each, every one predicted from the
-  tokens before it in its window, exactly the positions ppl scores. At each, P_b
-  and P_a are the baseline's and the arm's next-token distributions, both run by
-  the same engine.
-- ``kl`` = KL(P_b || P_a) = sum_v P_b(v) (log P_b(v) - log P_a(v)), in nats, per
-  position; ``kl_mean`` is its mean over positions and ``kl_p99`` its 99th
-  percentile (numpy's linear interpolation).
-- ``top1_agreement``: the fraction of those positions where both distributions
-  have the same most likely token.
-- Greedy fidelity: the first ``prompt_tokens`` tokens of the first ``prompts``
-  windows are continued by each model, greedily (argmax), for exactly
-  ``new_tokens`` tokens (EOS does not stop them); ``identical`` counts the
-  prompts whose two continuations are equal token for token, and
-  ``matching_prefix`` gives, per prompt, how many leading tokens agree.
-
-How KL is computed depends on what the engine gives: exactly from full logits
-(the reference engine), or as a lower bound from top-k logprobs (vLLM), with
-``kl_merged`` and ``kl_substituted`` the means of its two estimates and
-``baseline_mass_topk`` the mean baseline mass of its top k (how much of the
-distribution was compared id by id); fourbit.metrics.kl derives both and proves
-the bounds.
+The definition of every number, and the arithmetic from per-position results to the
+record's numbers: fourbit.metrics.fidelity.
 
 How an engine takes part is its EngineSpec's ``fidelity`` (fourbit.engines.ENGINES).
 Fidelity.PER_POSITION: a module-level function
@@ -36,7 +14,14 @@ returning {"method", "window_kl": [[float] per position] per window,
 "window_top1": [[bool]...], "greedy_baseline": [[ids]], "greedy_arm": [[ids]],
 "runtime": str, "baseline_runtime": str} and, for a top-k bound,
 "window_kl_merged", "window_kl_substituted" and "window_mass_topk" like
-window_kl. Fidelity.OWN_KL_MODE: the engine's own aggregate statistics over the
+window_kl. Fidelity.KEPT_SIDES: the same from the two sides the ppl jobs of the arm (as
+quantized) and of the baseline kept (fourbit.steps.evaluate), which the workflow declares
+as their outputs and passes here, through
+
+    compare_sides(arm_side, baseline_side, windows) -> dict
+
+(all of the above but the runtimes, which come from the engine's runtime()): the job
+starts no engine. Fidelity.OWN_KL_MODE: the engine's own aggregate statistics over the
 evaluation text, through
 
     divergence_from_baseline(arm_checkpoint, baseline_checkpoint, text_file, settings,
@@ -55,27 +40,19 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 
-from fourbit.atomic import write_json
+from fourbit import records
 from fourbit.schema import block
 from fourbit.engines import Fidelity, engine_spec, get_engine
 from fourbit.hashing import require_sha256
+from fourbit.metrics.fidelity import DEFINITION, greedy_summary, select, summarize
 from fourbit.metrics.kl import FULL
 
 log = logging.getLogger("fourbit")
-
-DEFINITION = (
-    "KL(P_base || P_arm) in nats and top-1 agreement of the next-token distributions at "
-    "positions 1..{last} of the first {windows} windows (the ppl positions), both run by the "
-    "same engine; greedy: the first {prompt_tokens} tokens of the first {prompts} windows "
-    "continued for exactly {new_tokens} tokens by each model (argmax, EOS ignored), "
-    "identical = equal token for token"
-)
 
 OWN_KL_MODE = "llama-perplexity KL mode"
 OWN_KL_DEFINITION = (
@@ -92,93 +69,6 @@ NOT_COMPARED = (
 )
 
 
-def resolve_settings(given: Mapping) -> dict:
-    """The config's ``fidelity`` block: ``given`` checked, the schema's defaults filled."""
-    return block("fidelity", given)
-
-
-def select(
-    windows: Sequence[Sequence[int]], settings: Mapping
-) -> tuple[list[list[int]], list[list[int]]]:
-    """The windows whose positions are compared, and the greedy prompts."""
-    if not windows:
-        raise ValueError("the windows file holds no windows")
-    compared = [list(w) for w in windows[: settings["windows"]]]
-    short = [i for i, w in enumerate(windows[: settings["prompts"]])
-             if len(w) < settings["prompt_tokens"]]
-    if short:
-        raise ValueError(
-            f"fidelity.prompt_tokens={settings['prompt_tokens']} is longer than window {short[0]} "
-            f"({len(windows[short[0]])} tokens); lower it"
-        )
-    prompts = [list(w[: settings["prompt_tokens"]]) for w in windows[: settings["prompts"]]]
-    return compared, prompts
-
-
-# --- the record's numbers -------------------------------------------------------------------
-
-
-def _percentile(values: Sequence[float], q: float) -> float:
-    import numpy as np
-
-    return float(np.percentile(np.asarray(values, dtype=np.float64), q))
-
-
-def summarize(compared: Mapping) -> dict:
-    """Per-position results (an engine's compare_with_baseline) -> the record's numbers."""
-    kl = [x for window in compared["window_kl"] for x in window]
-    top1 = [x for window in compared["window_top1"] for x in window]
-    if not kl or len(kl) != len(top1):
-        raise ValueError(f"{len(kl)} KL values and {len(top1)} top-1 values; expected equal, > 0")
-    result = {
-        "positions": len(kl),
-        "kl_mean": math.fsum(kl) / len(kl),
-        "kl_p99": _percentile(kl, 99),
-        "kl_median": _percentile(kl, 50),
-        "kl_max": max(kl),
-        "top1_agreement": sum(bool(x) for x in top1) / len(top1),
-        "window_kl_sum": [math.fsum(w) for w in compared["window_kl"]],
-        "window_top1": [sum(bool(x) for x in w) for w in compared["window_top1"]],
-        "window_positions": [len(w) for w in compared["window_kl"]],
-    }
-    if "window_mass_topk" in compared:
-        mass = [x for window in compared["window_mass_topk"] for x in window]
-        result["baseline_mass_topk"] = math.fsum(mass) / len(mass)
-        for name in ("merged", "substituted"):
-            values = [x for window in compared[f"window_kl_{name}"] for x in window]
-            result[f"kl_mean_{name}"] = math.fsum(values) / len(values)
-    return result
-
-
-def greedy_summary(
-    baseline: Sequence[Sequence[int]], arm: Sequence[Sequence[int]], new_tokens: int
-) -> dict:
-    if len(baseline) != len(arm):
-        raise ValueError(f"{len(baseline)} baseline continuations, {len(arm)} arm continuations")
-    for side, conts in (("baseline", baseline), ("arm", arm)):
-        lengths = {len(c) for c in conts}
-        if lengths != {new_tokens}:
-            raise ValueError(
-                f"{side} continuations have lengths {sorted(lengths)}, not {new_tokens}"
-            )
-    prefix = []
-    for b, a in zip(baseline, arm, strict=True):
-        same = 0
-        while same < new_tokens and b[same] == a[same]:
-            same += 1
-        prefix.append(same)
-    return {
-        "prompts": len(baseline),
-        "new_tokens": new_tokens,
-        "identical": sum(p == new_tokens for p in prefix),
-        "matching_prefix": prefix,
-        "matching_prefix_mean": sum(prefix) / len(prefix) if prefix else 0.0,
-    }
-
-
-# --- the step ---------------------------------------------------------------------------------
-
-
 def compare_arm(
     arm_checkpoint: str | os.PathLike,
     baseline_checkpoint: str | os.PathLike,
@@ -189,19 +79,19 @@ def compare_arm(
     *,
     threads: int,
     model_weights_sha256: str,
-    cache_roots: Mapping[str, str | os.PathLike],
+    sides: Mapping[str, str | os.PathLike] | None = None,
     text_path: str | os.PathLike | None = None,
 ) -> dict:
-    """Compare one arm with the same engine's baseline; write ``out_path`` (JSON, atomically).
+    """Compare one arm with the same engine's baseline; write the record to ``out_path``
+    (fourbit.records.write: checked against its schema, then atomically).
 
     ``model_weights_sha256``: the source model's weights both were made from
     (fourbit.hashing.model_weights_sha256), carried into the record, computed or not.
-    ``cache_roots``: compile caches for engines that compile (vLLM), {"arm": .., "baseline":
-    ..}, one per checkpoint and never shared between checkpoints; the workflow gives every
-    arm's job the same baseline folder, so only the first job compiles the baseline.
+    ``sides``, {"arm": .., "baseline": ..}: the sides the ppl jobs of the two checkpoints
+    kept, read by engines that keep them (Fidelity.KEPT_SIDES), which then start no engine.
     ``text_path``, the evaluation text, is read only by engines with their own KL mode."""
     require_sha256(model_weights_sha256)
-    settings = resolve_settings(fidelity_settings)
+    settings = block("fidelity", fidelity_settings)
     windows_file = json.loads(Path(windows_path).read_text())
     compared_windows, prompts = select(windows_file["windows"], settings)
     engine = get_engine(engine_settings["name"])
@@ -221,33 +111,56 @@ def compare_arm(
     }
     how = engine_spec(engine_settings["name"]).fidelity
     if how is Fidelity.OWN_KL_MODE:
-        if text_path is None:
-            raise ValueError(f"engine {engine_settings['name']} compares on the evaluation text; "
-                             "pass text_path")
         return _own_kl_mode(engine, arm_checkpoint, baseline_checkpoint, text_path, out_path,
                             record, engine_settings, prompts, ctx=len(compared_windows[0]))
     if how is Fidelity.NOT_COMPARED:
         record.update({"computed": False, "method": None, "reason": NOT_COMPARED})
-        write_json(out_path, record)
+        records.write("fidelity", out_path, record)
         log.info("%s: %s", engine_settings["name"], NOT_COMPARED)
         return record
 
-    run_settings = {**engine_settings, "cache_root": str(cache_roots["arm"]),
-                    "baseline_cache_root": str(cache_roots["baseline"])}
-    return _per_position(engine, arm_checkpoint, baseline_checkpoint, out_path, record,
-                         run_settings, compared_windows, prompts, threads=threads)
-
-
-def _per_position(engine, arm_checkpoint, baseline_checkpoint, out_path, record: dict,
-                  engine_settings: Mapping, windows: list[list[int]], prompts: list[list[int]],
-                  *, threads: int) -> dict:
-    """The engine's compare_with_baseline on the compared windows, summarized."""
-    settings = record["settings"]
     start = time.perf_counter()
-    compared = engine.compare_with_baseline(
-        Path(arm_checkpoint), Path(baseline_checkpoint), windows, engine_settings, threads,
-        prompts=prompts, new_tokens=settings["new_tokens"], top_k=settings["top_k"],
-    )
+    if how is Fidelity.KEPT_SIDES:
+        compared = _from_sides(engine, sides, record, compared_windows)
+    else:
+        compared = engine.compare_with_baseline(
+            Path(arm_checkpoint), Path(baseline_checkpoint), compared_windows,
+            dict(engine_settings), threads, prompts=prompts, new_tokens=settings["new_tokens"],
+            top_k=settings["top_k"])
+    return _per_position(compared, record, out_path, start)
+
+
+def _from_sides(engine, sides: Mapping[str, str | os.PathLike] | None, record: dict,
+                windows: list[list[int]]) -> dict:
+    """The engine's compare_sides on the two kept sides, each checked to be of this
+    comparison, and what runs each checkpoint (read from its files: no engine starts)."""
+    if sides is None:
+        raise ValueError(f"engine {record['engine']['name']} compares the sides its ppl jobs "
+                         "kept; pass sides")
+    kept = {which: _kept_side(sides[which], record) for which in ("arm", "baseline")}
+    return {
+        **engine.compare_sides(kept["arm"], kept["baseline"], windows),
+        "runtime": engine.runtime(Path(record["checkpoint"]), record["engine"]),
+        "baseline_runtime": engine.runtime(Path(record["baseline"]), record["engine"]),
+    }
+
+
+def _kept_side(path: str | os.PathLike, record: dict) -> dict:
+    """The side in ``path`` if its ppl job kept it for these fidelity settings and windows;
+    else an error naming what differs."""
+    side = json.loads(Path(path).read_text())
+    kept_for = {"settings": side["fidelity"], "token_ids_sha256": side["token_ids_sha256"]}
+    wanted = {"settings": record["settings"], "token_ids_sha256": record["token_ids_sha256"]}
+    if kept_for != wanted:
+        raise ValueError(f"{path} was kept for {kept_for}, not {wanted}; rerun the ppl job that "
+                         "writes it")
+    return side
+
+
+def _per_position(compared: dict, record: dict, out_path, start: float) -> dict:
+    """``record`` with per-position results (an engine's compare_with_baseline or
+    compare_sides) summarized, written."""
+    new_tokens = record["settings"]["new_tokens"]
     record.update(
         {
             "computed": True,
@@ -255,19 +168,22 @@ def _per_position(engine, arm_checkpoint, baseline_checkpoint, out_path, record:
             "bound": "exact" if compared["method"] == FULL else "lower bound",
             **summarize(compared),
             "greedy": greedy_summary(compared["greedy_baseline"], compared["greedy_arm"],
-                                     settings["new_tokens"]),
+                                     new_tokens),
             "runtime": compared["runtime"],
             "baseline_runtime": compared["baseline_runtime"],
             "seconds": time.perf_counter() - start,
         }
     )
-    return _written(record, out_path, arm_checkpoint, baseline_checkpoint)
+    return _written(record, out_path, record["checkpoint"], record["baseline"])
 
 
 def _own_kl_mode(engine, arm_checkpoint, baseline_checkpoint, text_path, out_path, record: dict,
                  engine_settings: Mapping, prompts: list[list[int]], *, ctx: int) -> dict:
     """The engine's own aggregate KL statistics, over as many chunks as windows are compared,
     and the greedy continuations of the same prompts as every other engine."""
+    if text_path is None:
+        raise ValueError(f"engine {record['engine']['name']} compares on the evaluation text; "
+                         "pass text_path")
     start = time.perf_counter()
     settings, new_tokens = dict(engine_settings), record["settings"]["new_tokens"]
     statistics = engine.divergence_from_baseline(
@@ -300,8 +216,8 @@ def _own_kl_mode(engine, arm_checkpoint, baseline_checkpoint, text_path, out_pat
 
 
 def _written(record: dict, out_path, arm_checkpoint, baseline_checkpoint) -> dict:
-    """``record``, once written to ``out_path`` (JSON, atomically) and its numbers logged."""
-    write_json(out_path, record)
+    """``record``, once written to ``out_path`` (fourbit.records.write) and its numbers logged."""
+    records.write("fidelity", out_path, record)
     log.info("%s vs %s (%s): KL mean %.5f p99 %.5f, top-1 %.4f, greedy %d/%d identical (%.1f s)",
              arm_checkpoint, baseline_checkpoint, record["method"], record["kl_mean"],
              record["kl_p99"], record["top1_agreement"], record["greedy"]["identical"],

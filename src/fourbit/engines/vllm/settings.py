@@ -3,7 +3,7 @@
 The workflow passes an engine's settings as a mapping: the study config's
 ``engines.vllm`` (or ``engines.vllm_native``) block, which config validation has
 already filled from the schema (src/fourbit/schemas/config.schema.yaml), plus its
-name and the cache folders the step chose. The schema is the only source of
+name and the cache folder the step chose. The schema is the only source of
 defaults: a key it fills that is missing here is an error naming the key, never a
 fallback value of this module's own (which could contradict the schema, as a
 "bfloat16" fallback once did when the schema said float32).
@@ -20,7 +20,7 @@ from typing import Any
 CONFIG_KEYS = ("dtype", "enforce_eager", "kv_cache_gib", "max_num_seqs")
 PLUGIN_KEYS = ("quant",)
 # Keys the step that runs the engine adds: its name, and where compile caches go.
-STEP_KEYS = ("name", "cache_root", "baseline_cache_root")
+STEP_KEYS = ("name", "cache_root")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +37,6 @@ class VllmSettings:
     # the checkpoint (fourbit.engines.vllm_native)
     plugin: bool
     cache_root: str | None  # this checkpoint's compile caches; None: vLLM's default folders
-    baseline_cache_root: str | None  # the baseline's, shared by an engine's fidelity jobs
 
     @classmethod
     def from_engine(cls, settings: Mapping[str, Any], *, plugin: bool) -> VllmSettings:
@@ -63,9 +62,8 @@ class VllmSettings:
             max_num_seqs=int(settings["max_num_seqs"]),
             quant=dict(settings["quant"]) if plugin else {},
             plugin=plugin,
-            # Optional: only the steps choose cache folders; a direct call may leave them out.
+            # Optional: only the steps choose a cache folder; a direct call may leave it out.
             cache_root=_optional_path(settings.get("cache_root")),
-            baseline_cache_root=_optional_path(settings.get("baseline_cache_root")),
         )
 
     @property
