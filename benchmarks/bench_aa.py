@@ -30,8 +30,7 @@ import yaml
 
 from fourbit.steps.bench import BenchPair, bench_study
 from fourbit.config import Study
-from fourbit.hashing import model_weights_sha256
-from fourbit.inputs.sources import MANIFEST
+from fourbit.inputs.sources import source_weights_sha256
 
 METRICS = ("pp512_tok_s", "tg128_tok_s")
 
@@ -53,7 +52,7 @@ def main() -> None:
     untied = args.study_dir / study.results / study.model_id / "untied"
     if not (untied / "config.json").is_file():
         raise SystemExit(f"{untied} does not exist: run the study first (make report)")
-    weights = model_weights_sha256(untied.parent / "source" / MANIFEST)
+    weights = source_weights_sha256(untied.parent / "source")
     engine = study.engines["vllm"]
     copies = []
     for number in range(1, args.copies + 1):

@@ -1,9 +1,6 @@
-from pathlib import Path
-
 from fourbit.steps.fidelity import compare_arm
-from fourbit.hashing import model_weights_sha256
 from fourbit.progress import setup_logging
-from fourbit.inputs.sources import MANIFEST
+from fourbit.inputs.sources import source_weights_sha256
 
 setup_logging(snakemake.log[0])
 # the sides the ppl jobs kept, for an engine that keeps them (get_fidelity_input)
@@ -16,7 +13,7 @@ compare_arm(
     dict(snakemake.params.engine),
     dict(snakemake.params.fidelity),
     threads=snakemake.threads,
-    model_weights_sha256=model_weights_sha256(Path(snakemake.input.source) / MANIFEST),
+    model_weights_sha256=source_weights_sha256(snakemake.input.source),
     sides=sides if sides["arm"] else None,
     text_path=snakemake.input.text,
 )

@@ -1,12 +1,9 @@
-from pathlib import Path
-
-from fourbit.hashing import model_weights_sha256
 from fourbit.steps.evaluate import score_checkpoint
 from fourbit.progress import setup_logging
-from fourbit.inputs.sources import MANIFEST
+from fourbit.inputs.sources import source_weights_sha256
 
 setup_logging(snakemake.log[0])
-weights = model_weights_sha256(Path(snakemake.input.source) / MANIFEST)
+weights = source_weights_sha256(snakemake.input.source)
 # rules ppl, ppl_with_side: the arm as quantized, then its dense expansion; rules
 # ppl_baseline, ppl_baseline_with_side: the baseline (get_ppl_caches names the forms). The
 # *_with_side rules also name where the compared form's fidelity side goes.

@@ -54,3 +54,11 @@ def test_a_manifest_without_weight_hashes_is_refused_by_name(tmp_path, manifest,
     path.write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match=message):
         model_weights_sha256(path)
+
+
+def test_a_source_folders_weights_hash_is_its_manifests(tmp_path):
+    from fourbit.inputs.sources import MANIFEST, source_weights_sha256
+
+    digest = "ab" * 32
+    (tmp_path / MANIFEST).write_text(json.dumps({"weights_sha256": {"model.safetensors": digest}}))
+    assert source_weights_sha256(tmp_path) == digest

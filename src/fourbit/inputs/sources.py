@@ -17,9 +17,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from fourbit.hashing import model_weights_sha256
+
 log = logging.getLogger("fourbit")
 ARCHITECTURES = Path(__file__).parent / "architectures"
 MANIFEST = "fourbit-source.json"
+
+
+
+def source_weights_sha256(source_dir: str | os.PathLike) -> str:
+    """The sha256 of the source model's weights (fourbit.hashing.model_weights_sha256) that
+    every record made from the model carries, from the download job's folder."""
+    return model_weights_sha256(Path(source_dir) / MANIFEST)
+
 
 Fetcher = Callable[[dict, Path, Path, int], None]
 # (spec, folder the download job writes, which may already exist) -> config.json as a dict
