@@ -1,9 +1,9 @@
-"""Throughput measurement, guarded against the errors that retracted earlier results.
+"""Throughput measurement, guarded against the errors a tokens/s figure is open to.
 
-A hand-run study once retracted five conclusions, every one a measurement error:
-a cold page cache timed the storage, shared cores timed the scheduler, an untied
-head was left in bf16, a compile cache was stale, and a single surviving pass was
-reported as a result. Each module here makes one of those errors loud:
+A cold page cache times the storage, shared cores time the scheduler, an untied head
+left in bf16 or a stale compile cache times another build than the one reported, and a
+single pass is an anecdote (docs/measurement.md tells how these came to light). Each
+module here makes one of those errors loud:
 
     contention   refuse to time on cores something else is using
     residency    read the model into the page cache and prove it stayed there

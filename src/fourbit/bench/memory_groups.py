@@ -14,18 +14,17 @@ import os
 from fourbit.bench.weight_bytes import resident_weight_bytes
 
 # What one engine held open for the job costs beyond its weights: the process, its
-# libraries and a KV cache sized for one bench sequence (a vLLM worker: ~0.7 GB here
+# libraries and a KV cache sized for one bench sequence (a vLLM worker: ~0.7 GB
 # for a 20 MB model).
 ENGINE_OVERHEAD_BYTES = 1 << 30
 # An engine's peak while it loads, as a multiple of the weights it then holds: vLLM
 # allocates each parameter in the engine's dtype and copies the checkpoint's tensor
 # into it, and the plugin repacks the 4-bit codes into the kernel's layout beside the
 # loaded ones; the engines of a group start side by side, so their peaks add up.
-# Measured by benchmarks/engine_memory.py (every bench record carries both too): at
-# Qwen2.5-0.5B's shapes the peak was 0.87-0.96x this estimate for the dense, cpu_int4,
-# GPTQ and compressed-tensors checkpoints alike, once the GPTQ and compressed-tensors
-# words were decoded as bytes (fourbit.formats.base.unpack_nibbles_int32; decoding them
-# as int32 had those two peak at 1.2-1.6x).
+# benchmarks/engine_memory.py checks it against each checkpoint format's real peak
+# (every bench record carries both too; docs/measurement.md has the measurements). It
+# holds while the GPTQ and compressed-tensors words are decoded as bytes
+# (fourbit.formats.base.unpack_nibbles_int32): decoded as int32 they peak above it.
 LOAD_PEAK_FACTOR = 2
 
 

@@ -6,19 +6,17 @@ A B, ...) so that drift (thermal, a neighbour's job ramping up) does not always
 favour the same one. Every pass is preceded by ``before_pass`` (the contention
 gate and residency check), and its record is kept; then the two sides run back
 to back, because a shared host's speed moves over seconds and only runs close in
-time see the same host (an A/A bench, benchmarks/bench_aa.py, measured the
-pass-by-pass ratio of a checkpoint against itself at 0.86-1.24 this way, and at
-0.71-1.41 with the gate's half-second wait before each side).
+time see the same host (a gate's half-second wait before each side instead widens the
+spread of the pass-by-pass ratio: benchmarks/bench_aa.py; docs/measurement.md).
 
 The pairs of a study run in rounds: round r gives every pair its pass r, in an
-order rotated by one each round. The host's speed also drifts over minutes (its
-tg128 medians moved by -13% to +6% between identical bench jobs a minute apart,
-A/A); an arm whose passes all ran in one minute carries that minute's speed in
-its tok/s, and a repeat of the bench step lands elsewhere. Interleaved, every
-arm's passes span the whole step and every arm sees the same host, so absolute
-tok/s are comparable across arms and engines, and repeatable. At least three
-passes: one pass is an anecdote, and with fewer than three the spread says
-nothing about the noise.
+order rotated by one each round. The host's speed also drifts over minutes (identical
+bench jobs a minute apart give other medians); an arm whose passes all ran in one
+minute carries that minute's speed in its tok/s, and a repeat of the bench step lands
+elsewhere. Interleaved, every arm's passes span the whole step and every arm sees the
+same host, so absolute tok/s are comparable across arms and engines, and repeatable.
+At least three passes: one pass is an anecdote, and with fewer than three the spread
+says nothing about the noise.
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ from typing import Callable, TypeVar
 MIN_PASSES = 3
 TG128_OUTPUT_TOKENS = 129  # 1 from the prompt's prefill + 128 decode steps; see tg_from_runs
 # A timed quantity within a pass is repeated until it has run this long. A small
-# model's 512-token prefill takes ~30 ms here, and one such run moves by a third
+# model's 512-token prefill can take ~30 ms, and one such run moves by up to a third
 # with whatever the host did in those milliseconds; llama-bench repeats each test
 # a set number of times (-r) for the same reason. A tg128 run, or a big model's
 # prefill, exceeds it once and is not repeated.

@@ -4,7 +4,8 @@ It needs no download, so the whole study runs offline; and because every
 source of randomness is seeded, the thread count fixed, deterministic kernels
 forced and the kernels' instruction set pinned (PINNED_KERNELS), the same
 corpus and spec give the same weights bit for bit on every x86-64 host with
-AVX2, whatever else its CPU has (with the same library versions).
+AVX2 from one CPU vendor, whatever else its CPU has (with the same library
+versions; the vendor is part of the model id).
 
 Here: the spec (presets and their validation), the model it defines, the identity
 the model id hashes, and ``train_builtin_model``. The training runs in a child process

@@ -15,17 +15,15 @@ from pathlib import Path
 from fourbit import cpuinfo
 
 # Waiting threads sleep instead of spinning: no effect on the numbers, but on a
-# host where another job holds a core, two spinning threads trained slower than
-# one. Measured on a 2-core AMD EPYC (AVX2) beside one other busy process,
-# default preset, 8 steps, pinned: 1 thread 45-49 s; 2 threads spinning 69-82 s,
-# sleeping 47-49 s; the same weights in every case.
+# host where another job holds a core, two spinning threads train slower than one
+# (each parallel op waits for its descheduled second thread; docs/running.md has
+# the measurements).
 WAIT_POLICY = "PASSIVE"
 
 # The environment the training process runs in, on x86-64: what each library
 # dispatches on, pinned to what every x86 host here has (AVX2), so an AVX-512
-# host trains the same weights as an AVX2-only one. Measured with torch
-# 2.13.0+cpu (torch.__config__.show(): BLAS_INFO=mkl, oneMKL 2024.2, oneDNN
-# v3.12.0, "CPU capability usage: AVX2" on an AVX2 host).
+# host trains the same weights as an AVX2-only one. Written for torch 2.13.0+cpu
+# (torch.__config__.show(): BLAS_INFO=mkl, oneMKL 2024.2, oneDNN v3.12.0).
 PINNED_KERNELS = {
     # ATen's own vectorised kernels (elementwise ops, softmax, RMSNorm, the loss,
     # AdamW): torch picks default, avx2 or avx512 once, at import.
@@ -38,8 +36,7 @@ PINNED_KERNELS = {
     # differ between Intel and other vendors: the one branch that is the same on
     # every x86 CPU. With it CNR's "fixed cache sizes, deterministic reductions,
     # static scheduling" hold for the fixed thread count. Its cost: SSE2 GEMMs,
-    # 2.5-2.8x the training's CPU time (default preset, 8 steps, one thread, AMD
-    # EPYC AVX2: 45-51 s against 18 s unpinned).
+    # about 2.5x the training's CPU time (docs/running.md).
     "MKL_CBWR": "COMPATIBLE",
     # Exactly the threads asked for: MKL and OpenMP may otherwise use fewer than
     # requested on a host with fewer cores, which changes how sums are split.
@@ -49,11 +46,10 @@ PINNED_KERNELS = {
     # prints nothing), capped anyway in case another torch routes matmuls there.
     "ONEDNN_MAX_CPU_ISA": "AVX2",
 }
-# The pin is not the whole story: measured with it, two AMD EPYC hosts (AVX2-only and
-# AVX-512) trained the default preset to one weights hash (0a80683d..., held-out
-# perplexity 30.44), and a 2-core Intel Xeon (AVX-512 with AMX) to another (fd58d7c2...,
-# 30.63), from the same corpus and library versions. Which step (tokenizer or model) or
-# library follows the vendor was not found, so the vendor is part of the model id.
+# The pin is not the whole story: with it, AMD and Intel hosts still train different
+# weights from the same corpus and library versions (docs/running.md). Which step
+# (tokenizer or model) or library follows the vendor was not found, so the vendor is
+# part of the model id.
 
 # ATen's AVX2 kernels are compiled for AVX2 with FMA: a CPU without both would
 # stop on an illegal instruction, so such a host is refused up front.

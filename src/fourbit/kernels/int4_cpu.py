@@ -4,7 +4,7 @@
 Why its own kernel. PyTorch's tinygemm (kernels/tinygemm.py) is vectorized on x86 only
 for bfloat16 activations, and vLLM has no 4-bit CPU path on AVX2 hosts at all. At batch 1
 a 4-bit linear reads half a byte per weight and does a few instructions per weight; the
-design below keeps both small.
+design below keeps both small (docs/engines.md has the measurements).
 
 The layout, one per weight, repacked at load from any QuantizedWeight (all three
 checkpoint formats decode to one through fourbit.formats), no dense copy kept:
@@ -25,8 +25,7 @@ so one 32-byte load gives two 32-column blocks: ``bytes & 15`` and ``(bytes >> 4
 each already in column order. That is llama.cpp's Q4_0 nibble order widened from 16 to
 32 bytes, so the AVX2 unpack needs no lane-crossing insert. The 4-row blocks of scales
 and zeros let the kernel apply four rows' zero-point terms in one vector operation per
-group (with [N, K/G] scales, a scalar loop and register spills, W4A8 took 0.391
-instructions per weight instead of 0.327, callgrind; unrolling whole groups then 0.253).
+group, instead of a scalar loop per row.
 
 Bytes per weight: 1/2 + 5/G, i.e. 4.31 bits at G=128 (0.27 x bfloat16), 4.63 at G=64
 (0.29 x), 5.25 at G=32 (0.33 x).
@@ -47,71 +46,45 @@ the codes stay unsigned, and sum x is one number per group shared by every row.
            group in int32 and converts and scales it once (s * d), where w4a8 converts
            and scales every 32 columns. At G = 32 it is w4a8.
 
-W4A8's tolerance. Its rounding moves a linear's output by ~0.5% (relative L2 at down_proj's
-896 x 4864 on random 4-bit weights: 5.5e-3 for Gaussian activations, 8.7e-3 for heavy-
-tailed ones), the same as llama.cpp's Q8_0 and less than the Q8_K (per 256 columns) that
-Q4_K_M's dot products use: 7.0e-3 and 1.7e-2 (benchmarks/int4_kernel.py
---activation-error). Through a whole model that is no longer exact against the dense
-control: tests/test_vllm_plugin.py holds W4A8 to 0.3 max |logprob difference| on its
-random 2-layer model (measured 0.14-0.20; bfloat16 tinygemm 0.075-0.09; W4A16 <= 3e-5).
+W4A8's tolerance. Its rounding moves a linear's output by ~0.5% (relative L2), the same as
+llama.cpp's Q8_0 and less than the Q8_K (per 256 columns) that Q4_K_M's dot products use
+(benchmarks/int4_kernel.py --activation-error). Through a whole model that is no longer
+exact against the dense control: tests/test_vllm_plugin.py holds W4A8 to 0.3 max
+|logprob difference| on its random 2-layer model.
 
-Instructions per weight, one 896 x 4864 linear at batch 1, one thread, counted by valgrind's
-callgrind on the 2-core AVX2-only AMD EPYC this was written on (benchmarks/int4_kernel.py
---instructions; ggml's functions compiled unchanged from the llama.cpp tree fourbit builds,
--mavx2 -mfma):
-
-    fourbit W4A8   G=128 0.253, G=64 0.298, G=32 0.373
-    fourbit W4A8_GROUP  G=128 0.208
-    fourbit W4A16  G=128 0.532, G=64 0.591, G=32 0.630
-    ggml Q4_K x Q8_K row dot 0.400, Q4_K 8x8 GEMV (repacked) 0.422,
-    Q4_0 8x8 GEMV (repacked) 0.411, Q4_0 x Q8_0 and Q4_1 x Q8_1 row dots 0.698
-
-At batch 1 the time falls less than the count: at Qwen2.5-0.5B's shapes, 2 threads, a
-whole token's linears took 23.9 ms with W4A8_GROUP against 26.3 ms with W4A8 (benchmarks/
-int4_kernel.py, head included), the weights' reads being most of it.
-
-W4A8 is cheaper than ggml's row dots because a 32-byte load feeds two blocks with no
-lane-crossing unpack, codes stay unsigned (no sign tricks before maddubs), four rows share
-each activation load, and a group's blocks are scaled into one partial before its scale
-(ggml's Q4_0 8x8 GEMV, read in arch/x86/repack.cpp, spends a sign-extending shuffle per
-code vector and a blend and two shuffles per multiply to pair interleaved rows with
-broadcast activations).
+Instructions per weight. W4A8 needs fewer than ggml's row dots (benchmarks/int4_kernel.py
+--instructions counts both under callgrind, on the AVX2 path) because a 32-byte load feeds
+two blocks with no lane-crossing unpack, codes stay unsigned (no sign tricks before
+maddubs), four rows share each activation load, and a group's blocks are scaled into one
+partial before its scale (ggml's Q4_0 8x8 GEMV, read in arch/x86/repack.cpp, spends a
+sign-extending shuffle per code vector and a blend and two shuffles per multiply to pair
+interleaved rows with broadcast activations). At batch 1 the time falls less than the
+count: the weights' reads are most of it.
 
 8-bit weights (``linear_int8``, W8A16). A matrix an arm keeps on the 8-bit grid
 (fourbit.formats.int8: quantize_head 8, mixed_precision) runs from its stored layout, int8
 codes [N, K] and its scales widened to float32 [N, K/G]: 8 codes at a time sign-extended
 and converted to float32, multiplied by FMA with float32 x, each group's sum scaled once
 per row. Exact against the dense control up to float32 summation order, as w4a16; about
-1.03 bytes per weight at G = 128, so a quarter of the float32 matrix it replaces. At
-Qwen2.5-0.5B's lm_head (151936 x 896), batch 1, 2 threads on the AVX2 EPYC: 18.3 ms, against
-58.4 ms for the dense float32 matrix and 24.3 ms for bfloat16 (benchmarks/int4_kernel.py).
+1.03 bytes per weight at G = 128, so a quarter of the float32 matrix it replaces.
 
 ISA, chosen at run time for each call (``path``): AVX2+FMA code for every numerics and
 group size; where the host has AVX-512 VNNI (avx512f/bw/vl/vnni), W4A16 at every group
 size runs 16 columns per instruction on it instead of 8 (same group sums, float32
-summation order aside), and W4A8 and W4A8_GROUP at groups that are multiples of 128: vpdpbusd adds four code x activation
-products per int32 lane in one instruction (AVX2: maddubs, madd, add) and one 64-byte load
-holds a whole 128-column group of a row. The integer sums are the AVX2 path's lane for lane;
-only the float accumulation order differs. valgrind runs no AVX-512, so the instruction
-counts above are the AVX2 path's. What it buys is small where the weights' reads bound the
-time: at Qwen2.5-0.5B's shapes, batch 1, 2 threads, on a 2-core AMD EPYC with AVX-512 on
-quiet cores, a whole token's linears took 12.06 ms with W4A8 (12.79 on the AVX2 code in the
-same run) and 11.99 with W4A8_GROUP (12.30), 61% of the run's triad bandwidth
-(benchmarks/int4_kernel.py). FOURBIT_INT4_ISA=avx2 caps a process at AVX2, =none
-hides the kernel; ``linear(..., on="avx2")`` runs the AVX2 code for one call (benchmarks
-and tests time and check both paths in one process).
+summation order aside), and W4A8 and W4A8_GROUP at groups that are multiples of 128:
+vpdpbusd adds four code x activation products per int32 lane in one instruction (AVX2:
+maddubs, madd, add) and one 64-byte load holds a whole 128-column group of a row. The
+integer sums are the AVX2 path's lane for lane; only the float accumulation order differs.
+What it buys is small where the weights' reads bound the time. FOURBIT_INT4_ISA=avx2 caps
+a process at AVX2, =none hides the kernel; ``linear(..., on="avx2")`` runs the AVX2 code
+for one call (benchmarks and tests time and check both paths in one process). Where the
+ISA is missing or a shape is not covered (``unsupported``), callers fall back to tinygemm
+by name.
 
 Prefetch. Each row block asks for the weights 4 KiB past its own before it starts
-(csrc PREFETCH_AHEAD). Without it every 4-bit kernel here stayed near 45% of the triad
-bandwidth on a 2-core Intel Xeon (AVX-512, AMX) while float32 sgemv reached 88%: a
-4-row block is four short streams that the hardware prefetchers restart at each 4 KiB
-page. Measured there, 2 threads, batch 1, Qwen2.5-0.5B shapes, G = 128, with and without
-it alternated in one process (median of 15): W4A8_GROUP gate_up 0.73 -> 0.42 ms, down
-0.27 -> 0.21, lm_head 10.6 -> 6.0; W4A16 gate_up 0.82 -> 0.62, lm_head 10.9 -> 8.4.
-benchmarks/int4_kernel.py on that host after it: a token's linears 18.4 ms with
-W4A8_GROUP (70% of triad) and 33.4 with W4A16, against 28.7 for tinygemm bfloat16 and
-103 for dense float32. Where the ISA is missing or a shape
-is not covered (``unsupported``), callers fall back to tinygemm by name.
+(csrc PREFETCH_AHEAD): a 4-row block is four short streams that the hardware prefetchers
+restart at each 4 KiB page, which without it held every 4-bit kernel far below the
+triad bandwidth that float32 sgemv reaches.
 
 Threads: the op splits output rows over torch's intra-op threads (at::parallel_for).
 
@@ -119,11 +92,8 @@ The plugin's op. The extension also registers ``fourbit::int4_linear`` (csrc, "t
 plugin's op"; its arguments and paths are fourbit/vllm_plugin/ops.py's), the op a compiled
 vLLM model calls for every quantized linear. It runs the decode path in C++ and hands the
 others (the dense expansion, tinygemm) to the Python op ``fourbit::int4_linear_general``:
-through the dispatcher a Python op cost 34-36 us a call against 7 us for ``linear``
-itself, the C++ one 14 us (1 x 128 -> 16, W4A8_GROUP, 2 threads, best of 5 x 20000 calls
-on the 2-core Xeon). In one compiled engine at Qwen2.5-0.5B's shapes (W4A8_GROUP, 97 linear
-calls a token), the C++ op alternated with the Python one registered over it: 32.40 against
-34.66 ms a token, medians of 8 pairs, every pair faster.
+through the dispatcher a Python op costs several times what ``linear`` itself takes at
+decode shapes, once per quantized linear per token (docs/engines.md has the measurements).
 """
 
 from __future__ import annotations

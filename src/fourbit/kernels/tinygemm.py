@@ -5,7 +5,7 @@ Two aten ops (torch 2.13, CPU):
     _convert_weight_to_int4pack_for_cpu(codes int32 [N, K], innerKTiles) -> packed uint8 [N, K/2]
         Takes the codes one per int32 (not pre-packed nibbles; uint8 is refused with
         "expect weight to be kInt"), needs N % 16 == 0 and K even, and ignores
-        innerKTiles (any value gives the same bytes; measured).
+        innerKTiles (any value gives the same bytes).
     _weight_int4pack_mm_for_cpu(x [M, K], packed, G, scales_and_zeros [K/G, N, 2]) -> [M, N]
         x 2-D, contiguous, and the same dtype as scales_and_zeros (float32, bfloat16
         or float16); G in {32, 64, 128, 256}.
@@ -30,9 +30,8 @@ The packed layout is the kernel's business and depends on the CPU capability tor
 dispatches to (aten/src/ATen/native/cpu/int4mm_kernel.cpp, weight_to_int4pack_kernel:
 BLOCK_N = Vectorized<float>::size() * 4). ``probe_layout`` measures it at run time
 by packing an index pattern, and ``dequantize_packed`` reads codes straight out of
-the packed tensor, so no second copy of the weights needs to be kept. Measured with
-torch 2.13.0+cpu on this project's AMD EPYC host (which reports AVX512; the other two
-forced with ATEN_CPU_CAPABILITY=avx2 / default):
+the packed tensor, so no second copy of the weights needs to be kept. The layouts of
+torch 2.13.0+cpu, per capability (docs/engines.md says where they were read):
 
     capability  block  byte d of a k-row in a full block   tail blocks (N % block)
     AVX512      64     channel d low, channel d + 32 high   16/32/48: channel 2d low, 2d + 1 high
@@ -87,10 +86,9 @@ def kernel_dtype(compute: torch.dtype, requested: str = "auto") -> torch.dtype:
     """The dtype tinygemm runs in for a compute dtype: bfloat16 instead of float32 where only
     bfloat16 is vectorized, unless float32 was asked for by name (``requested``).
 
-    Measured with torch 2.13.0+cpu on a 2-core AVX2-only AMD EPYC (capability AVX2), batch 1,
-    one Qwen2.5-0.5B decoder layer's linears: 15.2 ms in float32, 1.09 ms in bfloat16
-    (issue 15; benchmarks/int4_kernel.py prints it per shape). bfloat16 rounds the scales,
-    zeros and activations, so such an arm is held to bfloat16's tolerance, not exactness.
+    float32 runs the scalar template, over ten times slower than bfloat16 at decode shapes
+    (issue 15; docs/engines.md has the measurements). bfloat16 rounds the scales, zeros
+    and activations, so such an arm is held to bfloat16's tolerance, not exactness.
     """
     if requested == "auto" and compute == torch.float32 and vectorized(torch.bfloat16):
         return torch.bfloat16
@@ -220,7 +218,7 @@ def _progression(channels: tuple[int, ...]) -> slice | None:
 def _nibble_channels(rows: tuple[int, ...]) -> tuple[slice, slice] | None:
     """Where a block's low and high nibbles go, as channel slices; None if not evenly spaced.
 
-    Every layout measured so far is: AVX512/AVX2 full blocks put channels 0..nb/2-1 in the
+    Every layout in the module doc's table is: AVX512/AVX2 full blocks put channels 0..nb/2-1 in the
     low nibbles and nb/2..nb-1 in the high ones; pairs put even channels low, odd ones high.
     """
     low, high = _progression(rows[0::2]), _progression(rows[1::2])
@@ -248,12 +246,11 @@ def dequantize_packed(
     Computes (q - 8) * scale + zero_f in float32, as the kernel does; with float32
     scales_and_zeros from a float16-scale QuantizedWeight this equals qw.dequantize() bit for bit.
 
-    Whole tensor ops, no Python loop over blocks (which cost 1.2-3.4 s per 4096x4096 layer;
-    this takes ~0.1 s single-threaded, less than dequantizing the kept copy): all full
-    blocks are one [blocks, K, nb/2] view of the bytes, transposed once to [blocks, nb/2, K]
-    while still bytes, and each nibble half is written into the channels the measured
-    layout gives it through a strided slice. A tail block (N not a multiple of the block
-    width) is one more such view.
+    Whole tensor ops, no Python loop over blocks (over ten times slower per layer): all
+    full blocks are one [blocks, K, nb/2] view of the bytes, transposed once to [blocks,
+    nb/2, K] while still bytes, and each nibble half is written into the channels the
+    measured layout gives it through a strided slice. A tail block (N not a multiple of
+    the block width) is one more such view.
     """
     if not supports_direct_dequant(out_features, in_features):
         return None
@@ -278,7 +275,7 @@ def dequantize_packed(
         torch.bitwise_right_shift(raw, 4, out=target[:, high])
     sz = scales_and_zeros.float().transpose(0, 1).contiguous()  # [K/G, N, 2] -> [N, K/G, 2]
     # In place on one float32 buffer, each op in a single dtype: a mixed int8 x float32
-    # addcmul and fresh temporaries cost 2-8x more here (page faults on every new buffer).
+    # addcmul and fresh temporaries cost several times more (page faults on every new buffer).
     w = torch.empty(n, k, dtype=torch.float32)
     w.copy_(codes.view(torch.int8).sub_(SYMMETRIC_ZERO))  # q - 8, exact in int8 and float32
     grouped = w.view(n, k // g, g)  # [N, K] -> [N, K/G, G]

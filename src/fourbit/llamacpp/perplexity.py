@@ -157,8 +157,9 @@ _KL_STATISTICS = {
     ),
 }
 _KL_CHUNKS = re.compile(r"computing over (\d+) chunks")
-# Runs of llama-perplexity before giving up: its logger loses its last lines about once in
-# ten runs here, more often on a loaded machine (seen twice in a row under load).
+# Runs of llama-perplexity before giving up: its logger can lose its last lines
+# (kl_divergence's docstring), more often on a loaded machine, and then sometimes twice
+# in a row (docs/llamacpp-build.md has the measurements).
 ATTEMPTS = 3
 _KL_CHUNK_ROW = re.compile(_LOG_PREFIX + r"\s*\d+\s+\S+\s+±")
 
@@ -190,8 +191,8 @@ def kl_divergence(
     Each llama-perplexity run counts only if it exits 0 *and* prints its final
     lines: its KL mode returns 0 after most errors, and this commit's logger
     can lose the lines still queued when the program exits
-    (ggml-org/llama.cpp#22142; seen here once in ten runs, output cut after the
-    last chunk's number). A run lacking them is retried (ATTEMPTS runs in all).
+    (ggml-org/llama.cpp#22142: the output is cut after the last chunk's number).
+    A run lacking them is retried (ATTEMPTS runs in all).
 
     Long because of this docstring and the two command lines written out: the code is
     two llama-perplexity runs sharing one temporary folder, and the record they make.

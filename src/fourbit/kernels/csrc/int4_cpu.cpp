@@ -111,8 +111,8 @@ FOURBIT_AVX2 inline float hsum8(__m256 v) {
 // Calls groups(std::integral_constant<int, CPG>{}) for G = 64 * CPG: CPG = 1 and 2 give
 // the group functions below a fixed, unrolled chunk count; 0 any other multiple of 64
 // (they then loop over the g / CHUNK chunks they are given).
-// Both it and the lambdas passed to it are always inlined: left as calls they cost 5%
-// more instructions per weight (callgrind, W4A8 at G = 128).
+// Both it and the lambdas passed to it are always inlined: left as calls they add
+// instructions per weight (docs/engines.md has the measurements).
 template <typename Groups>
 FOURBIT_AVX2 __attribute__((always_inline)) inline void by_group_size(int64_t g, Groups&& groups) {
   if (g == CHUNK) {
@@ -163,8 +163,8 @@ FOURBIT_AVX2 inline __m128 add_zero_term(__m128 corr, const float* sb, const uin
 
 // W4A8 for G = 64 * CPG (CPG = 0: any multiple of 64, given as `chunks`): a group's
 // block sums are scaled by the blocks' d into one partial per row, which is scaled by s
-// once. A fixed CPG unrolls the group (no inner loop to set up per group: at G = 128
-// that setup and the spills it caused were ~20% of the instructions, callgrind).
+// once. A fixed CPG unrolls the group: no inner loop to set up per group, nor the
+// register spills that set-up causes.
 template <int CPG>
 FOURBIT_AVX2 inline void groups_w4a8(const uint8_t* const* w, const float* sb, const uint8_t* zb,
                                      const int8_t* qy, const float* d, const float* xsum,
@@ -200,7 +200,7 @@ FOURBIT_AVX2 inline void groups_w4a8(const uint8_t* const* w, const float* sb, c
 // d * sum(qy) ([K/G]); block is 32 (W4A8) or G (W4A8_GROUP), g a multiple of block:
 // q = round-half-even(x * (127 / amax)) in float32 over each block, as ggml's
 // quantize_row_q8_0 computes it. Vectorized because it runs on one thread before the rows
-// are split over threads; so it is under 1% of a down_proj call's instructions (callgrind).
+// are split over threads.
 FOURBIT_AVX2 void quantize_q8_avx2(const float* x, int64_t k, int64_t block, int64_t g,
                                    int8_t* qy, float* d, float* xsum) {
   const int64_t per_group = g / block;
@@ -550,8 +550,7 @@ FOURBIT_AVX2 inline void span_w4a16(const uint8_t* const* w, const float* x, int
 
 // W4A16 for G = 64 * CPG (CPG = 0: any multiple of 64, given as `chunks`), one group at
 // a time with two accumulators per row (low and high nibbles), so consecutive FMAs of a
-// row do not wait on each other; a fixed CPG unrolls the group (G = 64 took 0.747
-// instructions per weight with the loop, callgrind).
+// row do not wait on each other; a fixed CPG unrolls the group (no loop set-up per group).
 template <int CPG>
 FOURBIT_AVX2 inline void groups_w4a16(const uint8_t* const* w, const float* sb,
                                       const uint8_t* zb, const float* x, const float* xsum,
@@ -587,9 +586,8 @@ FOURBIT_AVX2 void rows_w4a16(const uint8_t* const* w, const float* sb, const uin
   const int64_t full = k / CHUNK;
   if (g == QK) {
     // G = 32: a chunk's low nibbles are group 2c, its high ones group 2c + 1, so one pass
-    // over the chunk's bytes fills both groups' accumulators (reading the bytes once per
-    // group instead took 0.95 instructions per weight, callgrind). The half chunk (K % 64)
-    // is one group: k 0..15 low, 16..31 high.
+    // over the chunk's bytes fills both groups' accumulators, instead of reading the bytes
+    // once per group. The half chunk (K % 64) is one group: k 0..15 low, 16..31 high.
     for (int64_t c = 0; c < full; ++c) {
       __m256 lo_acc[R], hi_acc[R];
       for (int r = 0; r < R; ++r) lo_acc[r] = hi_acc[r] = _mm256_setzero_ps();
@@ -655,12 +653,10 @@ FOURBIT_AVX2 void rows_w8a16(const int8_t* const* w, const float* const* s, cons
   for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]);
 }
 
-// Bytes of weights requested ahead of the row block being computed. The hardware
-// prefetchers alone left every 4-bit kernel at about 45% of the triad bandwidth on a
-// 2-core Xeon (AVX-512), where float32 sgemv reached 88%: a row block is a few short
-// streams that restart at each 4 KiB page. Requesting the block 4 KiB ahead made a call
-// 1.3-1.8x faster there at Qwen2.5-0.5B's gate_up, down and head shapes (W4A16 and
-// W4A8_GROUP, 2 threads, batch 1; 2-8 KiB measured alike).
+// Bytes of weights requested ahead of the row block being computed. A row block is a few
+// short streams that restart at each 4 KiB page; the hardware prefetchers alone then keep
+// a 4-bit kernel far below the bandwidth float32 sgemv reaches. Any distance from 2 to
+// 8 KiB does as well as 4 (docs/engines.md has the measurements).
 constexpr int64_t PREFETCH_AHEAD = 4096;
 
 // Output rows in blocks of ROWS over torch's threads, each block's rows (a short last
