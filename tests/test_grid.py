@@ -6,7 +6,7 @@ from safetensors.torch import load_file
 
 from fourbit.quant import grid as grid_mod
 from fourbit.quant.grid import SEARCHES, Grid, quantize_rtn
-from fourbit.quant.methods import HeldOutGuard, heldout_error
+from fourbit.quantizers.methods import HeldOutGuard, heldout_error
 
 SCALE_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 

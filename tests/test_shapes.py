@@ -1,4 +1,4 @@
-"""fourbit.quant.shapes: the plan made from config.json before any job is the one the
+"""fourbit.quantizers.shapes: the plan made from config.json before any job is the one the
 quantize job makes from the real module tree and the real format tables."""
 
 import itertools
@@ -6,8 +6,8 @@ import itertools
 import pytest
 
 from fourbit.formats import get_format
-from fourbit.quant import shapes
-from fourbit.quant.methods import get_method
+from fourbit.quantizers import shapes
+from fourbit.quantizers.methods import get_method
 
 # A 135M-like model (hidden 576, 9 / 3 heads), two layers: 576 is not a multiple of 128.
 WIDE_576 = {

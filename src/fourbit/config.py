@@ -24,7 +24,7 @@ import yaml
 from fourbit.engines import engine_spec, unavailable_here
 from fourbit.hashing import canonical_json, file_sha256, short_hash
 from fourbit.inputs import sources, supported
-from fourbit.quant import shapes
+from fourbit.quantizers import shapes
 
 # Inside the package, so an installed fourbit (not only this checkout) validates configs.
 SCHEMA_PATH = Path(__file__).resolve().parent / "schemas" / "config.schema.yaml"
@@ -161,7 +161,7 @@ class Arm:
     name: str
     quant: dict
     id: str
-    # What the arm does to this model's matrices (fourbit.quant.shapes.ArmPlan.summary, or
+    # What the arm does to this model's matrices (fourbit.quantizers.shapes.ArmPlan.summary, or
     # for a llama.cpp arm the tensors llama-quantize stores in a fallback type); not hashed.
     plan: dict = field(default_factory=dict, compare=False)
 

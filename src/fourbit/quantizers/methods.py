@@ -75,7 +75,7 @@ def calibration_tokens(job: QuantizeJob, heldout: int = 0) -> torch.Tensor:
     """
     from transformers import AutoTokenizer
 
-    from fourbit.quant.calibration import calibration_samples
+    from fourbit.quantizers.calibration import calibration_samples
 
     if job.calibration_text is None:
         raise ValueError(
@@ -153,7 +153,7 @@ def quantize_walking(
     layer's inputs on text the quantizer never fitted; otherwise H_heldout is None.
     The walk builds its Hessians with the factory given to it: _HeldOutHessian here.
     """
-    from fourbit.quant import walk
+    from fourbit.quantizers import walk
 
     n_held = job.quant["calibration"]["heldout"] if heldout else 0
     samples = calibration_tokens(job, n_held)  # [S + n_held, T], held-out windows last
@@ -342,7 +342,7 @@ class Gptq:
 
     def quantize(self, job: QuantizeJob) -> tuple[dict[str, QuantizedWeight], dict]:
         from fourbit.quant.gptq import gptq_quantize
-        from fourbit.quant.walk import HEAD
+        from fourbit.quantizers.walk import HEAD
 
         quant, grid, search = job.quant, grid_of(job.quant), search_of(job.quant)
         damping: dict[str, float] = {}

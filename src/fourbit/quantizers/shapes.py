@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 # Within a decoder layer, in forward order; each group's members share one input, and
 # vLLM merges q/k/v into qkv_proj and gate/up into gate_up_proj, whose members must be
 # all quantized or all dense (fourbit.vllm_plugin.config.is_quantized). The walk
-# (fourbit.quant.walk) measures them in this order.
+# (fourbit.quantizers.walk) measures them in this order.
 LAYER_GROUPS = (
     ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     ("self_attn.o_proj",),
@@ -94,7 +94,7 @@ class ArmPlan:
 
 def format_of(quant: dict) -> str:
     """The on-disk format of a fourbit method's checkpoints: the same answer as
-    fourbit.quant.methods' ``format`` (tests check), without importing torch."""
+    fourbit.quantizers.methods' ``format`` (tests check), without importing torch."""
     if quant["method"] == "cpu_int4":
         return "cpu_int4"
     return "gptq" if quant["sym"] else "compressed_tensors"
