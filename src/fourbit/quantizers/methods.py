@@ -303,7 +303,7 @@ def quantize_rtn_arm(job: QuantizeJob, *, weigh_by_activations: bool
 
 
 @register_method("cpu_int4")
-class CpuInt4:
+class CpuInt4Method:
     """Asymmetric round-to-nearest per group, each group's grid found by ``search``
     (quantize_rtn_arm); with ``importance: activation`` the search weights each input
     column by the calibration activations' second moment (diag of H, as llama.cpp's
@@ -319,7 +319,7 @@ class CpuInt4:
 
 
 @register_method("rtn")
-class RoundToNearest:
+class RoundToNearestMethod:
     """Round-to-nearest, plain by default: the baseline GPTQ is measured against."""
 
     format = staticmethod(symmetric_gptq_else_compressed)
@@ -330,7 +330,7 @@ class RoundToNearest:
 
 
 @register_method("gptq")
-class Gptq:
+class GptqMethod:
     """Hessian-based GPTQ, sequential over layers; the head by GPTQ or RTN.
 
     Each group's grid is found by ``search`` with diag(H) as the importance; unless
