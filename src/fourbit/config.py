@@ -9,7 +9,6 @@ canonical JSON of exactly the settings that change that thing's outputs.
 from __future__ import annotations
 
 import copy
-import functools
 import json
 import re
 import sys
@@ -19,15 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
-import yaml
 
+from fourbit.config_schema import load_schema
 from fourbit.engines import engine_spec, unavailable_here
 from fourbit.hashing import canonical_json, file_sha256, short_hash
 from fourbit.inputs import sources, supported
 from fourbit.quantizers import shapes
 
-# Inside the package, so an installed fourbit (not only this checkout) validates configs.
-SCHEMA_PATH = Path(__file__).resolve().parent / "schemas" / "config.schema.yaml"
 ID_PATTERN = r"[a-z0-9][a-z0-9_.]*-[0-9a-f]{10}"
 GGUF_METHODS = {"llamacpp"}  # methods whose checkpoints only llama.cpp reads
 VLLM_ENGINES = ("vllm", "vllm_native")  # engines that need vLLM's registry to list the architecture
@@ -40,17 +37,6 @@ NEEDS_EVERY_LINEAR_QUANTIZED = ("vllm_native",)
 
 class ConfigError(ValueError):
     """A config problem, reported before any job runs."""
-
-
-@functools.cache
-def _schema_text(path: Path) -> str:
-    return Path(path).read_text()
-
-
-def load_schema(path: Path = SCHEMA_PATH) -> dict:
-    """The config schema, a fresh copy each call (validation fills defaults into what it
-    checks, never into the schema, but callers may edit what they get)."""
-    return yaml.safe_load(_schema_text(path))
 
 
 def block(name: str, given: Mapping[str, Any] | None = None) -> dict:

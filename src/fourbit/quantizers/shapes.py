@@ -17,6 +17,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from fourbit.config_schema import allowed
 from fourbit.layouts import LAYOUTS
 
 # Within a decoder layer, in forward order; each group's members share one input, and
@@ -35,7 +36,6 @@ LAYER_PREFIX = "model.layers"
 # model_type values whose decoder is the Llama layout above (what the walk, the untie
 # step and the plugin's merged layers expect); others are refused before any job.
 LLAMA_LAYOUT = ("llama", "mistral", "qwen2", "qwen3")
-GROUP_SIZES = (32, 64, 128)  # the schema's group_size enum
 
 # llama-quantize's block width per base type of the study's llamacpp types: a tensor
 # whose row (K) is not a multiple is stored in a fallback type chosen by llama-quantize
@@ -173,7 +173,7 @@ def plan_arm(matrices: Matrices, quant: dict, arm_name: str = "arm") -> ArmPlan:
     kept = {name: shape for name, shape in chosen.items() if name in dense}
     refusal = None
     if policy != "dense" or not quantized:
-        fits = [g for g in GROUP_SIZES
+        fits = [g for g in allowed("group_size")
                 if not any(does_not_fit(fmt, n, k, g) for n, k in chosen.values())]
         suggestion = (f"group sizes that fit every matrix: {', '.join(map(str, fits))}" if fits
                       else "no group size fits every matrix")
