@@ -20,6 +20,7 @@ from fourbit.progress import Progress
 from fourbit.quant.grid import Grid, quantize_rtn
 from fourbit.quant.hessian import Hessian
 from fourbit.quant.qweight import QuantizedWeight
+from fourbit.quantizers.shapes import symmetric_gptq_else_compressed
 
 log = logging.getLogger("fourbit")
 
@@ -226,11 +227,6 @@ class HeldOutGuard:
             "kept_minmax": [n for n, k in self.kept.items() if k == "minmax"],
             "heldout_relative_error": self.errors,
         }
-
-
-def symmetric_gptq_else_compressed(quant: dict) -> str:
-    """vLLM's GPTQ loader refuses sym=False; asymmetric grids go to compressed-tensors."""
-    return "gptq" if quant["sym"] else "compressed_tensors"
 
 
 ALGORITHM = {  # what the manifest (and the report's table) calls each search

@@ -80,12 +80,17 @@ class ArmPlan:
         }
 
 
+def symmetric_gptq_else_compressed(quant: dict) -> str:
+    """vLLM's GPTQ loader refuses sym=False; asymmetric grids go to compressed-tensors."""
+    return "gptq" if quant["sym"] else "compressed_tensors"
+
+
 def format_of(quant: dict) -> str:
     """The on-disk format of a fourbit method's checkpoints: the same answer as
     fourbit.quantizers.methods' ``format`` (tests check), without importing torch."""
     if quant["method"] == "cpu_int4":
         return "cpu_int4"
-    return "gptq" if quant["sym"] else "compressed_tensors"
+    return symmetric_gptq_else_compressed(quant)
 
 
 def matrices_from_config(config: Mapping) -> Matrices:
