@@ -45,7 +45,7 @@ def main() -> None:
 
     from fourbit.quant.gptq import gptq_quantize
     from fourbit.quant.grid import Grid
-    from fourbit.quant.walk import quantize_sequential
+    from fourbit.quantizers.walk import quantize_sequential
     from fourbit.inputs.sources import ARCHITECTURES
 
     config = AutoConfig.from_pretrained(ARCHITECTURES / f"{args.architecture}.json")

@@ -21,7 +21,7 @@ asym, groups 32/64/128), the relative output error on held-out activations,
     gptq, gptq+w GPTQ on the calibration Hessian with the minmax and the weighted grid
                  (with --gptq; the gptq arm stores the better of the two per layer)
 
-The windows are the arm's own draw (fourbit.quant.methods.calibration_tokens):
+The windows are the arm's own draw (fourbit.quantizers.methods.calibration_tokens):
 ``--samples`` calibration windows to fit and ``--heldout`` more, disjoint, to judge
 by. Unlike the arms, every layer sees the *unquantized* model's inputs (one forward
 pass), which isolates each layer's own error, as benchmarks/layer_errors.py does;
@@ -120,7 +120,7 @@ def synthetic_layers(architecture: str, rows: int, fit_tokens: int, heldout_toke
 
 def errors_of_layer(w, h_fit, h_held, grid, gptq: bool) -> dict[str, float]:
     from fourbit.quant.grid import quantize_rtn
-    from fourbit.quant.methods import heldout_error
+    from fourbit.quantizers.methods import heldout_error
 
     imp = h_fit.diagonal().float()
     out = {}
@@ -147,7 +147,7 @@ def model_layers(args) -> tuple[dict, dict]:
     from transformers import AutoModelForCausalLM
 
     from fourbit.checkpoints.hf import quantizable_linears
-    from fourbit.quant.methods import QuantizeJob, calibration_tokens
+    from fourbit.quantizers.methods import QuantizeJob, calibration_tokens
 
     calibration = {"samples": args.samples, "seq_len": args.seq_len, "seed": args.seed,
                    "heldout": args.heldout}

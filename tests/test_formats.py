@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from fourbit.formats import FORMATS, format_for_config, get_format
+from fourbit.formats import FORMATS, format_for_config, get_format, stored_dtype
 from fourbit.quant.qweight import QuantizedWeight
 
 GOLDEN = Path(__file__).parent / "golden" / "formats_8x64_g32.json"
@@ -98,7 +98,7 @@ def test_packed_tensors_match_the_layout_table(name):
         assert list(packed) == [spec.suffix for spec in fmt.layout]
         for spec in fmt.layout:
             assert tuple(packed[spec.suffix].shape) == spec.dims(n, k, g)
-            assert packed[spec.suffix].dtype == (spec.dtype or qw.scales.dtype)
+            assert packed[spec.suffix].dtype == stored_dtype(spec, qw.scales.dtype)
         codes, zeros, scales = spec_decode(name, {s: t.numpy() for s, t in packed.items()}, n, k, g)
         np.testing.assert_array_equal(codes, qw.codes.numpy())
         np.testing.assert_array_equal(zeros, qw.zeros.numpy())

@@ -4,9 +4,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fourbit.schema import allowed
 from fourbit.quant import grid as grid_mod
 from fourbit.quant.grid import SEARCHES, Grid, quantize_rtn
-from fourbit.quant.methods import HeldOutGuard, heldout_error
+from fourbit.quantizers.methods import HeldOutGuard, heldout_error
 
 SCALE_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
@@ -93,6 +94,12 @@ def test_integer_zero_worked_example():
 def test_unknown_search_is_refused():
     with pytest.raises(ValueError, match="search='clip' is not one of"):
         quantize_rtn(torch.randn(2, 128), Grid(), search="clip")
+
+
+def test_the_searches_a_config_may_name_are_the_ones_find_params_runs():
+    """SEARCHES is what find_params implements, the schema's search enum what an arm may
+    name; a name only in the schema would run the shrink branch silently."""
+    assert SEARCHES == allowed("search")
 
 
 @pytest.mark.parametrize("sym", [False, True])

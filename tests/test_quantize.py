@@ -155,7 +155,7 @@ def one_thread():
 
 
 def test_held_out_windows_are_disjoint_from_the_calibration_ones(calibrated):
-    from fourbit.quant.methods import QuantizeJob, calibration_tokens
+    from fourbit.quantizers.methods import QuantizeJob, calibration_tokens
 
     model, text = calibrated
     quant = {"method": "gptq", "calibration": {**CALIBRATION, "seed": 0}}
@@ -171,7 +171,7 @@ def test_held_out_windows_are_disjoint_from_the_calibration_ones(calibrated):
 
 def test_split_hessian_keeps_the_held_out_rows_apart():
     from fourbit.quant.hessian import Hessian
-    from fourbit.quant.methods import _HeldOutHessian
+    from fourbit.quantizers.methods import _HeldOutHessian
 
     x = torch.randn(5, 40, 16, generator=torch.Generator().manual_seed(0))  # 5 windows [1, T, K]
     split = _HeldOutHessian(16, fit_tokens=3 * 40)
@@ -210,7 +210,7 @@ def test_every_searched_arm_keeps_the_better_of_search_and_minmax_per_layer(
 
     from fourbit.quant.grid import Grid, quantize_rtn
     from fourbit.quant.hessian import Hessian
-    from fourbit.quant.methods import QuantizeJob, calibration_tokens, heldout_error, lookup_error
+    from fourbit.quantizers.methods import QuantizeJob, calibration_tokens, heldout_error, lookup_error
 
     model_dir, text = calibrated
     spec = arm(**quant, calibration=calibration)
@@ -272,9 +272,10 @@ def test_a_search_worse_than_plain_rounding_is_dropped_layer_by_layer(
     """A search that makes every grid worse (its codes shifted one level, a fault injected
     here) is kept nowhere: every tensor is stored exactly as plain min/max rounding of
     the same grid would store it (for gptq: as its minmax pass would)."""
-    from fourbit.quant import gptq, methods
+    from fourbit.quant import gptq
     from fourbit.quant.grid import quantize_rtn
     from fourbit.quant.qweight import QuantizedWeight
+    from fourbit.quantizers import methods
 
     def one_level_off(quantize):
         def searched_badly(weight, hessian_or_grid, *args, search="weighted", **kwargs):

@@ -1,4 +1,4 @@
-"""mixed_precision (fourbit.quant.sensitivity): sets of matrices moved to 8 bits by measured
+"""mixed_precision (fourbit.quantizers.sensitivity): sets of matrices moved to 8 bits by measured
 sensitivity, within the bit budget, on a tiny real checkpoint."""
 
 import pytest
@@ -7,9 +7,9 @@ import torch
 from fourbit.checkpoints.hf import TensorReader, load_tensors, read_config, write_checkpoint
 from fourbit.checkpoints.quantized import read_quantized
 from fourbit.engines import reference
-from fourbit.quant.methods import QuantizeJob, calibration_tokens
+from fourbit.quantizers.methods import QuantizeJob, calibration_tokens
 from fourbit.quant.int8 import Int8Weight, quantize_int8
-from fourbit.quant.sensitivity import Candidate, allocate
+from fourbit.quantizers.sensitivity import Candidate, allocate
 from fourbit.steps.quantize import dequantize_checkpoint, quantize_checkpoint
 from test_quantize import SETTINGS, arm, assert_reference_scores_like_its_control, calibrated  # noqa: F401  (a fixture)
 

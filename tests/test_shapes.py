@@ -1,13 +1,15 @@
-"""fourbit.quant.shapes: the plan made from config.json before any job is the one the
+"""fourbit.quantizers.shapes: the plan made from config.json before any job is the one the
 quantize job makes from the real module tree and the real format tables."""
 
 import itertools
 
 import pytest
 
-from fourbit.formats import get_format
-from fourbit.quant import shapes
-from fourbit.quant.methods import get_method
+from fourbit.schema import allowed
+from fourbit.formats import FORMATS, get_format
+from fourbit.layouts import LAYOUTS
+from fourbit.quantizers import shapes
+from fourbit.quantizers.methods import get_method
 
 # A 135M-like model (hidden 576, 9 / 3 heads), two layers: 576 is not a multiple of 128.
 WIDE_576 = {
@@ -22,21 +24,15 @@ def quant(method="cpu_int4", group_size=128, **extra):
     return {**base, **extra}
 
 
-@pytest.mark.parametrize("name", sorted(shapes.FORMAT_SHAPES))
-def test_format_shapes_copy_the_formats_layout_tables(name):
-    assert shapes.FORMAT_SHAPES[name] == {spec.suffix: spec.shape for spec in get_format(name).layout}
+def test_every_format_packs_by_the_table_the_planner_reads():
+    assert set(LAYOUTS) == set(FORMATS)
+    assert all(FORMATS[name].layout is LAYOUTS[name] for name in FORMATS)
 
 
-def test_every_format_is_copied():
-    from fourbit.formats import FORMATS
-
-    assert set(shapes.FORMAT_SHAPES) == set(FORMATS)
-
-
-@pytest.mark.parametrize("name", sorted(shapes.FORMAT_SHAPES))
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_does_not_fit_exactly_when_the_format_refuses(name):
     fmt = get_format(name)
-    for n, k, g in itertools.product((8, 12, 16, 192, 200), (64, 96, 99, 100, 576, 1536), shapes.GROUP_SIZES):
+    for n, k, g in itertools.product((8, 12, 16, 192, 200), (64, 96, 99, 100, 576, 1536), allowed("group_size")):
         try:
             fmt.shapes(n, k, g)
             refused = False

@@ -56,8 +56,8 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
 # cycle check keeps the arrows one way.
 LAYERS = (
     # utilities that know nothing of models
-    {"atomic", "cpuinfo", "envcheck", "hashing", "metrics", "progress", "records", "schema",
-     "threads", "usercache", "versions"},
+    {"atomic", "cpuinfo", "envcheck", "hashing", "layouts", "metrics", "progress", "records",
+     "schema", "threads", "usercache", "versions"},
     # the numerics: grids and GPTQ, the CPU kernels, the on-disk formats
     {"quant", "kernels", "formats"},
     # checkpoints on disk

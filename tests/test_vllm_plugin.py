@@ -285,6 +285,15 @@ def test_config_reads_every_format_and_knobs():
     assert FourbitInt4Config.override_quantization_method(awq, "fourbit_int4") is None
 
 
+def test_every_kernel_an_arm_may_name_is_one_the_plugin_runs():
+    """The schema's kernel enum (what the plugin accepts) is fourbit's kernel's numerics
+    plus tinygemm; a name only in the schema would run tinygemm silently."""
+    from fourbit.schema import allowed
+    from fourbit.kernels import int4_cpu
+
+    assert set(allowed("kernel")) == {*int4_cpu.NUMERICS, "tinygemm"}
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_embedding_lookup_is_exactly_the_dense_controls_rows(bits):
     """The quantized table (cpu_int4's 4-bit layout, or the 8-bit one) is loaded through its

@@ -2,10 +2,10 @@ import pytest
 import torch
 
 from fourbit.checkpoints.hf import CheckpointError
-from fourbit.quant.calibration import calibration_samples
+from fourbit.quantizers.calibration import calibration_samples
 from fourbit.quant.grid import Grid, quantize_rtn
 from fourbit.quant.hessian import Hessian
-from fourbit.quant.walk import quantize_sequential
+from fourbit.quantizers.walk import quantize_sequential
 
 LINEARS = [
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",

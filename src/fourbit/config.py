@@ -19,7 +19,7 @@ from pathlib import Path
 from fourbit.engines import engine_spec, unavailable_here
 from fourbit.hashing import file_sha256, short_hash
 from fourbit.inputs import sources, supported
-from fourbit.quant import shapes
+from fourbit.quantizers import shapes
 from fourbit.schema import ConfigError, canonical_quant, load_schema, sorted_keys, validate
 
 ID_PATTERN = r"[a-z0-9][a-z0-9_.]*-[0-9a-f]{10}"
@@ -37,7 +37,7 @@ class Arm:
     name: str
     quant: dict
     id: str
-    # What the arm does to this model's matrices (fourbit.quant.shapes.ArmPlan.summary, or
+    # What the arm does to this model's matrices (fourbit.quantizers.shapes.ArmPlan.summary, or
     # for a llama.cpp arm the tensors llama-quantize stores in a fallback type); not hashed.
     plan: dict = field(default_factory=dict, compare=False)
 

@@ -139,3 +139,11 @@ def sorted_keys(value: Any) -> Any:
     """Keys sorted all the way down: Snakemake compares rule params by their text,
     and a reordered (but equal) config must not rerun anything."""
     return json.loads(canonical_json(value))
+
+
+@functools.cache
+def allowed(name: str) -> tuple:
+    """The values the schema's ``$defs.<name>`` enum allows, in its order: the one list of
+    them, for code below the config that checks a value the config also constrains (a
+    grid's group size, the plugin's kernel)."""
+    return tuple(load_schema()["$defs"][name]["enum"])

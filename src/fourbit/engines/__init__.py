@@ -108,7 +108,7 @@ class EngineSpec:
 
 
 def _symmetric_gptq(quant: dict) -> bool:
-    # Written as a standard GPTQ checkpoint (fourbit.quant.methods), which vLLM reads itself;
+    # Written as a standard GPTQ checkpoint (fourbit.quantizers.methods), which vLLM reads itself;
     # a matrix in fourbit's 8-bit layout (quantize_head or quantize_embedding 8, mixed_precision)
     # is not part of it.
     return (quant["method"] == "gptq" and quant.get("sym") is True and quant["quantize_head"] != 8

@@ -1,7 +1,8 @@
 """On-disk 4-bit formats: each is a table plus a pair of functions.
 
 A format states its layout as data (``layout``: which tensors, their shapes in
-N, K, G, their dtypes and the arithmetic each one holds) and provides
+N, K, G, their dtypes and the arithmetic each one holds; the table itself is in
+fourbit.layouts, which needs no torch, so the workflow's planner reads it too) and provides
 
     pack(qw: QuantizedWeight) -> {suffix: tensor}
     unpack(tensors, out_features, in_features, group_size) -> QuantizedWeight   # exact inverse
@@ -14,7 +15,8 @@ Throughout, N = out_features (rows of nn.Linear.weight), K = in_features, G = gr
 format that reads a given one, ``stored_bits`` counts what the table says is stored,
 so bits per weight come from the bytes on disk, not from a nominal "4".
 
-Extend by registration: subclass ``Format``, decorate it with ``@register_format``.
+Extend by registration: subclass ``Format``, decorate it with ``@register_format``, and
+add its table to fourbit.layouts.LAYOUTS.
 ``INT8`` (fourbit.formats.int8) is a Layout, not a Format: the 8-bit matrices an arm
 keeps inside a checkpoint of any format.
 """
@@ -23,13 +25,13 @@ from fourbit.formats.base import (
     FORMATS,
     Format,
     Layout,
-    TensorSpec,
     check_nibbles,
     format_for_config,
     get_format,
     pack_nibbles_int32,
     refuse_quantized_embedding,
     register_format,
+    stored_dtype,
     unpack_nibbles_int32,
 )
 
@@ -44,7 +46,6 @@ __all__ = [
     "INT8_EMBEDDING",
     "INT8_MODULES",
     "Layout",
-    "TensorSpec",
     "check_nibbles",
     "format_for_config",
     "get_format",
@@ -52,5 +53,6 @@ __all__ = [
     "pack_nibbles_int32",
     "refuse_quantized_embedding",
     "register_format",
+    "stored_dtype",
     "unpack_nibbles_int32",
 ]

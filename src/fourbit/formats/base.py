@@ -1,56 +1,23 @@
-"""The base of every on-disk format: the layout table's rows (TensorSpec), the Layout of
-one matrix and the Format of a checkpoint built on it, the registry, and the nibble
-packing the formats share."""
+"""The base of every on-disk format: the Layout of one matrix (its table, whose rows are
+fourbit.layouts.TensorSpec, plus pack/unpack) and the Format of a checkpoint built on
+it, the registry, and the nibble packing the formats share."""
 
 from __future__ import annotations
 
 import abc
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from fourbit.layouts import TensorSpec
 from fourbit.quant.qweight import QuantizedWeight
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """One row of a layout table.
-
-    ``shape`` is written in N, K, G with at most one division per dimension
-    ("K/8", "K/G", "N", "2"); a division that does not come out even is a shape
-    error naming the constraint. ``dtype`` None means "the QuantizedWeight's scale
-    dtype (float16 by default), stored unconverted".
-    """
-
-    suffix: str
-    shape: tuple[str, ...]
-    dtype: torch.dtype | None
-    holds: str  # the arithmetic, written out
-
-    def dims(self, n: int, k: int, g: int) -> tuple[int, ...]:
-        sizes = {"N": n, "K": k, "G": g}
-        out = []
-        for expr in self.shape:
-            num, _, den = expr.partition("/")
-            value = sizes[num] if num in sizes else int(num)
-            if den:
-                divisor = sizes[den] if den in sizes else int(den)
-                if value % divisor:
-                    what = f"group {divisor}" if den == "G" else str(divisor)
-                    raise ValueError(
-                        f"{self.suffix} [{', '.join(self.shape)}]: "
-                        f"{num}={value} is not a multiple of {what}"
-                    )
-                value //= divisor
-            out.append(value)
-        return tuple(out)
-
-    def bits(self, scale_dtype: torch.dtype) -> int:
-        dtype = scale_dtype if self.dtype is None else self.dtype
-        return torch.empty((), dtype=dtype).element_size() * 8
+def stored_dtype(spec: TensorSpec, scale_dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype a row's tensor is stored in: its own, or ``scale_dtype`` for scales."""
+    return scale_dtype if spec.dtype is None else getattr(torch, spec.dtype)
 
 
 class Layout(abc.ABC):
@@ -91,7 +58,8 @@ class Layout(abc.ABC):
             numel = 1
             for d in spec.dims(out_features, in_features, group_size):
                 numel *= d
-            total += numel * spec.bits(scale_dtype)
+            dtype = stored_dtype(spec, scale_dtype)
+            total += numel * torch.empty((), dtype=dtype).element_size() * 8
         return total
 
     def checked(
@@ -116,11 +84,11 @@ class Layout(abc.ABC):
                     f"{want[spec.suffix]} = [{', '.join(spec.shape)}] for N={out_features} "
                     f"K={in_features} G={group_size}"
                 )
-            dtype_ok = t.dtype.is_floating_point if spec.dtype is None else t.dtype == spec.dtype
-            if not dtype_ok:
+            expected = None if spec.dtype is None else getattr(torch, spec.dtype)
+            if not (t.dtype.is_floating_point if expected is None else t.dtype == expected):
                 raise ValueError(
                     f"{self.name}: {spec.suffix} has dtype {t.dtype}, "
-                    f"expected {spec.dtype or 'a float dtype'}"
+                    f"expected {expected or 'a float dtype'}"
                 )
             out[spec.suffix] = t
         return out

@@ -52,13 +52,13 @@ import torch
 
 from fourbit.formats.base import (
     Format,
-    TensorSpec,
     check_nibbles,
     pack_nibbles_int32,
     refuse_quantized_embedding,
     register_format,
     unpack_nibbles_int32,
 )
+from fourbit.layouts import LAYOUTS
 from fourbit.quant.qweight import BITS, QuantizedWeight
 
 QUANT_METHOD = "compressed-tensors"
@@ -69,19 +69,7 @@ VERSION = "0.17.0"  # the compressed-tensors release whose sources this layout w
 @register_format
 class CompressedTensors(Format):
     name = "compressed_tensors"
-    layout = (
-        TensorSpec(
-            "weight_packed", ("N", "K/8"), torch.int32, "bits 4i..4i+3 of [n, j] = codes[n, 8j+i]"
-        ),
-        TensorSpec("weight_scale", ("N", "K/G"), None, "scales[n, g]"),
-        TensorSpec(
-            "weight_zero_point",
-            ("N/8", "K/G"),
-            torch.int32,
-            "bits 4i..4i+3 of [j, g] = zeros[8j+i, g]",
-        ),
-        TensorSpec("weight_shape", ("2",), torch.int64, "(N, K)"),
-    )
+    layout = LAYOUTS[name]  # the module doc's table; in fourbit.layouts, the planner reads it too
 
     def pack(self, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
         check_nibbles(qw)

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from fourbit.formats.base import Format, TensorSpec, check_nibbles, register_format
+from fourbit.formats.base import Format, check_nibbles, register_format
+from fourbit.layouts import LAYOUTS
 from fourbit.quant.qweight import BITS, QuantizedWeight
 
 QUANT_METHOD = "fourbit_int4"
@@ -36,13 +37,7 @@ FORMAT_VERSION = 1
 @register_format
 class CpuInt4(Format):
     name = "cpu_int4"
-    layout = (
-        TensorSpec(
-            "qweight", ("N", "K/2"), torch.uint8, "byte (n, j) = codes[n, 2j] | codes[n, 2j+1] << 4"
-        ),
-        TensorSpec("scales", ("N", "K/G"), None, "scales[n, g]"),
-        TensorSpec("zeros", ("N", "K/G"), torch.uint8, "zeros[n, g], integer 0..15"),
-    )
+    layout = LAYOUTS[name]  # the module doc's table; in fourbit.layouts, the planner reads it too
 
     def pack(self, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
         check_nibbles(qw)

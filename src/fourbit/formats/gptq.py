@@ -50,13 +50,13 @@ import torch
 
 from fourbit.formats.base import (
     Format,
-    TensorSpec,
     check_nibbles,
     pack_nibbles_int32,
     refuse_quantized_embedding,
     register_format,
     unpack_nibbles_int32,
 )
+from fourbit.layouts import LAYOUTS
 from fourbit.quant.qweight import BITS, SYMMETRIC_ZERO, QuantizedWeight
 
 V1_ZERO_OFFSET = 1  # stored zero = zero - 1
@@ -65,16 +65,7 @@ V1_ZERO_OFFSET = 1  # stored zero = zero - 1
 @register_format
 class Gptq(Format):
     name = "gptq"
-    layout = (
-        TensorSpec(
-            "qweight", ("K/8", "N"), torch.int32, "bits 4i..4i+3 of [j, n] = codes[n, 8j+i]"
-        ),
-        TensorSpec(
-            "qzeros", ("K/G", "N/8"), torch.int32, "bits 4i..4i+3 of [g, j] = zeros[8j+i, g] - 1"
-        ),
-        TensorSpec("scales", ("K/G", "N"), None, "scales[g, n] = qw.scales[n, g]"),
-        TensorSpec("g_idx", ("K",), torch.int32, "k // G"),
-    )
+    layout = LAYOUTS[name]  # the module doc's table; in fourbit.layouts, the planner reads it too
 
     def supports(self, sym: bool) -> bool:
         return sym

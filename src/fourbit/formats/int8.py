@@ -16,7 +16,8 @@ from collections.abc import Mapping
 
 import torch
 
-from fourbit.formats.base import Layout, TensorSpec
+from fourbit.formats.base import Layout
+from fourbit.layouts import TensorSpec
 from fourbit.quant.int8 import MAX_CODE, Int8Weight
 
 INT8_MODULES = "fourbit_int8_modules"  # quantization_config key: the modules in this layout
@@ -26,7 +27,7 @@ INT8_EMBEDDING = "fourbit_int8_embedding"  # true when the input embedding is on
 class Int8Layout(Layout):
     name = "int8"
     layout = (
-        TensorSpec("weight_int8", ("N", "K"), torch.int8, f"codes[n, k], -{MAX_CODE}..{MAX_CODE}"),
+        TensorSpec("weight_int8", ("N", "K"), "int8", f"codes[n, k], -{MAX_CODE}..{MAX_CODE}"),
         TensorSpec("weight_int8_scale", ("N", "K/G"), None, "scales[n, g]"),
     )
 

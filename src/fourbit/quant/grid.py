@@ -21,8 +21,8 @@ min/max clips nothing under either grid, and the search (``Grid.find_params``)
 alone decides how much clipping pays. Its default, ``weighted``, is llama.cpp's
 K-quant search: per-weight weights that grow with |x|, so a group's extremes are
 clipped only when that lowers the weighted error, and a least-squares refit of
-each candidate. For calibrated methods, methods.py then checks each layer's search
-against plain min/max on held-out activations and keeps the better.
+each candidate. For calibrated methods, quantizers/methods.py then checks each layer's
+search against plain min/max on held-out activations and keeps the better.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from dataclasses import dataclass
 
 import torch
 
+from fourbit.schema import allowed
 from fourbit.quant.qweight import BITS, LEVELS, SYMMETRIC_ZERO, QuantizedWeight
 
 MAXQ = LEVELS - 1  # 15, the largest code
-GROUP_SIZES = (32, 64, 128)
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ROW_CHUNK_ELEMS = 1 << 20  # RTN works on ~1M weights (4 MB float32) at a time
 SEARCHES = ("minmax", "shrink", "weighted")  # how find_params picks a group's grid
@@ -57,15 +57,15 @@ def element_weights(w: torch.Tensor, importance: torch.Tensor | None = None) -> 
 @dataclass(frozen=True)
 class Grid:
     bits: int = BITS  # codes are nibbles: QuantizedWeight and the kernels know no other width
-    group_size: int = 128  # 32/64/128: the sizes the formats and kernels implement
+    group_size: int = 128  # the schema's group_size enum: the sizes formats and kernels implement
     sym: bool = False  # zero fixed at 8: no per-group zero to store or subtract, less range fit
     scale_dtype: torch.dtype = torch.float16  # what formats store; the search happens in it
 
     def __post_init__(self) -> None:
         if self.bits != BITS:
             raise ValueError(f"only {BITS}-bit grids are supported, got bits={self.bits}")
-        if self.group_size not in GROUP_SIZES:
-            raise ValueError(f"group_size={self.group_size} is not one of {GROUP_SIZES}")
+        if self.group_size not in allowed("group_size"):
+            raise ValueError(f"group_size={self.group_size} is not one of {allowed('group_size')}")
         if self.scale_dtype not in SCALE_DTYPES:
             raise ValueError(f"scale_dtype={self.scale_dtype} is not one of {SCALE_DTYPES}")
 

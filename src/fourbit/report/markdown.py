@@ -241,7 +241,7 @@ MOST_SENSITIVE = 5  # sets listed per mixed_precision arm
 
 def mixed_precision_lines(manifests: list[dict]) -> list[str]:
     """Per mixed_precision arm: what moved to 8 bits for how many bits, and the sets whose
-    4-bit error changed the model most (measured, fourbit.quant.sensitivity)."""
+    4-bit error changed the model most (measured, fourbit.quantizers.sensitivity)."""
     lines = []
     for m in manifests:
         mixed = m["method_facts"].get("mixed_precision")
@@ -295,7 +295,7 @@ def unavailable_engines(study: dict) -> list[str]:
 
 
 def arms_refused_or_falling_back(study: dict, manifests: list[dict]) -> list[str]:
-    """Arms the model's shapes refused before any job (fourbit.quant.shapes), arms whose
+    """Arms the model's shapes refused before any job (fourbit.quantizers.shapes), arms whose
     ``fallback: dense`` kept linears unquantized (with the bits per weight counting them),
     and llama.cpp arms whose tensors llama-quantize stores in a fallback type."""
     lines = []

@@ -37,9 +37,9 @@ from fourbit.checkpoints.quantized import (
 )
 from fourbit.formats import get_format
 from fourbit.quant.int8 import quantize_int8
-from fourbit.quant.methods import QuantizeJob, get_method, heldout_tokens
-from fourbit.quant.sensitivity import promote_sensitive
-from fourbit.quant.shapes import Matrices, plan_arm
+from fourbit.quantizers.methods import QuantizeJob, get_method, heldout_tokens
+from fourbit.quantizers.sensitivity import promote_sensitive
+from fourbit.quantizers.shapes import Matrices, plan_arm
 from fourbit.vllm_plugin import write_arm_knobs
 
 log = logging.getLogger("fourbit")
@@ -63,7 +63,7 @@ class Selection:
 def select_modules(model_dir: str | os.PathLike, quant: dict) -> Selection:
     """Which matrices the arm quantizes, on the 4-bit grid of its method or on the 8-bit one.
 
-    The plan is fourbit.quant.shapes.plan_arm's, the one the workflow made from
+    The plan is fourbit.quantizers.shapes.plan_arm's, the one the workflow made from
     config.json before any job, here on the model's real module tree."""
     model = skeleton(model_dir)
     table = model.get_input_embeddings()

@@ -39,10 +39,11 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 )
 
 from fourbit import formats
+from fourbit.schema import allowed
 from fourbit.kernels import int4_cpu, tinygemm
 from fourbit.quant.int8 import Int8Weight
 from fourbit.quant.qweight import QuantizedWeight
-from fourbit.vllm_plugin.knobs import DEFAULTS, KERNELS, KNOBS, QUANT_METHOD
+from fourbit.vllm_plugin.knobs import DEFAULTS, KNOBS, QUANT_METHOD
 from fourbit.vllm_plugin.loading import StoredTensors, layer_name
 from fourbit.vllm_plugin.ops import (
     DTYPE_CODE,
@@ -122,8 +123,10 @@ class FourbitInt4Config(QuantizationConfig):
         kernel: str = DEFAULTS["kernel"],
     ) -> None:
         super().__init__()
-        if kernel not in KERNELS:
-            raise ValueError(f"{QUANT_METHOD}: kernel must be one of {KERNELS}, got {kernel!r}")
+        if kernel not in allowed("kernel"):  # what an arm may name: the schema's kernel enum
+            raise ValueError(
+                f"{QUANT_METHOD}: kernel must be one of {allowed('kernel')}, got {kernel!r}"
+            )
         if activation_dtype != "auto" and activation_dtype not in _DTYPES:
             raise ValueError(
                 f"{QUANT_METHOD}: activation_dtype must be 'auto' or one of {sorted(_DTYPES)}, "

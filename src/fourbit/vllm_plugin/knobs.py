@@ -31,7 +31,6 @@ DEFAULTS: dict[str, Any] = {
     "kernel": "w4a16",
 }
 KNOBS = tuple(DEFAULTS)
-KERNELS = ("w4a16", "w4a8", "w4a8_group", "tinygemm")
 
 
 def describe(knobs: dict[str, Any], model_dtype: str) -> str:

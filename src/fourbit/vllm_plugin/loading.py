@@ -103,7 +103,7 @@ class StoredTensors:
         layer.fourbit_params_dtype = params_dtype
         layer.fourbit_shards = {}
         for spec in self.fmt.layout:
-            empty = torch.empty(0, dtype=spec.dtype or torch.float16)
+            empty = torch.empty(0, dtype=formats.stored_dtype(spec, torch.float16))
             placeholder = Parameter(empty, requires_grad=False)
             loader = functools.partial(_stash, layer, spec.suffix)
             set_weight_attrs(placeholder, {"weight_loader": loader})

@@ -20,6 +20,7 @@ from fourbit.progress import Progress
 from fourbit.quant.grid import Grid, quantize_rtn
 from fourbit.quant.hessian import Hessian
 from fourbit.quant.qweight import QuantizedWeight
+from fourbit.quantizers.shapes import symmetric_gptq_else_compressed
 
 log = logging.getLogger("fourbit")
 
@@ -75,7 +76,7 @@ def calibration_tokens(job: QuantizeJob, heldout: int = 0) -> torch.Tensor:
     """
     from transformers import AutoTokenizer
 
-    from fourbit.quant.calibration import calibration_samples
+    from fourbit.quantizers.calibration import calibration_samples
 
     if job.calibration_text is None:
         raise ValueError(
@@ -153,7 +154,7 @@ def quantize_walking(
     layer's inputs on text the quantizer never fitted; otherwise H_heldout is None.
     The walk builds its Hessians with the factory given to it: _HeldOutHessian here.
     """
-    from fourbit.quant import walk
+    from fourbit.quantizers import walk
 
     n_held = job.quant["calibration"]["heldout"] if heldout else 0
     samples = calibration_tokens(job, n_held)  # [S + n_held, T], held-out windows last
@@ -228,11 +229,6 @@ class HeldOutGuard:
         }
 
 
-def symmetric_gptq_else_compressed(quant: dict) -> str:
-    """vLLM's GPTQ loader refuses sym=False; asymmetric grids go to compressed-tensors."""
-    return "gptq" if quant["sym"] else "compressed_tensors"
-
-
 ALGORITHM = {  # what the manifest (and the report's table) calls each search
     "minmax": "plain min/max rounding",
     "shrink": "shrink search on squared weight error",
@@ -303,7 +299,7 @@ def quantize_rtn_arm(job: QuantizeJob, *, weigh_by_activations: bool
 
 
 @register_method("cpu_int4")
-class CpuInt4:
+class CpuInt4Method:
     """Asymmetric round-to-nearest per group, each group's grid found by ``search``
     (quantize_rtn_arm); with ``importance: activation`` the search weights each input
     column by the calibration activations' second moment (diag of H, as llama.cpp's
@@ -319,7 +315,7 @@ class CpuInt4:
 
 
 @register_method("rtn")
-class RoundToNearest:
+class RoundToNearestMethod:
     """Round-to-nearest, plain by default: the baseline GPTQ is measured against."""
 
     format = staticmethod(symmetric_gptq_else_compressed)
@@ -330,7 +326,7 @@ class RoundToNearest:
 
 
 @register_method("gptq")
-class Gptq:
+class GptqMethod:
     """Hessian-based GPTQ, sequential over layers; the head by GPTQ or RTN.
 
     Each group's grid is found by ``search`` with diag(H) as the importance; unless
@@ -342,7 +338,7 @@ class Gptq:
 
     def quantize(self, job: QuantizeJob) -> tuple[dict[str, QuantizedWeight], dict]:
         from fourbit.quant.gptq import gptq_quantize
-        from fourbit.quant.walk import HEAD
+        from fourbit.quantizers.walk import HEAD
 
         quant, grid, search = job.quant, grid_of(job.quant), search_of(job.quant)
         damping: dict[str, float] = {}

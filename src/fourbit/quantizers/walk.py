@@ -24,10 +24,10 @@ import torch
 from fourbit.checkpoints.hf import CheckpointError, TensorReader, skeleton
 from fourbit.progress import Progress
 from fourbit.quant.hessian import Hessian
-from fourbit.quant.shapes import HEAD, LAYER_GROUPS
+from fourbit.quantizers.shapes import HEAD, LAYER_GROUPS
 
 # Within a layer, in forward order; each group's members share one input. The same
-# table decides which linears fall back to dense together (fourbit.quant.shapes).
+# table decides which linears fall back to dense together (fourbit.quantizers.shapes).
 GROUPS = LAYER_GROUPS
 
 # (name, W [N, K] float32, H [K, K]) -> W_hat [N, K]; W and H are read-only.
@@ -50,7 +50,7 @@ def quantize_sequential(
 
     samples: int64 token ids [S, T], e.g. from calibration.calibration_samples.
     make_hessian(K) builds each accumulator; a caller that splits the samples (held-out
-    windows, fourbit.quant.methods) passes its own Hessian subclass.
+    windows, fourbit.quantizers.methods) passes its own Hessian subclass.
     The returned W_hat replaces W for every later measurement; keeping what was
     stored (the QuantizedWeight) is the caller's business. Runs in float32.
     """

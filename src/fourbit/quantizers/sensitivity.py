@@ -1,7 +1,7 @@
 """Mixed precision by measured sensitivity: which sets of matrices an arm moves from its
 4-bit grid to the 8-bit one (``mixed_precision`` in the arm's quant).
 
-The unit is a set of matrices vLLM runs as one layer (fourbit.quant.shapes.sibling_groups:
+The unit is a set of matrices vLLM runs as one layer (fourbit.quantizers.shapes.sibling_groups:
 q/k/v, gate/up, and every other matrix alone, the head too), since a layer has one kernel.
 A set's sensitivity is measured, not guessed from its name as llama.cpp's K-quant mixes
 do: the unquantized model in float32 with only that set at its 4-bit W_hat scores a few
@@ -32,7 +32,7 @@ from fourbit.metrics.kl import kl_full
 from fourbit.progress import Progress
 from fourbit.quant.int8 import Int8Weight, quantize_int8
 from fourbit.quant.qweight import QuantizedWeight
-from fourbit.quant.shapes import sibling_groups
+from fourbit.quantizers.shapes import sibling_groups
 
 log = logging.getLogger("fourbit")
 

@@ -17,10 +17,13 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from fourbit.schema import allowed
+from fourbit.layouts import LAYOUTS
+
 # Within a decoder layer, in forward order; each group's members share one input, and
 # vLLM merges q/k/v into qkv_proj and gate/up into gate_up_proj, whose members must be
 # all quantized or all dense (fourbit.vllm_plugin.config.is_quantized). The walk
-# (fourbit.quant.walk) measures them in this order.
+# (fourbit.quantizers.walk) measures them in this order.
 LAYER_GROUPS = (
     ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     ("self_attn.o_proj",),
@@ -33,22 +36,7 @@ LAYER_PREFIX = "model.layers"
 # model_type values whose decoder is the Llama layout above (what the walk, the untie
 # step and the plugin's merged layers expect); others are refused before any job.
 LLAMA_LAYOUT = ("llama", "mistral", "qwen2", "qwen3")
-GROUP_SIZES = (32, 64, 128)  # the schema's group_size enum
 
-# The tensors each fourbit format stores for one N x K matrix, in G = group_size: a copy
-# of each format's layout table (fourbit.formats.<name>.layout; tests/test_shapes.py
-# checks the copy), because importing the formats imports torch. A division that does
-# not come out even is a matrix the format cannot store.
-FORMAT_SHAPES = {
-    "cpu_int4": {"qweight": ("N", "K/2"), "scales": ("N", "K/G"), "zeros": ("N", "K/G")},
-    "gptq": {"qweight": ("K/8", "N"), "qzeros": ("K/G", "N/8"), "scales": ("K/G", "N"), "g_idx": ("K",)},
-    "compressed_tensors": {
-        "weight_packed": ("N", "K/8"),
-        "weight_scale": ("N", "K/G"),
-        "weight_zero_point": ("N/8", "K/G"),
-        "weight_shape": ("2",),
-    },
-}
 # llama-quantize's block width per base type of the study's llamacpp types: a tensor
 # whose row (K) is not a multiple is stored in a fallback type chosen by llama-quantize
 # itself (Q4_K -> Q5_0, Q6_K -> Q8_0, a 32-block type or a row not a multiple of 32 ->
@@ -92,12 +80,17 @@ class ArmPlan:
         }
 
 
+def symmetric_gptq_else_compressed(quant: dict) -> str:
+    """vLLM's GPTQ loader refuses sym=False; asymmetric grids go to compressed-tensors."""
+    return "gptq" if quant["sym"] else "compressed_tensors"
+
+
 def format_of(quant: dict) -> str:
     """The on-disk format of a fourbit method's checkpoints: the same answer as
-    fourbit.quant.methods' ``format`` (tests check), without importing torch."""
+    fourbit.quantizers.methods' ``format`` (tests check), without importing torch."""
     if quant["method"] == "cpu_int4":
         return "cpu_int4"
-    return "gptq" if quant["sym"] else "compressed_tensors"
+    return symmetric_gptq_else_compressed(quant)
 
 
 def matrices_from_config(config: Mapping) -> Matrices:
@@ -133,16 +126,17 @@ def matrices_from_config(config: Mapping) -> Matrices:
 
 
 def does_not_fit(format_name: str, n: int, k: int, group_size: int) -> str | None:
-    """Why ``format_name`` cannot store an N x K matrix in groups of ``group_size``, or None."""
+    """Why ``format_name`` cannot store an N x K matrix in groups of ``group_size``, or None:
+    every division of its layout table (fourbit.layouts) that does not come out even."""
     sizes = {"N": n, "K": k, "G": group_size}
     reasons = []
-    for suffix, shape in FORMAT_SHAPES[format_name].items():
-        for expr in shape:
+    for spec in LAYOUTS[format_name]:
+        for expr in spec.shape:
             num, _, den = expr.partition("/")
             divisor = sizes.get(den) or (int(den) if den else 1)
             if sizes.get(num, 1) % divisor:
                 what = (f"group_size {group_size}" if den == "G"
-                        else f"{divisor} ({format_name} {suffix} is [{', '.join(shape)}])")
+                        else f"{divisor} ({format_name} {spec.suffix} is [{', '.join(spec.shape)}])")
                 reason = f"{num}={sizes[num]} is not a multiple of {what}"
                 if reason not in reasons:
                     reasons.append(reason)
@@ -184,7 +178,7 @@ def plan_arm(matrices: Matrices, quant: dict, arm_name: str = "arm") -> ArmPlan:
     kept = {name: shape for name, shape in chosen.items() if name in dense}
     refusal = None
     if policy != "dense" or not quantized:
-        fits = [g for g in GROUP_SIZES
+        fits = [g for g in allowed("group_size")
                 if not any(does_not_fit(fmt, n, k, g) for n, k in chosen.values())]
         suggestion = (f"group sizes that fit every matrix: {', '.join(map(str, fits))}" if fits
                       else "no group size fits every matrix")

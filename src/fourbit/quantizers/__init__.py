@@ -1,0 +1,1 @@
+"""Quantizing a whole model: methods, the layer walk, the plan; above the checkpoints it reads."""
