@@ -301,7 +301,8 @@ def test_embedding_lookup_is_exactly_the_dense_controls_rows(bits):
     dense control stores (and only those rows)."""
     from fourbit.quant.int8 import quantize_int8
     from fourbit.vllm_plugin import ops
-    from fourbit.vllm_plugin.config import FourbitEmbeddingMethod, FourbitInt4Config
+    from fourbit.vllm_plugin.config import FourbitInt4Config
+    from fourbit.vllm_plugin.linear_methods import FourbitEmbeddingMethod
 
     fmt = formats.get_format("cpu_int4")
     config = FourbitInt4Config.from_config(fmt.quantization_config(GROUP, False, embedding=bits == 4))
@@ -331,7 +332,8 @@ def test_linear_method_picks_the_kernel_or_falls_back_by_name(monkeypatch, caplo
     (FOURBIT_INT4_ISA=none, what a CPU without AVX2 sees) it takes tinygemm and says so,
     naming the layer; either way the op reproduces W_hat."""
     from fourbit.kernels import int4_cpu
-    from fourbit.vllm_plugin.config import FourbitInt4Config, FourbitLinearMethod
+    from fourbit.vllm_plugin.config import FourbitInt4Config
+    from fourbit.vllm_plugin.linear_methods import FourbitLinearMethod
 
     if isa == "none":
         monkeypatch.setenv("FOURBIT_INT4_ISA", "none")
