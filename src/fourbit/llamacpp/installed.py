@@ -18,15 +18,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from fourbit.llamacpp.recipe import (
-    CMAKE_OPTIONS,
-    LLAMA_CPP_COMMIT,
-    LLAMA_CPP_PYTHON_VERSION,
-    SCORER_CMAKELISTS,
-    SCORER_SOURCE,
-    SCORER_TARGET,
-    TOOL_TARGETS,
-)
+from fourbit.llamacpp import recipe
 from fourbit.usercache import cache_home, cpu_key, short_hash
 
 
@@ -52,11 +44,11 @@ class LlamaCpp:
             quantize=bin_dir / "llama-quantize",
             perplexity=bin_dir / "llama-perplexity",
             bench=bin_dir / "llama-bench",
-            scorer=bin_dir / SCORER_TARGET,
+            scorer=bin_dir / recipe.SCORER_TARGET,
             convert_script=tree / "convert_hf_to_gguf.py",
             gguf_py=tree / "gguf-py",
-            commit=LLAMA_CPP_COMMIT,
-            llama_cpp_python_version=LLAMA_CPP_PYTHON_VERSION,
+            commit=recipe.LLAMA_CPP_COMMIT,
+            llama_cpp_python_version=recipe.LLAMA_CPP_PYTHON_VERSION,
         )
 
     def check_complete(self) -> LlamaCpp:
@@ -85,18 +77,18 @@ def default_cache_root() -> Path:
 
 
 def build_key() -> str:
-    recipe = json.dumps(
+    recipe_json = json.dumps(
         {
-            "cmake": CMAKE_OPTIONS,
-            "targets": TOOL_TARGETS,
-            "scorer_cmake": SCORER_CMAKELISTS,
-            "scorer": SCORER_SOURCE,
+            "cmake": recipe.CMAKE_OPTIONS,
+            "targets": recipe.TOOL_TARGETS,
+            "scorer_cmake": recipe.SCORER_CMAKELISTS,
+            "scorer": recipe.SCORER_SOURCE,
         },
         sort_keys=True,
     )
     return (
-        f"{LLAMA_CPP_PYTHON_VERSION}-{LLAMA_CPP_COMMIT[:7]}"
-        f"-{cpu_key()}-recipe{short_hash(recipe)}"
+        f"{recipe.LLAMA_CPP_PYTHON_VERSION}-{recipe.LLAMA_CPP_COMMIT[:7]}"
+        f"-{cpu_key()}-recipe{short_hash(recipe_json)}"
     )
 
 
