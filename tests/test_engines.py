@@ -93,6 +93,12 @@ def test_the_table_and_the_vllm_classes_load_neither_vllm_nor_torch():
     assert out.stdout.strip() == "[]"
 
 
+def test_what_the_config_asks_of_an_engine_by_name_is_in_its_spec():
+    assert [n for n, s in ENGINES.items() if s.needs_vllm_registry] == ["vllm", "vllm_native"]
+    assert [n for n, s in ENGINES.items() if s.needs_every_linear_quantized] == ["vllm_native"]
+    assert [n for n, s in ENGINES.items() if s.reads == "gguf"] == ["llamacpp"]
+
+
 def test_vllm_native_runs_only_symmetric_gptq_arms():
     native = {"method": "gptq", "sym": True, "quantize_head": True}
     runs = engine_spec("vllm_native").runs_arm

@@ -23,7 +23,10 @@ the capability each way its EngineSpec says it takes part asks of it (CAPABILITY
         Fidelity.NOT_COMPARED   nothing; the record says it was not computed
 
 get_engine(name) returns an instance of the class, checked to implement them all; a
-step narrows it to the capability it calls with fourbit.engines.base.capable.
+step narrows it to the capability it calls with fourbit.engines.base.capable. The
+engine's name is written here alone: what the rest of fourbit asks of an engine by
+name (which checkpoints it reads, whether vLLM's registry must list the model, ...)
+is a field of its EngineSpec.
 
 Adding an engine: its class implementing Engine and the capabilities it declares (one
 module here, delegating to the functions that do the work), one EngineSpec in ENGINES
@@ -116,6 +119,14 @@ class EngineSpec:
     # Why it cannot time this model (its config.json, the bench's prompt tokens), or None:
     # checked before any job, so the bench records the reason instead of failing the study.
     bench_refusal: Callable[[dict, int], str | None] = _times_any_model
+    # vLLM loads the model: the config checks, before any job, that vLLM's registry lists
+    # its architecture (fourbit.inputs.supported.check_vllm).
+    needs_vllm_registry: bool = False
+    # It cannot serve an arm some of whose linears the arm's fallback kept dense: vLLM's
+    # own GPTQ loader expects every linear of a GPTQ checkpoint quantized (fourbit writes
+    # no modules_in_block_to_quantize), while fourbit's plugin reads what is quantized
+    # from the safetensors themselves.
+    needs_every_linear_quantized: bool = False
 
     @property
     def keeps_fidelity_side(self) -> bool:
@@ -159,11 +170,13 @@ ENGINES: dict[str, EngineSpec] = {
         ),
     ),
     "vllm": EngineSpec("fourbit.engines.vllm:VllmEngine", reads="hf", bench=Bench.SESSION,
-                       fidelity=Fidelity.KEPT_SIDES, bench_refusal=prompt_exceeds_positions),
+                       fidelity=Fidelity.KEPT_SIDES, bench_refusal=prompt_exceeds_positions,
+                       needs_vllm_registry=True),
     "vllm_native": EngineSpec("fourbit.engines.vllm_native:VllmNativeEngine", reads="hf",
                               bench=Bench.SESSION, fidelity=Fidelity.KEPT_SIDES,
                               runs_arm=_symmetric_gptq, host_check=_vllm_native_kernel_missing,
-                              bench_refusal=prompt_exceeds_positions),
+                              bench_refusal=prompt_exceeds_positions, needs_vllm_registry=True,
+                              needs_every_linear_quantized=True),
     "llamacpp": EngineSpec("fourbit.engines.llamacpp:LlamaCppEngine", reads="gguf",
                            bench=Bench.PER_PASS, fidelity=Fidelity.OWN_KL_MODE),
 }
