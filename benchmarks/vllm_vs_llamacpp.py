@@ -145,6 +145,7 @@ def one_run(variant: str, model: dict, cores: list[int], workdir: Path) -> dict:
     """pp512 and tg128 of one variant, tok/s."""
     from fourbit.bench.pinning import pinned
     from fourbit.engines import get_engine
+    from fourbit.engines.base import TimesPasses, capable
     from fourbit.llamacpp.build import ensure_llamacpp
     from fourbit.llamacpp.throughput import llama_bench
 
@@ -155,8 +156,8 @@ def one_run(variant: str, model: dict, cores: list[int], workdir: Path) -> dict:
     checkpoint, engine, given = VLLM_VARIANTS[variant]
     settings = vllm_settings(given, workdir / "cache" / variant.replace(" ", "_"), engine)
     with pinned(cores):
-        return get_engine(engine).throughput(model[checkpoint], settings, len(cores),
-                                             **llama_bench_sizes())
+        return capable(get_engine(engine), TimesPasses).throughput(
+            model[checkpoint], settings, len(cores), **llama_bench_sizes())
 
 
 def side_by_side(model: dict, cores: list[int], passes: int, threshold: float,

@@ -26,6 +26,7 @@ from fourbit.bench.memory_groups import held_open_bytes
 from fourbit.bench.weight_bytes import linear_weight_bytes
 from fourbit.schema import block
 from fourbit.engines import ENGINES, Bench, EngineSpec, Fidelity
+from fourbit.engines.base import TimesInSession, TimesPasses
 from fourbit.steps import bench as benchmark
 
 ENGINE = {"name": "fake", "dtype": "float32"}  # registered by the fixtures below
@@ -48,23 +49,35 @@ def bench_one(arm, baseline, engine, bench, out, threads):
                                  model_weights_sha256=WEIGHTS)[0]
 
 
-def fake_engine(calls: list):
-    def throughput(checkpoint, settings, threads, *, prompt_tokens, decode_tokens):
-        side = "baseline" if checkpoint.name == "baseline" else "arm"
-        calls.append({"side": side, "checkpoint": checkpoint.name, "threads": threads,
-                      "cache_root": settings["cache_root"], "tokens": (prompt_tokens, decode_tokens)})
-        return dict(RATES[side])
+def fake_engine(calls: list) -> type[TimesPasses]:
+    """An engine class timing fixed rates, every call appended to ``calls``."""
 
-    return types.SimpleNamespace(
-        throughput=throughput, runtime=lambda checkpoint, settings: f"fake on {checkpoint.name}"
-    )
+    class FakeEngine(TimesPasses):
+        def throughput(self, checkpoint, settings, threads, *, prompt_tokens, decode_tokens):
+            side = "baseline" if checkpoint.name == "baseline" else "arm"
+            calls.append({"side": side, "checkpoint": checkpoint.name, "threads": threads,
+                          "cache_root": settings["cache_root"],
+                          "tokens": (prompt_tokens, decode_tokens)})
+            return dict(RATES[side])
+
+        def runtime(self, checkpoint, settings):
+            return f"fake on {checkpoint.name}"
+
+        def score_windows(self, checkpoint, windows, settings, threads):
+            raise NotImplementedError("the bench step scores nothing")
+
+        def numerics(self, checkpoint, settings, rows):
+            raise NotImplementedError("the bench step scores nothing")
+
+    return FakeEngine
 
 
-def register_fake(monkeypatch, engine, bench: Bench) -> None:
-    """``engine`` registered as the engine "fake", as a real one is: a module and its spec."""
-    monkeypatch.setitem(sys.modules, "fake_engine", engine)
-    monkeypatch.setitem(ENGINES, "fake", EngineSpec("fake_engine", reads="hf", bench=bench,
-                                                    fidelity=Fidelity.NOT_COMPARED))
+def register_fake(monkeypatch, engine: type[TimesPasses], bench: Bench) -> None:
+    """``engine`` registered as the engine "fake", as a real one is: a class in a module,
+    and its spec."""
+    monkeypatch.setitem(sys.modules, "fake_engine", types.SimpleNamespace(FakeEngine=engine))
+    monkeypatch.setitem(ENGINES, "fake", EngineSpec("fake_engine:FakeEngine", reads="hf",
+                                                    bench=bench, fidelity=Fidelity.NOT_COMPARED))
 
 
 def busy_stat(fraction: float):
@@ -139,16 +152,16 @@ def with_sessions(fake_host, monkeypatch):
     calls, _ = fake_host
     opened, closed = [], []
 
-    @contextlib.contextmanager
-    def throughput_session(checkpoint, settings, threads, *, prompt_tokens, decode_tokens):
-        opened.append(checkpoint.name)
-        engine = fake_engine(calls)
-        yield lambda: engine.throughput(checkpoint, settings, threads,
-                                        prompt_tokens=prompt_tokens, decode_tokens=decode_tokens)
-        closed.append(checkpoint.name)
+    class WithSessions(fake_engine(calls), TimesInSession):
+        @contextlib.contextmanager
+        def throughput_session(self, checkpoint, settings, threads, *, prompt_tokens,
+                               decode_tokens):
+            opened.append(checkpoint.name)
+            yield lambda: self.throughput(checkpoint, settings, threads,
+                                          prompt_tokens=prompt_tokens, decode_tokens=decode_tokens)
+            closed.append(checkpoint.name)
 
-    engine = types.SimpleNamespace(**vars(fake_engine(calls)), throughput_session=throughput_session)
-    register_fake(monkeypatch, engine, Bench.SESSION)
+    register_fake(monkeypatch, WithSessions, Bench.SESSION)
     return opened, closed
 
 

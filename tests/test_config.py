@@ -158,7 +158,7 @@ def test_a_vllm_native_job_on_a_node_without_the_kernel_stops_naming_it(monkeypa
     monkeypatch.setattr(vllm_native, "kernel_missing", lambda: "no avx512f here")
     (tmp_path / "config.json").write_text('{"quantization_config": {"quant_method": "gptq"}}')
     with pytest.raises(RuntimeError, match="cannot run on this node .*no avx512f here"):
-        vllm_native.score_windows(tmp_path, [[1, 2]], {}, 1)
+        vllm_native.VllmNativeEngine().score_windows(tmp_path, [[1, 2]], {}, 1)
 
 
 # --- Shapes, architectures and names checked while the DAG is built ---------------------

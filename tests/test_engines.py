@@ -1,40 +1,102 @@
-"""fourbit.engines: the one engine table, and every module offering what its spec declares."""
+"""fourbit.engines: the one engine table, and every class implementing what its spec declares."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 
 from fourbit.engines import (
     ENGINES,
     Bench,
+    EngineSpec,
     Fidelity,
     NotBenchmarked,
     engine_spec,
     get_engine,
     unavailable_here,
 )
+from fourbit.engines.base import (
+    ComparesPositions,
+    Engine,
+    HasOwnKlMode,
+    KeepsSides,
+    TimesInSession,
+    TimesPasses,
+    capable,
+)
 
-# What the bench, fidelity and ppl steps call, per declaration (fourbit.engines' docstring).
-CALLED = {
-    Bench.PER_PASS: ["throughput"],
-    Bench.SESSION: ["throughput", "throughput_session"],
-    Fidelity.PER_POSITION: ["compare_with_baseline"],
-    Fidelity.KEPT_SIDES: ["score_keeping_side", "compare_sides"],
-    Fidelity.OWN_KL_MODE: ["divergence_from_baseline", "greedy_continuations"],
+# What the bench and fidelity steps call, per declaration (fourbit.engines' docstring).
+CAPABILITIES = {
+    Bench.PER_PASS: [TimesPasses],
+    Bench.SESSION: [TimesPasses, TimesInSession],
+    Fidelity.PER_POSITION: [ComparesPositions],
+    Fidelity.KEPT_SIDES: [KeepsSides],
+    Fidelity.OWN_KL_MODE: [HasOwnKlMode],
     Fidelity.NOT_COMPARED: [],
 }
 
 
 @pytest.mark.parametrize("name", sorted(ENGINES))
-def test_every_engine_module_has_what_its_spec_declares(name):
+def test_every_engine_class_implements_what_its_spec_declares(name):
     spec = engine_spec(name)
     engine = get_engine(name)
-    bench = [] if isinstance(spec.bench, NotBenchmarked) else CALLED[spec.bench]
-    for function in ["score_windows", "runtime", "numerics", *bench, *CALLED[spec.fidelity]]:
-        assert callable(getattr(engine, function, None)), f"{spec.module} lacks {function}()"
+    bench = [] if isinstance(spec.bench, NotBenchmarked) else CAPABILITIES[spec.bench]
+    for capability in [Engine, *bench, *CAPABILITIES[spec.fidelity]]:
+        assert isinstance(engine, capability), (spec.implementation, capability.__name__)
     assert spec.reads in ("hf", "gguf")
     reason = unavailable_here(name)
     assert reason is None or isinstance(reason, str)
+
+
+def test_the_classes_the_specs_name():
+    assert {name: type(get_engine(name)).__name__ for name in ENGINES} == {
+        "reference": "ReferenceEngine", "vllm": "VllmEngine", "vllm_native": "VllmNativeEngine",
+        "llamacpp": "LlamaCppEngine"}
+
+
+def test_a_class_lacking_a_declared_capability_is_refused(monkeypatch):
+    """get_engine checks the class against its spec; capable narrows, or names what is lacking."""
+    monkeypatch.setitem(ENGINES, "half", EngineSpec("fourbit.engines.reference:ReferenceEngine",
+                                                    reads="hf", bench=Bench.PER_PASS,
+                                                    fidelity=Fidelity.PER_POSITION))
+    with pytest.raises(TypeError, match="ReferenceEngine is not a TimesPasses"):
+        get_engine("half")
+    reference = get_engine("reference")
+    assert capable(reference, ComparesPositions) is reference
+    with pytest.raises(TypeError, match="ReferenceEngine is not a KeepsSides"):
+        capable(reference, KeepsSides)
+
+
+def test_an_abstract_method_left_out_is_an_error_at_instantiation():
+    class Unfinished(TimesPasses):
+        def score_windows(self, checkpoint, windows, settings, threads):
+            return []
+
+        def runtime(self, checkpoint, settings):
+            return ""
+
+        def numerics(self, checkpoint, settings, rows):
+            return "exact"
+
+    with pytest.raises(TypeError, match="throughput"):
+        Unfinished()
+
+
+def test_the_table_and_the_vllm_classes_load_neither_vllm_nor_torch():
+    """The workflow reads the table at DAG time; vLLM and torch load when an engine opens."""
+    script = ("import sys; from fourbit.engines import get_engine; import fourbit.config; "
+              "get_engine('vllm'); get_engine('vllm_native'); "
+              "print(sorted({'vllm', 'torch', 'transformers'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_what_the_config_asks_of_an_engine_by_name_is_in_its_spec():
+    assert [n for n, s in ENGINES.items() if s.needs_vllm_registry] == ["vllm", "vllm_native"]
+    assert [n for n, s in ENGINES.items() if s.needs_every_linear_quantized] == ["vllm_native"]
+    assert [n for n, s in ENGINES.items() if s.reads == "gguf"] == ["llamacpp"]
 
 
 def test_vllm_native_runs_only_symmetric_gptq_arms():

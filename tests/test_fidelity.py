@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from conftest import save_tiny_llama
 from engine_settings import engine_settings
 
 from fourbit.engines import ENGINES, EngineSpec, Fidelity, NotBenchmarked, reference
+from fourbit.engines.base import Engine
 from fourbit.metrics.kl import FULL, TOPK
 from fourbit.schema import block
 from fourbit.metrics.fidelity import greedy_summary, select
@@ -140,8 +142,22 @@ def test_reference_quantized_arm(models, tmp_path):
     assert "tinygemm" in out["runtime"] and out["baseline_runtime"].endswith("dense")
 
 
+class PlainEngine(Engine):
+    """An engine that only scores; the fidelity step must call none of it."""
+
+    def score_windows(self, checkpoint, windows, settings, threads):
+        raise AssertionError("not called")
+
+    def runtime(self, checkpoint, settings):
+        raise AssertionError("not called")
+
+    def numerics(self, checkpoint, settings, rows):
+        raise AssertionError("not called")
+
+
 def test_engine_without_it_writes_a_record_saying_so(models, tmp_path, monkeypatch):
-    monkeypatch.setitem(ENGINES, "plain", EngineSpec("fourbit.engines", reads="hf",
+    monkeypatch.setitem(sys.modules, "plain_engine", types.SimpleNamespace(PlainEngine=PlainEngine))
+    monkeypatch.setitem(ENGINES, "plain", EngineSpec("plain_engine:PlainEngine", reads="hf",
                                                      bench=NotBenchmarked("a test engine"),
                                                      fidelity=Fidelity.NOT_COMPARED))
     out = compare_arm(tmp_path / "absent", tmp_path / "absent-base", models / "windows.json",

@@ -107,18 +107,21 @@ def test_greedy_matches_transformers(model_dir, reference, cache_root):
 
 @pytest.mark.slow
 def test_engine_registry_convention(model_dir, cache_root):
-    """ppl.py calls score_windows(checkpoint, windows, settings, threads) and runtime()."""
-    from fourbit.engines.vllm import prompt_logprobs, runtime, score_windows
+    """The ppl step calls the registered engine's score_windows(checkpoint, windows,
+    settings, threads) and runtime() (fourbit.engines.base.Engine)."""
+    from fourbit.engines import get_engine
+    from fourbit.engines.vllm import prompt_logprobs
 
+    engine = get_engine("vllm")
     settings = {**engine_settings("vllm", dtype="float32", kv_cache_gib=1 / 32),
                 "cache_root": str(cache_root)}
     threads = torch.get_num_threads()
-    out = score_windows(model_dir, WINDOWS[:2], settings, 1)
+    out = engine.score_windows(model_dir, WINDOWS[:2], settings, 1)
     assert torch.get_num_threads() == threads
     assert [set(r) for r in out] == [{"nll_sum", "tokens"}] * 2
     direct = prompt_logprobs(model_dir, WINDOWS[:2], cache_root=cache_root, **OPTIONS)
     assert [r["nll_sum"] for r in out] == pytest.approx([r["nll_sum"] for r in direct], abs=1e-4)
-    assert runtime(model_dir, settings).endswith(", dense")
+    assert engine.runtime(model_dir, settings).endswith(", dense")
 
 
 def test_rejects_empty_input(model_dir):
@@ -150,6 +153,21 @@ def test_settings_come_whole_from_the_schema():
         VllmSettings.from_engine({**full, "kv_cache_bytes": 1 << 20}, plugin=True)
     with pytest.raises(ValueError, match="lack"):
         runtime("unused", partial)  # every public entry builds the object first
+
+
+def test_vllm_native_is_the_vllm_engine_with_vllms_own_kernel(tmp_path):
+    """VllmNativeEngine changes only the settings its functions get: vLLM's kernel, and
+    for a call that opens an engine, a check that this node has it."""
+    from fourbit.engines.vllm import VllmEngine, VllmSettings
+    from fourbit.engines.vllm_native import VllmNativeEngine
+
+    given = engine_settings("vllm")
+    assert VllmEngine().settings_to_run(given, tmp_path) is given  # built by each function
+    native = engine_settings("vllm_native")
+    (tmp_path / "config.json").write_text("{}")  # a dense checkpoint: no kernel asked for
+    for settings in (VllmNativeEngine().settings_to_describe(native),
+                     VllmNativeEngine().settings_to_run(native, tmp_path)):
+        assert settings == VllmSettings.from_engine(native, plugin=False)
 
 
 def test_inductor_cache_is_per_cpu_capability(tmp_path):

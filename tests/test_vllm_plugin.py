@@ -519,13 +519,14 @@ def test_native_kernel_runs_the_gptq_checkpoint_without_the_plugin(root, cache_r
         pytest.skip(f"vLLM's native 4-bit kernel cannot run here: {verdict['reason']}")
     quant_dir, dense_dir = build_pair(root, "gptq")
     settings = {**engine_settings("vllm_native", kv_cache_gib=1 / 32), "cache_root": str(cache_root)}
+    engine = vllm_native.VllmNativeEngine()
     ops.clear_calls()
-    native = vllm_native.score_windows(quant_dir, WINDOWS, settings, 2)
+    native = engine.score_windows(quant_dir, WINDOWS, settings, 2)
     assert not ops.path_calls()  # the plugin's op never ran
-    dense = vllm_native.score_windows(dense_dir, WINDOWS, settings, 2)
+    dense = engine.score_windows(dense_dir, WINDOWS, settings, 2)
     nll = [sum(r["nll_sum"] for r in side) / sum(r["tokens"] for r in side) for side in (native, dense)]
     assert abs(nll[0] - nll[1]) <= 0.002 * nll[1], nll  # perplexity within ~0.2%
-    assert "cpu_gemm_wna16" in vllm_native.runtime(quant_dir, settings)
+    assert "cpu_gemm_wna16" in engine.runtime(quant_dir, settings)
 
 
 def test_numerics_name_what_each_path_rounds(monkeypatch):

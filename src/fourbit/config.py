@@ -24,12 +24,6 @@ from fourbit.schema import ConfigError, canonical_quant, load_schema, sorted_key
 
 ID_PATTERN = r"[a-z0-9][a-z0-9_.]*-[0-9a-f]{10}"
 GGUF_METHODS = {"llamacpp"}  # methods whose checkpoints only llama.cpp reads
-VLLM_ENGINES = ("vllm", "vllm_native")  # engines that need vLLM's registry to list the architecture
-# Engines that cannot serve an arm some of whose linears its fallback kept dense: vLLM's
-# own GPTQ loader expects every linear of a GPTQ checkpoint quantized (fourbit writes no
-# modules_in_block_to_quantize), while fourbit's plugin reads what is quantized from the
-# safetensors themselves.
-NEEDS_EVERY_LINEAR_QUANTIZED = ("vllm_native",)
 
 
 @dataclass(frozen=True)
@@ -77,9 +71,10 @@ class Engine:
     def runs(self, arm: "Arm") -> bool:
         """Whether this engine scores ``arm``: it reads the arm's kind of checkpoint, and
         engines that run only some formats (vLLM's own kernels) run this one."""
-        if arm.kept_dense and self.name in NEEDS_EVERY_LINEAR_QUANTIZED:
+        spec = engine_spec(self.name)
+        if arm.kept_dense and spec.needs_every_linear_quantized:
             return False
-        return arm.kind == self.reads and engine_spec(self.name).runs_arm(arm.quant)
+        return arm.kind == self.reads and spec.runs_arm(arm.quant)
 
 
 @dataclass
@@ -220,10 +215,11 @@ def _check_engines_read(model: dict, model_config: dict, engines: dict, has_gguf
                         model_dir: Path) -> None:
     """Stop before any job when vLLM or llama.cpp's converter cannot read this model."""
     try:
-        vllm = [name for name in engines if name in VLLM_ENGINES]
+        vllm = [name for name in engines if engine_spec(name).needs_vllm_registry]
         if vllm:
             supported.check_vllm(model_config, vllm)
-        if "llamacpp" in engines or has_gguf_arms:
+        # GGUF checkpoints start from llama.cpp's converter reading the model.
+        if any(engine.reads == "gguf" for engine in engines.values()) or has_gguf_arms:
             from fourbit.llamacpp.build import converter_source
             from fourbit.llamacpp.installed import find_llamacpp
             from fourbit.llamacpp.toolchain import require_build_tools

@@ -1,37 +1,37 @@
-"""Engines score checkpoints; each is one module, registered once in ENGINES.
+"""Engines score checkpoints; each is one class, registered once in ENGINES.
 
-Every engine module provides
+Every engine's class implements fourbit.engines.base.Engine (score_windows, runtime,
+numerics: the ppl step, fourbit.steps.evaluate, and every record's "runtime"), and
+the capability each way its EngineSpec says it takes part asks of it (CAPABILITY):
 
-    score_windows(checkpoint: Path, windows: list[list[int]], settings: dict, threads: int)
-        -> list[{"nll_sum": float, "tokens": int}]   (see fourbit.steps.evaluate for the definition)
-    runtime(checkpoint: Path, settings: dict) -> str  (what actually executes the weights)
-    numerics(checkpoint: Path, settings: dict, rows: int) -> "exact" | "bf16_activations"
-        | "int8_activations"  (what a forward of that many rows rounds beyond the dense
-        expansion: the control's tolerance, evaluation.control_tolerance in the schema)
+    bench (fourbit.steps.bench)
+        Bench.PER_PASS          TimesPasses: throughput, one pass in an engine started
+                                for it
+        Bench.SESSION           TimesInSession: that, and throughput_session, one engine
+                                kept open for the whole job
+        NotBenchmarked(reason)  nothing; the record says why its speed means nothing
+                                for a build
+    fidelity (fourbit.steps.fidelity, which defines the results)
+        Fidelity.PER_POSITION   ComparesPositions: compare_with_baseline, per-position
+                                results on the study's windows
+        Fidelity.KEPT_SIDES     KeepsSides: score_keeping_side in the ppl step of each
+                                checkpoint the fidelity step compares (the baseline, an
+                                arm as quantized), then compare_sides, without an engine
+        Fidelity.OWN_KL_MODE    HasOwnKlMode: divergence_from_baseline, the engine's own
+                                aggregate KL statistics on the evaluation text, and
+                                greedy_continuations
+        Fidelity.NOT_COMPARED   nothing; the record says it was not computed
 
-and what its EngineSpec declares, for the bench step (fourbit.steps.bench):
+get_engine(name) returns an instance of the class, checked to implement them all; a
+step narrows it to the capability it calls with fourbit.engines.base.capable. The
+engine's name is written here alone: what the rest of fourbit asks of an engine by
+name (which checkpoints it reads, whether vLLM's registry must list the model, ...)
+is a field of its EngineSpec.
 
-    Bench.PER_PASS   throughput(checkpoint, settings, threads, *, prompt_tokens,
-                     decode_tokens) -> one pass's rates, in an engine started for it
-    Bench.SESSION    that, and throughput_session(same arguments): a context manager
-                     yielding a function that times one pass in an engine kept open
-                     for the whole job
-    NotBenchmarked   nothing; the record says why its speed means nothing for a build
-
-and for the fidelity step (fourbit.steps.fidelity, which defines the arguments):
-
-    Fidelity.PER_POSITION   compare_with_baseline(...): per-position results on the
-                            study's windows
-    Fidelity.KEPT_SIDES     score_keeping_side(...) in the ppl step of each checkpoint the
-                            fidelity step compares (the baseline, an arm as quantized),
-                            then compare_sides(...): per-position results from the two
-                            sides, without an engine
-    Fidelity.OWN_KL_MODE    divergence_from_baseline(...): the engine's own aggregate KL
-                            statistics on the evaluation text; greedy_continuations(...)
-    Fidelity.NOT_COMPARED   nothing; the record says it was not computed
-
-Adding an engine: its module here, one EngineSpec in ENGINES, and its settings block
-in the schema (src/fourbit/schemas/config.schema.yaml).
+Adding an engine: its class implementing Engine and the capabilities it declares (one
+module here, delegating to the functions that do the work), one EngineSpec in ENGINES
+naming that class, and its settings block in the schema
+(src/fourbit/schemas/config.schema.yaml).
 """
 
 from __future__ import annotations
@@ -40,16 +40,23 @@ import enum
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
 
+from fourbit.engines.base import (
+    ComparesPositions,
+    Engine,
+    HasOwnKlMode,
+    KeepsSides,
+    TimesInSession,
+    TimesPasses,
+)
 from fourbit.engines.limits import prompt_exceeds_positions
 
 
 class Bench(enum.Enum):
-    """How fourbit.steps.bench times an engine: the module function it calls."""
+    """How fourbit.steps.bench times an engine (its capability: CAPABILITY)."""
 
-    PER_PASS = "throughput"
-    SESSION = "throughput_session"
+    PER_PASS = "an engine started for each timed pass"
+    SESSION = "one engine per checkpoint held open for the whole job"
 
 
 @dataclass(frozen=True)
@@ -60,12 +67,24 @@ class NotBenchmarked:
 
 
 class Fidelity(enum.Enum):
-    """How fourbit.steps.fidelity compares an arm with its engine's baseline."""
+    """How fourbit.steps.fidelity compares an arm with its engine's baseline (its
+    capability: CAPABILITY)."""
 
-    PER_POSITION = "compare_with_baseline"
-    KEPT_SIDES = "compare_sides"
-    OWN_KL_MODE = "divergence_from_baseline"
+    PER_POSITION = "both checkpoints run on the windows in the fidelity job"
+    KEPT_SIDES = "sides kept by the ppl jobs, compared without an engine"
+    OWN_KL_MODE = "the engine's own KL statistics on the evaluation text"
     NOT_COMPARED = "not compared"
+
+
+# What each way of taking part asks of the engine's class (fourbit.engines.base).
+CAPABILITY: dict[Bench | Fidelity, type[Engine]] = {
+    Bench.PER_PASS: TimesPasses,
+    Bench.SESSION: TimesInSession,
+    Fidelity.PER_POSITION: ComparesPositions,
+    Fidelity.KEPT_SIDES: KeepsSides,
+    Fidelity.OWN_KL_MODE: HasOwnKlMode,
+    Fidelity.NOT_COMPARED: Engine,
+}
 
 
 def _every_arm(quant: dict) -> bool:
@@ -80,7 +99,6 @@ def _times_any_model(model_config: dict, prompt_tokens: int) -> str | None:
     return None
 
 
-
 @dataclass(frozen=True)
 class EngineSpec:
     """Everything the rest of fourbit asks of one engine (STYLE.md 19).
@@ -88,7 +106,9 @@ class EngineSpec:
     Kept free of heavy imports: the workflow reads it to build the DAG.
     """
 
-    module: str  # imported on first use, so that a study without vLLM never loads it
+    # "module:Class", the class implementing fourbit.engines.base's interface; imported on
+    # first use, so that a study without vLLM never loads it
+    implementation: str
     reads: str  # the checkpoints it scores: "hf" (Hugging Face folders) or "gguf" (GGUF files)
     bench: Bench | NotBenchmarked  # how the bench step times it
     fidelity: Fidelity  # how the fidelity step compares an arm with its baseline
@@ -99,12 +119,31 @@ class EngineSpec:
     # Why it cannot time this model (its config.json, the bench's prompt tokens), or None:
     # checked before any job, so the bench records the reason instead of failing the study.
     bench_refusal: Callable[[dict, int], str | None] = _times_any_model
+    # vLLM loads the model: the config checks, before any job, that vLLM's registry lists
+    # its architecture (fourbit.inputs.supported.check_vllm).
+    needs_vllm_registry: bool = False
+    # It cannot serve an arm some of whose linears the arm's fallback kept dense: vLLM's
+    # own GPTQ loader expects every linear of a GPTQ checkpoint quantized (fourbit writes
+    # no modules_in_block_to_quantize), while fourbit's plugin reads what is quantized
+    # from the safetensors themselves.
+    needs_every_linear_quantized: bool = False
 
     @property
     def keeps_fidelity_side(self) -> bool:
         """Whether its ppl job of a compared checkpoint also writes that checkpoint's
         fidelity side (the workflow declares it as an output of that job)."""
         return self.fidelity is Fidelity.KEPT_SIDES
+
+    @property
+    def capabilities(self) -> tuple[type[Engine], ...]:
+        """What its class must be an instance of, for the way it takes part."""
+        bench = () if isinstance(self.bench, NotBenchmarked) else (CAPABILITY[self.bench],)
+        return (Engine, *bench, CAPABILITY[self.fidelity])
+
+    def load(self) -> type[Engine]:
+        """Its class, its module imported now."""
+        module, _, name = self.implementation.partition(":")
+        return getattr(importlib.import_module(module), name)
 
 
 def _symmetric_gptq(quant: dict) -> bool:
@@ -123,20 +162,23 @@ def _vllm_native_kernel_missing() -> str | None:
 
 ENGINES: dict[str, EngineSpec] = {
     "reference": EngineSpec(
-        "fourbit.engines.reference", reads="hf", fidelity=Fidelity.PER_POSITION,
+        "fourbit.engines.reference:ReferenceEngine", reads="hf",
+        fidelity=Fidelity.PER_POSITION,
         bench=NotBenchmarked(
             "not a deployment engine; not benchmarked: transformers is the scoring reference, "
             "and nobody ships a model on it, so its speed says nothing about a 4-bit build"
         ),
     ),
-    "vllm": EngineSpec("fourbit.engines.vllm", reads="hf", bench=Bench.SESSION,
-                       fidelity=Fidelity.KEPT_SIDES, bench_refusal=prompt_exceeds_positions),
-    "vllm_native": EngineSpec("fourbit.engines.vllm_native", reads="hf", bench=Bench.SESSION,
-                              fidelity=Fidelity.KEPT_SIDES, runs_arm=_symmetric_gptq,
-                              host_check=_vllm_native_kernel_missing,
-                              bench_refusal=prompt_exceeds_positions),
-    "llamacpp": EngineSpec("fourbit.engines.llamacpp", reads="gguf", bench=Bench.PER_PASS,
-                           fidelity=Fidelity.OWN_KL_MODE),
+    "vllm": EngineSpec("fourbit.engines.vllm:VllmEngine", reads="hf", bench=Bench.SESSION,
+                       fidelity=Fidelity.KEPT_SIDES, bench_refusal=prompt_exceeds_positions,
+                       needs_vllm_registry=True),
+    "vllm_native": EngineSpec("fourbit.engines.vllm_native:VllmNativeEngine", reads="hf",
+                              bench=Bench.SESSION, fidelity=Fidelity.KEPT_SIDES,
+                              runs_arm=_symmetric_gptq, host_check=_vllm_native_kernel_missing,
+                              bench_refusal=prompt_exceeds_positions, needs_vllm_registry=True,
+                              needs_every_linear_quantized=True),
+    "llamacpp": EngineSpec("fourbit.engines.llamacpp:LlamaCppEngine", reads="gguf",
+                           bench=Bench.PER_PASS, fidelity=Fidelity.OWN_KL_MODE),
 }
 
 
@@ -146,8 +188,15 @@ def engine_spec(name: str) -> EngineSpec:
     return ENGINES[name]
 
 
-def get_engine(name: str) -> ModuleType:
-    return importlib.import_module(engine_spec(name).module)
+def get_engine(name: str) -> Engine:
+    """An instance of the engine's class, checked to implement what its spec declares."""
+    spec = engine_spec(name)
+    engine = spec.load()()
+    lacking = [c.__name__ for c in spec.capabilities if not isinstance(engine, c)]
+    if lacking:
+        raise TypeError(f"engine {name!r}: {spec.implementation} is not a {', '.join(lacking)} "
+                        "(fourbit.engines.base), which its EngineSpec declares")
+    return engine
 
 
 def unavailable_here(engine: str) -> str | None:

@@ -7,13 +7,23 @@ arm is compared with llama.cpp, not with another engine.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+from fourbit.engines.base import (
+    HasOwnKlMode,
+    Numerics,
+    Rates,
+    Settings,
+    TimesPasses,
+    TokenIds,
+    WindowScore,
+)
 from fourbit.llamacpp import ARITHMETIC
 from fourbit.llamacpp.installed import find_llamacpp
-from fourbit.llamacpp.quantize import gguf_bits_per_weight
 from fourbit.llamacpp.perplexity import greedy_continuations as llamacpp_greedy
 from fourbit.llamacpp.perplexity import kl_divergence
 from fourbit.llamacpp.perplexity import score_windows as llamacpp_score
+from fourbit.llamacpp.quantize import gguf_bits_per_weight
 from fourbit.llamacpp.throughput import llama_bench
 
 
@@ -48,7 +58,7 @@ def runtime(checkpoint: Path, settings: dict) -> str:
     return f"llama.cpp {_tools().commit[:7]} CPU ({Path(checkpoint).name}; {pinned})"
 
 
-def numerics(checkpoint: Path, settings: dict, rows: int) -> str:
+def numerics(checkpoint: Path, settings: dict, rows: int) -> Numerics:
     """ggml's CPU dot products of a quantized tensor round the activations to 8 bits
     (Q8_K for the K-quants, Q8_0 for the 32-blocks), at every batch size; F32 tensors
     (the dense expansion) run in float32. F16 and BF16 ones round activations to
@@ -72,3 +82,32 @@ def throughput(checkpoint: Path, settings: dict, threads: int, *, prompt_tokens:
         )
     result = llama_bench(Path(checkpoint), tools=_tools(), threads=threads, repetitions=2)
     return {"pp512_tok_s": result["pp512"]["median"], "tg128_tok_s": result["tg128"]["median"]}
+
+
+class LlamaCppEngine(TimesPasses, HasOwnKlMode):
+    """The engine table's "llamacpp" (fourbit.engines.ENGINES): the functions above."""
+
+    def score_windows(self, checkpoint: Path, windows: TokenIds, settings: Settings,
+                      threads: int) -> list[WindowScore]:
+        return score_windows(checkpoint, windows, settings, threads)
+
+    def runtime(self, checkpoint: Path, settings: Settings) -> str:
+        return runtime(checkpoint, settings)
+
+    def numerics(self, checkpoint: Path, settings: Settings, rows: int) -> Numerics:
+        return numerics(checkpoint, settings, rows)
+
+    def throughput(self, checkpoint: Path, settings: Settings, threads: int, *,
+                   prompt_tokens: int, decode_tokens: int) -> Rates:
+        return throughput(checkpoint, settings, threads, prompt_tokens=prompt_tokens,
+                          decode_tokens=decode_tokens)
+
+    def divergence_from_baseline(self, arm_checkpoint: Path, baseline_checkpoint: Path,
+                                 text_file: Path, settings: Settings, *, ctx: int,
+                                 chunks: int) -> dict[str, Any]:
+        return divergence_from_baseline(arm_checkpoint, baseline_checkpoint, text_file, settings,
+                                        ctx=ctx, chunks=chunks)
+
+    def greedy_continuations(self, checkpoint: Path, prompts: TokenIds, new_tokens: int,
+                             settings: Settings) -> list[list[int]]:
+        return greedy_continuations(checkpoint, prompts, new_tokens, settings)

@@ -16,6 +16,14 @@ import torch
 
 from fourbit.checkpoints.hf import skeleton
 from fourbit.checkpoints.quantized import is_quantized, read_quantized
+from fourbit.engines.base import (
+    ComparesPositions,
+    Numerics,
+    PerPosition,
+    Settings,
+    TokenIds,
+    WindowScore,
+)
 from fourbit.kernels import tinygemm
 from fourbit.metrics.kl import FULL, kl_full
 from fourbit.progress import Progress
@@ -82,7 +90,7 @@ def runtime(checkpoint: Path, settings: dict) -> str:
     return f"transformers {settings['dtype']} {kind}"
 
 
-def numerics(checkpoint: Path, settings: dict, rows: int) -> str:
+def numerics(checkpoint: Path, settings: dict, rows: int) -> Numerics:
     """Beyond the dense expansion, only the engine's own dtype rounds: at or above
     DEQUANT_ROWS the weight is expanded exactly; below, tinygemm runs in that dtype."""
     return "exact" if settings["dtype"] == "float32" else "bf16_activations"
@@ -124,14 +132,15 @@ def load_model(checkpoint: Path, dtype: torch.dtype) -> torch.nn.Module:
     return model.eval()
 
 
-def score_windows(checkpoint: Path, windows: list[list[int]], settings: dict, threads: int) -> list[dict]:
+def score_windows(checkpoint: Path, windows: list[list[int]], settings: dict,
+                  threads: int) -> list[WindowScore]:
     with torch_threads(settings["threads"]):
         return _score(load_model(checkpoint, DTYPES[settings["dtype"]]), checkpoint, windows)
 
 
-def _score(model: torch.nn.Module, checkpoint: Path, windows: list[list[int]]) -> list[dict]:
+def _score(model: torch.nn.Module, checkpoint: Path, windows: list[list[int]]) -> list[WindowScore]:
     progress = Progress(f"scoring {checkpoint.name}", len(windows), "windows")
-    results = []
+    results: list[WindowScore] = []
     with torch.inference_mode():
         for start in range(0, len(windows), BATCH_WINDOWS):
             batch = torch.tensor(windows[start : start + BATCH_WINDOWS])  # [B, W]
@@ -223,3 +232,24 @@ def _full_kl(baseline: torch.nn.Module, arm: torch.nn.Module, windows: list[list
             window_top1.append(top1)
         progress.update(len(batch))
     return window_kl, window_top1
+
+
+class ReferenceEngine(ComparesPositions):
+    """The engine table's "reference" (fourbit.engines.ENGINES): the functions above."""
+
+    def score_windows(self, checkpoint: Path, windows: TokenIds, settings: Settings,
+                      threads: int) -> list[WindowScore]:
+        return score_windows(checkpoint, windows, settings, threads)
+
+    def runtime(self, checkpoint: Path, settings: Settings) -> str:
+        return runtime(checkpoint, settings)
+
+    def numerics(self, checkpoint: Path, settings: Settings, rows: int) -> Numerics:
+        return numerics(checkpoint, settings, rows)
+
+    def compare_with_baseline(self, arm_checkpoint: Path, baseline_checkpoint: Path,
+                              windows: TokenIds, settings: Settings, threads: int, *,
+                              prompts: TokenIds, new_tokens: int,
+                              top_k: int | None = None) -> PerPosition:
+        return compare_with_baseline(arm_checkpoint, baseline_checkpoint, windows, settings,
+                                     threads, prompts=prompts, new_tokens=new_tokens, top_k=top_k)

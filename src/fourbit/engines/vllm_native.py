@@ -7,7 +7,8 @@ engine gives each symmetric GPTQ arm (a standard GPTQ checkpoint; its EngineSpec
 runs_arm in fourbit.engines.ENGINES) a row of its own, next to the same arm through
 the plugin; on other hosts the workflow does not schedule it and the report says why
 (kernel_missing, the spec's host check; jobs check again on the node that runs them).
-Everything else is the vllm engine's, with the same settings except the dtype (vLLM's
+Everything else is the vllm engine's (VllmNativeEngine is a VllmEngine whose functions
+get vLLM's kernel in their settings), with the same settings except the dtype (vLLM's
 GPTQ method refuses float32), so its dense baseline and controls run exactly as there.
 """
 
@@ -15,9 +16,11 @@ from __future__ import annotations
 
 import platform
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from fourbit.engines import vllm
+from fourbit.engines.base import Settings
 
 
 def kernel_missing() -> str | None:
@@ -43,29 +46,12 @@ def _native(settings: Mapping[str, Any], checkpoint) -> vllm.VllmSettings:
     return vllm.VllmSettings.from_engine(settings, plugin=False)
 
 
-def score_windows(checkpoint, windows, settings, threads):
-    return vllm.score_windows(checkpoint, windows, _native(settings, checkpoint), threads)
+class VllmNativeEngine(vllm.VllmEngine):
+    """The vllm engine with vLLM's own kernel chosen: every call gets the settings of
+    ``_native`` (one that opens an engine also checks this node has the kernel)."""
 
+    def settings_to_describe(self, settings: Settings) -> vllm.VllmSettings:
+        return vllm.VllmSettings.from_engine(settings, plugin=False)
 
-def score_keeping_side(checkpoint, windows, settings, threads, **kwargs):
-    return vllm.score_keeping_side(checkpoint, windows, _native(settings, checkpoint), threads, **kwargs)
-
-
-def runtime(checkpoint, settings):
-    return vllm.runtime(checkpoint, vllm.VllmSettings.from_engine(settings, plugin=False))
-
-
-def numerics(checkpoint, settings, rows):
-    return vllm.numerics(checkpoint, vllm.VllmSettings.from_engine(settings, plugin=False), rows)
-
-
-def throughput(checkpoint, settings, threads, **kwargs):
-    return vllm.throughput(checkpoint, _native(settings, checkpoint), threads, **kwargs)
-
-
-def throughput_session(checkpoint, settings, threads, **kwargs):
-    return vllm.throughput_session(checkpoint, _native(settings, checkpoint), threads, **kwargs)
-
-
-# Arithmetic on the two kept sides, which starts no engine: the vllm engine's, unchanged.
-compare_sides = vllm.compare_sides
+    def settings_to_run(self, settings: Settings, checkpoint: Path) -> vllm.VllmSettings:
+        return _native(settings, checkpoint)

@@ -22,13 +22,14 @@ why). Each arm still gets a record of its own, its ``bench.json``:
     provenance       host, ISA, cores, threads, load, versions, speed-relevant env
 
 How an engine takes part is its EngineSpec's ``bench`` (fourbit.engines.ENGINES):
-Bench.PER_PASS, a module-level ``throughput(checkpoint, settings, threads, *,
-prompt_tokens, decode_tokens) -> {"pp<prompt>_tok_s": .., "tg<decode>_tok_s": ..}``
-(one pass, in an engine started for it); NotBenchmarked(reason), when its speed means
-nothing for a shipped build: the record then says so and ``measured`` is false; or
-Bench.SESSION, when the engine can also stay open across passes through
-``throughput_session`` (same arguments, a context manager yielding the one-pass
-function): the job then holds every checkpoint's engine open at once (vLLM: one
+Bench.PER_PASS, its class is a TimesPasses (fourbit.engines.base), whose
+``throughput(checkpoint, settings, threads, *, prompt_tokens, decode_tokens) ->
+{"pp<prompt>_tok_s": .., "tg<decode>_tok_s": ..}`` times one pass in an engine started
+for it; NotBenchmarked(reason), when its speed means nothing for a shipped build: the
+record then says so and ``measured`` is false; or Bench.SESSION, a TimesInSession, when
+the engine can also stay open across passes through ``throughput_session`` (same
+arguments, a context manager yielding the one-pass function): the job then holds every
+checkpoint's engine open at once (vLLM: one
 worker process each, all their weights resident) and a pass costs only its runs (an
 untimed one and the timed ones), so many passes fit where one engine start per pass
 left room for few. When those engines would not fit in memory together (a model of a
@@ -68,6 +69,7 @@ from fourbit.bench.residency import cache_state, warm_and_check
 from fourbit.bench.weight_bytes import decode_weight_bytes
 from fourbit.schema import block
 from fourbit.engines import Bench, EngineSpec, NotBenchmarked, engine_spec, get_engine
+from fourbit.engines.base import TimesInSession, TimesPasses, capable
 from fourbit.hashing import require_sha256
 
 log = logging.getLogger("fourbit")
@@ -214,7 +216,7 @@ class _Side:
 
     checkpoint: Path
     settings: dict  # the engine's, with this checkpoint's own compile cache
-    engine: object  # the engine's module
+    engine: TimesPasses  # the engine (a TimesInSession where ``bench`` is Bench.SESSION)
     bench: Bench  # how it times a pass
     weights: dict  # what a decode step reads (decode_weight_bytes)
 
@@ -232,7 +234,8 @@ def _sides(pairs: list[BenchPair], specs: dict[str, EngineSpec]) -> dict[str, _S
             key = _side_key(pair, side)
             if key not in sides:
                 sides[key] = _Side(checkpoint, {**pair.engine, "cache_root": str(pair.caches[side])},
-                                   get_engine(pair.engine["name"]), specs[pair.name].bench,
+                                   capable(get_engine(pair.engine["name"]), TimesPasses),
+                                   specs[pair.name].bench,
                                    decode_weight_bytes(checkpoint, reads=specs[pair.name].reads,
                                                        dense_dtype=pair.engine.get("dtype")))
     return sides
@@ -289,7 +292,8 @@ def _pass_runner(side: _Side, threads: int, **sizes):
     if side.bench is Bench.PER_PASS:
         yield lambda: engine.throughput(checkpoint, settings, threads, **sizes)
         return
-    with engine.throughput_session(checkpoint, settings, threads, **sizes) as one_pass:
+    with capable(engine, TimesInSession).throughput_session(checkpoint, settings, threads,
+                                                            **sizes) as one_pass:
         yield one_pass
 
 

@@ -30,6 +30,7 @@ from fourbit import records
 from fourbit.atomic import write_json
 from fourbit.schema import block
 from fourbit.engines import engine_spec, get_engine
+from fourbit.engines.base import Engine, KeepsSides, WindowScore, capable
 from fourbit.hashing import canonical_json, file_sha256, require_sha256
 from fourbit.metrics.fidelity import select
 
@@ -135,15 +136,15 @@ def score_checkpoint(
     return result
 
 
-def _score_keeping_side(engine, checkpoint, windows_file: dict, settings: dict, threads: int,
-                        side_path, fidelity: dict) -> list[dict]:
+def _score_keeping_side(engine: Engine, checkpoint, windows_file: dict, settings: dict,
+                        threads: int, side_path, fidelity: dict) -> list[WindowScore]:
     """The engine's score_keeping_side: the per-window scores, and the side written to
     ``side_path`` (JSON, atomically) with the fidelity settings and token ids it was
     computed for, which the fidelity step checks before comparing."""
     if not engine_spec(settings["name"]).keeps_fidelity_side:
         raise ValueError(f"engine {settings['name']} keeps no fidelity side; pass no side_path")
     compared, prompts = select(windows_file["windows"], fidelity)
-    per_window, side = engine.score_keeping_side(
+    per_window, side = capable(engine, KeepsSides).score_keeping_side(
         Path(checkpoint), windows_file["windows"], settings, threads, compared=len(compared),
         prompts=prompts, new_tokens=fidelity["new_tokens"], top_k=fidelity["top_k"])
     write_json(side_path, {**side, "fidelity": fidelity,

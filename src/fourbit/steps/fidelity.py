@@ -4,8 +4,9 @@ engine's unquantized baseline: next-token KL, top-1, greedy.
 The definition of every number, and the arithmetic from per-position results to the
 record's numbers: fourbit.metrics.fidelity.
 
-How an engine takes part is its EngineSpec's ``fidelity`` (fourbit.engines.ENGINES).
-Fidelity.PER_POSITION: a module-level function
+How an engine takes part is its EngineSpec's ``fidelity`` (fourbit.engines.ENGINES),
+and its class implements the capability that asks for (fourbit.engines.base).
+Fidelity.PER_POSITION, a ComparesPositions:
 
     compare_with_baseline(arm_checkpoint, baseline_checkpoint, windows, settings, threads,
                           *, prompts, new_tokens, top_k) -> dict
@@ -14,15 +15,15 @@ returning {"method", "window_kl": [[float] per position] per window,
 "window_top1": [[bool]...], "greedy_baseline": [[ids]], "greedy_arm": [[ids]],
 "runtime": str, "baseline_runtime": str} and, for a top-k bound,
 "window_kl_merged", "window_kl_substituted" and "window_mass_topk" like
-window_kl. Fidelity.KEPT_SIDES: the same from the two sides the ppl jobs of the arm (as
-quantized) and of the baseline kept (fourbit.steps.evaluate), which the workflow declares
-as their outputs and passes here, through
+window_kl. Fidelity.KEPT_SIDES, a KeepsSides: the same from the two sides the ppl jobs
+of the arm (as quantized) and of the baseline kept (fourbit.steps.evaluate), which the
+workflow declares as their outputs and passes here, through
 
     compare_sides(arm_side, baseline_side, windows) -> dict
 
 (all of the above but the runtimes, which come from the engine's runtime()): the job
-starts no engine. Fidelity.OWN_KL_MODE: the engine's own aggregate statistics over the
-evaluation text, through
+starts no engine. Fidelity.OWN_KL_MODE, a HasOwnKlMode: the engine's own aggregate
+statistics over the evaluation text, through
 
     divergence_from_baseline(arm_checkpoint, baseline_checkpoint, text_file, settings,
                              *, ctx, chunks) -> dict
@@ -48,6 +49,7 @@ from pathlib import Path
 from fourbit import records
 from fourbit.schema import block
 from fourbit.engines import Fidelity, engine_spec, get_engine
+from fourbit.engines.base import ComparesPositions, HasOwnKlMode, KeepsSides, capable
 from fourbit.hashing import require_sha256
 from fourbit.metrics.fidelity import DEFINITION, greedy_summary, select, summarize
 from fourbit.metrics.kl import FULL
@@ -111,8 +113,9 @@ def compare_arm(
     }
     how = engine_spec(engine_settings["name"]).fidelity
     if how is Fidelity.OWN_KL_MODE:
-        return _own_kl_mode(engine, arm_checkpoint, baseline_checkpoint, text_path, out_path,
-                            record, engine_settings, prompts, ctx=len(compared_windows[0]))
+        return _own_kl_mode(capable(engine, HasOwnKlMode), arm_checkpoint, baseline_checkpoint,
+                            text_path, out_path, record, engine_settings, prompts,
+                            ctx=len(compared_windows[0]))
     if how is Fidelity.NOT_COMPARED:
         record.update({"computed": False, "method": None, "reason": NOT_COMPARED})
         records.write("fidelity", out_path, record)
@@ -121,16 +124,16 @@ def compare_arm(
 
     start = time.perf_counter()
     if how is Fidelity.KEPT_SIDES:
-        compared = _from_sides(engine, sides, record, compared_windows)
+        compared = _from_sides(capable(engine, KeepsSides), sides, record, compared_windows)
     else:
-        compared = engine.compare_with_baseline(
+        compared = capable(engine, ComparesPositions).compare_with_baseline(
             Path(arm_checkpoint), Path(baseline_checkpoint), compared_windows,
             dict(engine_settings), threads, prompts=prompts, new_tokens=settings["new_tokens"],
             top_k=settings["top_k"])
     return _per_position(compared, record, out_path, start)
 
 
-def _from_sides(engine, sides: Mapping[str, str | os.PathLike] | None, record: dict,
+def _from_sides(engine: KeepsSides, sides: Mapping[str, str | os.PathLike] | None, record: dict,
                 windows: list[list[int]]) -> dict:
     """The engine's compare_sides on the two kept sides, each checked to be of this
     comparison, and what runs each checkpoint (read from its files: no engine starts)."""
@@ -177,7 +180,7 @@ def _per_position(compared: dict, record: dict, out_path, start: float) -> dict:
     return _written(record, out_path, record["checkpoint"], record["baseline"])
 
 
-def _own_kl_mode(engine, arm_checkpoint, baseline_checkpoint, text_path, out_path, record: dict,
+def _own_kl_mode(engine: HasOwnKlMode, arm_checkpoint, baseline_checkpoint, text_path, out_path, record: dict,
                  engine_settings: Mapping, prompts: list[list[int]], *, ctx: int) -> dict:
     """The engine's own aggregate KL statistics, over as many chunks as windows are compared,
     and the greedy continuations of the same prompts as every other engine."""

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fourbit.threads import torch_threads
+from fourbit.engines.base import WindowScore
 from fourbit.engines.vllm.lifecycle import llm_options, open_llm
 from fourbit.engines.vllm.score import greedy_on, logprobs_on, max_logprobs
 from fourbit.engines.vllm.settings import VllmSettings, resolve
@@ -36,7 +37,7 @@ def score_keeping_side(
     prompts: Sequence[Sequence[int]],
     new_tokens: int,
     top_k: int,
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+) -> tuple[list[WindowScore], dict[str, Any]]:
     """What score_windows returns, and in the same engine the checkpoint's side: the first
     ``compared`` windows' prompt_logprobs with their top k, and the greedy continuations
     (EOS ignored) of ``prompts``, {"scored": [...], "greedy": [[ids]]}, plain JSON data for
@@ -56,7 +57,7 @@ def score_keeping_side(
         continued = greedy_on(llm, prompts, new_tokens)
     log.info("fidelity side of %s: %d windows (top %d), %d prompts x %d tokens", checkpoint,
              compared, k, len(prompts), new_tokens)
-    scores = [{"nll_sum": r["nll_sum"], "tokens": r["tokens"]} for r in scored]
+    scores: list[WindowScore] = [{"nll_sum": r["nll_sum"], "tokens": r["tokens"]} for r in scored]
     return scores, {"scored": scored[:compared], "greedy": continued}
 
 
