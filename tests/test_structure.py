@@ -25,21 +25,11 @@ def _modules() -> dict[str, Path]:
     return modules
 
 
-def _running_nodes(tree: ast.AST) -> list[ast.AST]:
-    """Every node of ``tree`` but those under ``if TYPE_CHECKING:``, imports for type
-    annotations that never run (and so make neither a cycle nor a layer's dependency)."""
-    skipped = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skipped.update(id(inner) for statement in node.body for inner in ast.walk(statement))
-    return [node for node in ast.walk(tree) if id(node) not in skipped]
-
-
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """The fourbit modules ``name`` imports, at the top or inside functions."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in _running_nodes(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -168,11 +158,3 @@ def test_long_functions_say_why():
                     unexplained.append(f"{name}.{node.name} ({length} lines)")
     assert unexplained == [], (f"functions over {MAX_FUNCTION_LINES} lines without "
                                f"'{LENGTH_REASON} ...' in their docstring")
-
-
-def test_imports_for_type_checking_alone_are_not_dependencies(tmp_path):
-    module = tmp_path / "user.py"
-    module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                      "    from fourbit.steps import quantize\nfrom fourbit import hashing\n")
-    modules = {"fourbit.steps.quantize": module, "fourbit.hashing": module}
-    assert _imports("fourbit.quant.user", module, modules) == {"fourbit.hashing"}

@@ -8,7 +8,7 @@ Each holds its layer's stored tensors as the checkpoint's format lays them out
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from vllm.model_executor.layers.linear import LinearMethodBase
@@ -33,13 +33,26 @@ from fourbit.vllm_plugin.ops import (
     kept_copy,
 )
 
-if TYPE_CHECKING:  # the config builds these methods; they only read its settings
-    from fourbit.vllm_plugin.config import FourbitInt4Config
-
 log = logging.getLogger(__name__)
 
 # The activation dtypes a quantized linear computes in (the config's activation_dtype).
 ACTIVATION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class PluginSettings(Protocol):
+    """What these methods read of the config that builds them
+    (fourbit.vllm_plugin.config.FourbitInt4Config; the knobs are described in knobs.py)."""
+
+    format_name: str
+    group_size: int
+    dequant_threshold: int
+    prefill_dequant: bool
+    direct_dequant: bool
+    activation_dtype: str
+    kernel: str
+
+    @property
+    def format(self) -> formats.Format: ...
 
 
 def _pad_rows(qw: QuantizedWeight, rows: int) -> QuantizedWeight:
@@ -60,7 +73,7 @@ def _pad_rows(qw: QuantizedWeight, rows: int) -> QuantizedWeight:
 class _Method(StoredTensors):
     """What both methods hold: the config, and the loading of its format's tensors."""
 
-    def __init__(self, config: FourbitInt4Config) -> None:
+    def __init__(self, config: PluginSettings) -> None:
         super().__init__(config.format, config.group_size)
         self.config = config
 
@@ -77,7 +90,7 @@ class FourbitEmbeddingMethod(StoredTensors, QuantizeMethodBase):
 
     TABLE_FORMAT = "cpu_int4"
 
-    def __init__(self, config: FourbitInt4Config, layout: formats.Layout) -> None:
+    def __init__(self, config: PluginSettings, layout: formats.Layout) -> None:
         super().__init__(layout, config.group_size)
         self.config = config
 
@@ -216,7 +229,7 @@ class FourbitInt8LinearMethod(StoredTensors, LinearMethodBase):
     W_hat block by block for large ones. A head's rows are padded to vLLM's vocab with zero
     codes."""
 
-    def __init__(self, config: FourbitInt4Config) -> None:
+    def __init__(self, config: PluginSettings) -> None:
         super().__init__(formats.INT8, config.group_size)
         self.config = config
 
