@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -44,6 +45,20 @@ def save_tiny_llama(folder, *, tied: bool, hidden: int = 256, intermediate: int 
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(folder)
     return model
+
+
+def save_tiny_tokenizer(folder, *, vocab: int = 300) -> None:
+    """A word-level tokenizer of ``vocab`` ids (tokenizer.json and tokenizer_config.json),
+    which AutoTokenizer loads: what a local model folder needs beside its weights."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {"<unk>": 0, **{f"w{i}": i for i in range(1, vocab)}}
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(Path(folder) / "tokenizer.json"))
+    (Path(folder) / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "<unk>"}))
 
 
 @pytest.fixture

@@ -75,6 +75,15 @@ def test_saved_folder_loads_as_a_hugging_face_causal_lm(trained):
     assert logits.shape[-1] == MICRO_SPEC["vocab_size"] and torch.isfinite(logits).all()
 
 
+def test_saved_folder_passes_the_checks_the_download_job_makes(trained):
+    """fourbit.steps.prepare.fetch_model checks the folder it has just built."""
+    from fourbit.checkpoints.hf import read_config
+    from fourbit.inputs.model_folder import check_folder
+
+    out, _ = trained
+    check_folder(out, read_config(out), load_tokenizer=True)
+
+
 def test_training_report_is_saved_and_returned(trained):
     out, report = trained
     assert json.loads((out / "training.json").read_text()) == report

@@ -228,9 +228,10 @@ def test_an_arm_whose_group_does_not_fit_the_model_gets_no_job_and_its_reason(tm
 
 @pytest.mark.slow
 def test_a_local_576_wide_model_is_checked_before_any_job(tmp_path):
-    from conftest import save_tiny_llama
+    from conftest import save_tiny_llama, save_tiny_tokenizer
 
     save_tiny_llama(tmp_path / "m", tied=True, hidden=576, intermediate=1152, layers=1, vocab=512)
+    save_tiny_tokenizer(tmp_path / "m")
     arms = [
         {"name": "gptq128", "quant": {"method": "gptq", "group_size": 128}},
         {"name": "gptq128_dense", "quant": {"method": "gptq", "group_size": 128, "fallback": "dense"}},

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import hub_cache, save_tiny_llama
+from conftest import hub_cache, save_tiny_llama, save_tiny_tokenizer
 
 from fourbit.checkpoints.hf import read_config
 from fourbit.config import model_identity
@@ -35,6 +35,7 @@ def model_files(folder: Path) -> dict[str, bytes]:
 
 def test_hf_source_reads_a_pinned_revision_from_the_hub_cache(tmp_path):
     save_tiny_llama(tmp_path / "m", tied=True)
+    save_tiny_tokenizer(tmp_path / "m")
     hub = hub_cache(tmp_path, "models--org--tiny", REVISION, model_files(tmp_path / "m"))
     spec = {"source": "hf", "repo_id": "org/tiny", "revision": REVISION, "trust_remote_code": False}
     run = fetch_offline(hub, spec, tmp_path / "out")
@@ -68,6 +69,7 @@ def test_hf_source_with_remote_code_needs_consent(tmp_path):
 
 def test_path_source_links_the_folder(tmp_path):
     save_tiny_llama(tmp_path / "m", tied=False)
+    save_tiny_tokenizer(tmp_path / "m")
     spec = block("model", {"source": "path", "path": str(tmp_path / "m")})
     fetch_model(spec, tmp_path / "out", tmp_path, 1, model_id=model_identity(spec, "c"),
                 corpus_id="c")

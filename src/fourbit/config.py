@@ -108,6 +108,7 @@ class Study:
         }
         model_config = _model_config(config, model_id)
         matrices = _matrices(model_config)
+        sources.check_local_folder(config["model"], model_config)  # a local folder, whole
         has_gguf_arms = any(quant.get("method") in GGUF_METHODS for quant in quant_parts)
         model_dir = Path(config["results"]) / model_id
         _check_engines_read(config["model"], model_config, engines, has_gguf_arms, model_dir)
@@ -281,6 +282,13 @@ def model_identity(model: dict, corpus_id: str) -> str:
     if source == "path":
         return f"path_{_slug(Path(model['path']).name)}-{short_hash('model', _path_fingerprint(model))}"
     return f"synthetic_{_slug(Path(model['architecture']).stem)}-{short_hash('model', model)}"
+
+
+def model_folder_state(model: dict) -> dict | None:
+    """What a ``path`` model's id holds of its folder (config.json, the size of each weight
+    file), which the download job compares with the folder it links, naming any file that
+    changed (fourbit.inputs.model_folder.changes); None for the other sources."""
+    return _path_fingerprint(model) if model["source"] == "path" else None
 
 
 def _path_fingerprint(model: dict) -> dict:

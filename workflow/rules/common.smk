@@ -4,7 +4,7 @@
 import sys
 from pathlib import Path
 
-from fourbit.config import ID_PATTERN, Study
+from fourbit.config import ID_PATTERN, Study, model_folder_state
 
 STUDY = Study.from_config(config)
 # An arm that cannot apply to this model (its shapes were checked against the model's
@@ -22,6 +22,9 @@ EVAL_DIR = f"{MODEL_DIR}/eval/{CORPUS}"
 GGUF_BASE = f"{MODEL_DIR}/gguf/f16.gguf"
 GGUF_BASE_STORAGE = f"{MODEL_DIR}/gguf/f16.storage.json"
 LLAMACPP_TOOLS = f"{RESULTS}/tools/llamacpp.json"
+# A local model folder as the study was planned on it (config.json, weight file sizes;
+# None for other sources): the download job names any file changed since.
+MODEL_FOLDER_STATE = model_folder_state(STUDY.config["model"])
 
 
 # ---- resources: what each rule asks of the machine or the cluster ----------------

@@ -41,6 +41,7 @@ rule download:
         spec=STUDY.config["model"],
         corpus_dir=f"{RESULTS}/corpus/{CORPUS}",
         corpus_id=CORPUS,
+        built_from=MODEL_FOLDER_STATE,
     script:
         "../../scripts/download.py"
 

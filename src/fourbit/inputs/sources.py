@@ -5,7 +5,9 @@ Hugging Face model (config.json, *.safetensors, tokenizer files) that the downlo
 step (fourbit.steps.prepare.fetch_model) renames into place, adding ``fourbit-source.json`` with the content hash of every
 weight file; and a config reader, which gives the model's config.json before any job
 runs (``model_config``), so the workflow checks every arm's shapes against the model
-while it builds the DAG. Config readers import neither torch nor transformers.
+while it builds the DAG. Config readers import neither torch nor transformers. A source
+whose model is a folder before any job (``path``) also names it (``folder``), and the
+DAG's build checks that folder whole (``check_local_folder``, fourbit.inputs.model_folder).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from fourbit.hashing import model_weights_sha256
+from fourbit.inputs import model_folder
 
 log = logging.getLogger("fourbit")
 ARCHITECTURES = Path(__file__).parent / "architectures"
@@ -37,6 +40,9 @@ ConfigReader = Callable[[dict, Path], dict]
 # (spec, that folder) -> a folder with the model's own tokenizer files before any job, or
 # None when there is none yet or the workflow makes the tokenizer itself
 TokenizerFinder = Callable[[dict, Path], "Path | None"]
+# spec -> the model's own folder before any job (a local path), which the DAG's build
+# checks whole (fourbit.inputs.model_folder); None: the download job makes the folder
+FolderFinder = Callable[[dict], "Path | None"]
 
 
 @dataclass(frozen=True)
@@ -44,16 +50,19 @@ class Source:
     fetch: Fetcher
     config: ConfigReader
     tokenizer: TokenizerFinder = lambda spec, source_dir: None  # noqa: E731
+    folder: FolderFinder = lambda spec: None  # noqa: E731
 
 
 SOURCES: dict[str, Source] = {}
 
 
 def register_source(
-    name: str, *, config: ConfigReader, tokenizer: TokenizerFinder | None = None
+    name: str, *, config: ConfigReader, tokenizer: TokenizerFinder | None = None,
+    folder: FolderFinder | None = None,
 ) -> Callable[[Fetcher], Fetcher]:
     def add(fetcher: Fetcher) -> Fetcher:
-        SOURCES[name] = Source(fetcher, config, *([tokenizer] if tokenizer else []))
+        extra = {"tokenizer": tokenizer, "folder": folder}
+        SOURCES[name] = Source(fetcher, config, **{k: v for k, v in extra.items() if v})
         return fetcher
 
     return add
@@ -80,6 +89,14 @@ def tokenizer_folder(spec: dict, source_dir: str | os.PathLike) -> Path | None:
     """A folder holding the model's own tokenizer files (and config.json) before any job,
     for checks such as llama.cpp's converter's; None when there is none to check yet."""
     return source_of(spec).tokenizer(spec, Path(source_dir))
+
+
+def check_local_folder(spec: dict, config: dict) -> None:
+    """The checks of fourbit.inputs.model_folder on the model's own folder, where there is
+    one before any job (a ``path`` source); FolderError (a ConfigError) naming the file."""
+    folder = source_of(spec).folder(spec)
+    if folder is not None:
+        model_folder.check_folder(folder, config)
 
 
 def _builtin_spec(spec: dict) -> dict:
@@ -208,7 +225,8 @@ def _read_config(folder: Path) -> dict:
     return json.loads(path.read_text())
 
 
-@register_source("path", config=_path_config, tokenizer=lambda spec, source_dir: Path(spec["path"]))
+@register_source("path", config=_path_config, tokenizer=lambda spec, source_dir: Path(spec["path"]),
+                 folder=lambda spec: Path(spec["path"]))
 def _local_path(spec: dict, folder: Path, corpus_dir: Path, threads: int) -> None:
     _link_folder(Path(spec["path"]), folder)
 

@@ -4,7 +4,8 @@
   that says exactly what was taken (fourbit.inputs.corpus selects the documents).
 - fetch_model (rule download): the model into results/<model id>/source, with
   fourbit-source.json holding the content hash of every weight file (the weights'
-  identity every downstream record carries; fourbit.inputs.sources fetches).
+  identity every downstream record carries; fourbit.inputs.sources fetches), once the
+  folder passes fourbit.inputs.model_folder's checks on the host that runs the job.
 - untie_head: the output head given its own tensor, so it can be quantized on its own.
   A tied model shares one matrix between the input embedding (a lookup: a few
   hundred bytes per token) and the output head (a GEMM that reads the whole matrix
@@ -21,7 +22,7 @@ import os
 from pathlib import Path
 
 from fourbit.atomic import atomic_dir
-from fourbit.config import model_identity
+from fourbit.config import model_folder_state, model_identity
 from fourbit.schema import block
 from fourbit.checkpoints.hf import (
     load_tensors,
@@ -32,7 +33,7 @@ from fourbit.checkpoints.hf import (
     write_checkpoint,
 )
 from fourbit.hashing import file_sha256
-from fourbit.inputs import corpus, sources
+from fourbit.inputs import corpus, model_folder, sources
 
 log = logging.getLogger("fourbit")
 
@@ -57,14 +58,21 @@ def prepare_corpus(spec: dict, out_dir: Path) -> dict:
 
 
 def fetch_model(spec: dict, target: str | os.PathLike, corpus_dir: str | os.PathLike, threads: int,
-                *, model_id: str | None = None, corpus_id: str | None = None) -> None:
+                *, model_id: str | None = None, corpus_id: str | None = None,
+                built_from: dict | None = None) -> None:
     """The model ``spec`` names (the config's model block, its defaults filled here if a
-    caller left them out), written to ``target`` with a manifest of its weights' hashes.
+    caller left them out), written to ``target`` with a manifest of its weights' hashes,
+    once the folder passes fourbit.inputs.model_folder's checks (here, on the host that
+    runs the job, whatever the source).
     ``model_id``, ``corpus_id``: the ids the study computed where the workflow started
     (the workflow passes both; a direct call may leave them out); refused before any work
     if this host would make another model id (a builtin model trained on another CPU
-    vendor or other library versions, as on a cluster node unlike the submitting host)."""
+    vendor or other library versions, as on a cluster node unlike the submitting host).
+    ``built_from``: a local folder's state when the DAG was built
+    (fourbit.config.model_folder_state); refused, naming each file that changed since."""
     spec = block("model", spec)
+    if built_from is not None:
+        _refuse_changes(spec, built_from, model_id)
     if model_id is not None and (here := model_identity(spec, corpus_id)) != model_id:
         raise ValueError(
             f"this host would make model {here}, not the study's {model_id}: the id holds "
@@ -75,12 +83,41 @@ def fetch_model(spec: dict, target: str | os.PathLike, corpus_dir: str | os.Path
     source = sources.source_of(spec)
     with atomic_dir(target) as folder:
         source.fetch(spec, folder, Path(corpus_dir), threads)
+        _check_fetched(spec, folder, Path(target))
         weights = {p.name: file_sha256(p) for p in weight_files(folder)}
         manifest = {"spec": spec, "weights_sha256": weights}
         (folder / sources.MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 
+def _check_fetched(spec: dict, folder: Path, target: Path) -> None:
+    """fourbit.inputs.model_folder's checks on the fetched folder, whose messages name the
+    files where they came from (the local folder, the Hub revision, or the target) rather
+    than the temporary folder they are linked into, which is gone once the job fails."""
+    where = {"path": spec.get("path"), "hf": f"{spec.get('repo_id')}@{spec.get('revision')}"}
+    try:
+        model_folder.check_folder(folder, read_config(folder), load_tokenizer=True)
+    except model_folder.FolderError as error:
+        named = str(error).replace(str(folder), where.get(spec["source"]) or str(target))
+        raise model_folder.FolderError(named) from None
+
+
+def _refuse_changes(spec: dict, built_from: dict, model_id: str | None) -> None:
+    """FolderError naming what changed in a local model folder since the DAG was built."""
+    changed = model_folder.changes(built_from, model_folder_state(spec))
+    if changed:
+        raise model_folder.FolderError(
+            f"the model folder {spec['path']} changed after the workflow built its DAG: "
+            f"{'; '.join(changed)}; the study was planned on it as it was (model "
+            f"{model_id or 'id'} holds its config.json and the size of each weight file): put "
+            "it back as it was, or start the workflow again to plan on the folder as it is")
+
+
 def _what_sets_the_weights(spec: dict) -> str:
+    if spec["source"] == "path":
+        state = model_folder_state(spec)
+        sizes = ", ".join(f"{name} {size:,} bytes" for name, size in state["weights"].items())
+        return (f"for a model folder its config.json and the size of each weight file, here "
+                f"{sizes}: the folder changed since the workflow started")
     if spec["source"] != "builtin":
         return "the model block"
     from fourbit.inputs.builtin_model import training_identity

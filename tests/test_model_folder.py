@@ -1,0 +1,277 @@
+"""A broken model folder is refused before any job (fourbit.inputs.model_folder), with a
+message naming the file, what is wrong and what would be right; and the download job
+refuses a folder changed since the DAG was built, naming what changed."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import save_tiny_llama, save_tiny_tokenizer
+from safetensors.torch import load_file, save_file
+
+from fourbit.config import ConfigError, Study, model_folder_state
+from fourbit.inputs.model_folder import check_folder
+from fourbit.steps.prepare import fetch_model
+
+ARMS = [{"name": "g64", "quant": {"method": "cpu_int4", "group_size": 64}}]
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    """A tiny tied Llama (hidden 256, 2 layers, vocab 512) with a 300-word tokenizer."""
+    folder = tmp_path_factory.mktemp("good") / "m"
+    save_tiny_llama(folder, tied=True)
+    save_tiny_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture
+def folder(good, tmp_path):
+    """A copy of the good folder, for a test to break."""
+    return Path(shutil.copytree(good, tmp_path / "m"))
+
+
+def config_of(folder: Path) -> dict:
+    return {"model": {"source": "path", "path": str(folder)}, "corpus": {"source": "builtin"},
+            "arms": ARMS, "results": str(folder.parent / "results")}
+
+
+def refused(folder: Path, pattern: str) -> str:
+    """Study.from_config's ConfigError on ``folder``, which must match ``pattern``."""
+    with pytest.raises(ConfigError, match=pattern) as error:
+        Study.from_config(config_of(folder))
+    assert not (folder.parent / "results").exists()
+    return str(error.value)
+
+
+def named(path: Path) -> str:
+    return re.escape(str(path))
+
+
+def edit_config(folder: Path, **changes) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+def edit_tensors(folder: Path, change) -> None:
+    tensors = load_file(folder / "model.safetensors")
+    change(tensors)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_a_good_folder_passes_every_check_and_its_tokenizer_loads(good):
+    assert Study.from_config(config_of(good)).arms
+    check_folder(good, json.loads((good / "config.json").read_text()), load_tokenizer=True)
+
+
+def test_a_truncated_weight_file_is_refused(folder):
+    weights = folder / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size - 1000)
+    refused(folder, rf"{named(weights)} is truncated: its header places the tensors in [\d,]+ "
+                    r"bytes after the header, but the file holds only [\d,]+ \([\d,]+ bytes in all, "
+                    r"1,000 short; tensor \S+ is cut off\); copy it again from where the model came from")
+
+
+def test_a_folder_without_a_tokenizer_is_refused(folder):
+    (folder / "tokenizer.json").unlink()
+    (folder / "tokenizer_config.json").unlink()
+    refused(folder, rf"{named(folder)}: no tokenizer \(neither tokenizer.json, nor tokenizer.model, "
+                    r"nor vocab.json with merges.txt\); .*copy its tokenizer files \(tokenizer.json, "
+                    r"tokenizer_config.json, special_tokens_map.json\) from where the model came from")
+
+
+def test_a_tensor_of_the_wrong_shape_is_refused(folder):
+    name = "model.layers.1.self_attn.k_proj.weight"
+    edit_tensors(folder, lambda t: t.update({name: t["model.layers.1.self_attn.q_proj.weight"].clone()}))
+    refused(folder, rf"{named(folder / 'model.safetensors')}: tensor {re.escape(name)} has shape "
+                    r"\[256, 256\], but config.json \(num_key_value_heads 2 x head_dim 64, hidden_size 256\) "
+                    r"gives \[128, 256\]; use the config.json "
+                    "that came with these weights")
+
+
+def test_an_index_naming_a_missing_shard_is_refused(good, folder):
+    from transformers import AutoModelForCausalLM
+
+    for path in folder.glob("*.safetensors"):
+        path.unlink()
+    AutoModelForCausalLM.from_pretrained(good).save_pretrained(
+        folder, max_shard_size="2MB")
+    shards = sorted(folder.glob("model-*.safetensors"))
+    assert len(shards) > 1 and (folder / "model.safetensors.index.json").is_file()
+    assert Study.from_config(config_of(folder)).arms  # whole, the sharded folder passes
+    shards[-1].unlink()
+    refused(folder, rf"{named(folder / 'model.safetensors.index.json')}: its weight_map names "
+                    rf"{re.escape(shards[-1].name)}, which {named(folder)} does not have \(1 of the "
+                    rf"{len(shards)} shards it lists\); copy the missing shard from where the model came from")
+
+
+def test_an_empty_weight_file_is_refused(folder):
+    (folder / "model.safetensors").write_bytes(b"")
+    refused(folder, rf"{named(folder / 'model.safetensors')} is empty \(0 bytes\): a safetensors file "
+                    "starts with an 8-byte header length and a JSON header; copy it again")
+
+
+def test_a_vocabulary_larger_than_the_embedding_is_refused(folder):
+    edit_config(folder, vocab_size=600)
+    refused(folder, rf"{named(folder / 'config.json')}: vocab_size 600 is larger than the embedding "
+                    r"model.embed_tokens.weight in model.safetensors, which has 512 rows: token ids "
+                    "512..599 would have no embedding; set vocab_size to 512 if the weights are right")
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_refused(folder):
+    save_tiny_tokenizer(folder, vocab=600)
+    refused(folder, rf"{named(folder / 'tokenizer.json')}: the tokenizer's ids run up to 599, but the "
+                    r"model's embedding has 512 rows \(ids 0..511\): ids 512..599 would index past it; "
+                    "use the tokenizer that came with these weights")
+
+
+def test_a_tokenizer_file_that_is_not_utf8_is_refused(folder):
+    path = folder / "tokenizer.json"
+    text = path.read_bytes()
+    path.write_bytes(text[:20] + b"\xff" + text[20:])
+    refused(folder, rf"{named(path)}: not UTF-8 text \(byte 0xff at offset 20 is not valid UTF-8\); "
+                    r"transformers reads tokenizer files as UTF-8: save it again as UTF-8")
+
+
+def test_a_dtype_fourbit_does_not_read_is_refused(folder):
+    edit_tensors(folder, lambda t: t.update({"model.norm.weight": t["model.norm.weight"].double()}))
+    refused(folder, rf"{named(folder / 'model.safetensors')}: tensor model.norm.weight is F64; fourbit "
+                    "reads dense weights in F32, F16 and BF16 only")
+
+
+def test_the_head_must_be_stored_exactly_when_config_unties_it(folder):
+    edit_config(folder, tie_word_embeddings=False)
+    refused(folder, rf"{named(folder / 'config.json')} has tie_word_embeddings: false, so the head is "
+                    r"its own matrix, but no weight file holds lm_head.weight .*set tie_word_embeddings: "
+                    "true if the head shares the embedding")
+    edit_config(folder, tie_word_embeddings=True)
+    edit_tensors(folder, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].clone()}))
+    refused(folder, rf"{named(folder / 'config.json')} says tie_word_embeddings: true, yet "
+                    r"model.safetensors holds lm_head.weight, which fourbit's untie step would replace "
+                    "by a copy of model.embed_tokens.weight")
+
+
+def test_layers_the_config_does_not_have_are_refused(folder):
+    edit_config(folder, num_hidden_layers=1)
+    refused(folder, rf"{named(folder / 'model.safetensors')} holds decoder layer 1 \(model.layers.1.\*\), "
+                    "but config.json says num_hidden_layers 1; use the config.json")
+    edit_config(folder, num_hidden_layers=3)
+    refused(folder, rf"{named(folder / 'model.safetensors')} holds no model.layers.2.self_attn.q_proj"
+                    r".weight, .* which config.json calls for \(9 of its 29 tensors; num_hidden_layers 3\)")
+
+
+def test_a_damaged_header_is_refused(folder):
+    path = folder / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[8:12] = b"\xff\xfe[}"
+    path.write_bytes(bytes(data))
+    refused(folder, rf"{named(path)}: its header is not UTF-8 JSON .*copy it again")
+
+
+def test_the_default_of_an_absent_tie_word_embeddings_is_transformers(folder):
+    from transformers import AutoConfig
+
+    from fourbit.inputs.model_folder import _tied
+    from fourbit.quant.shapes import LLAMA_LAYOUT
+
+    for model_type in LLAMA_LAYOUT:
+        assert AutoConfig.for_model(model_type).tie_word_embeddings is _tied({}), model_type
+
+
+def test_the_dag_time_checks_import_no_torch(good):
+    code = ("import json, sys; from fourbit.config import Study; "
+            "assert Study.from_config(json.loads(sys.argv[1])).arms; print('torch' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code, json.dumps(config_of(good))],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "False"
+
+
+def test_the_download_job_refuses_a_folder_changed_after_the_dag_was_built(folder, tmp_path):
+    study = Study.from_config(config_of(folder))
+    spec = study.config["model"]
+    built_from = model_folder_state(spec)  # what workflow/rules/common.smk passes the job
+    edit_config(folder, max_position_embeddings=1024, rope_scaling="linear")
+    weights = folder / "model.safetensors"
+    before = weights.stat().st_size
+    edit_tensors(folder, lambda t: t.pop("model.norm.weight"))
+    with pytest.raises(ConfigError, match=rf"the model folder {named(folder)} changed after the workflow "
+                                          r"built its DAG: config.json \(max_position_embeddings 512 then, "
+                                          r"1024 now, rope_scaling absent then, 'linear' now\); "
+                                          rf"model.safetensors \({before:,} bytes then, "
+                                          rf"{weights.stat().st_size:,} now\); .*put it back as it was, "
+                                          "or start the workflow again"):
+        fetch_model(spec, tmp_path / "out", tmp_path, 1, model_id=study.model_id,
+                    corpus_id=study.corpus_id, built_from=built_from)
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_download_job_checks_the_folder_it_links(folder, tmp_path):
+    """Without the DAG's state (a direct call), the job's own checks still stop a folder
+    broken after the DAG was built."""
+    study = Study.from_config(config_of(folder))
+    (folder / "tokenizer.json").write_bytes(b"\xff")
+    spec = study.config["model"]
+    with pytest.raises(ConfigError, match=rf"^{named(folder / 'tokenizer.json')}: not UTF-8 text"):
+        fetch_model(spec, tmp_path / "out", tmp_path, 1)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_a_truncated_weight_file_fails_the_dry_run(folder, tmp_path):
+    from test_config import dry_run, scheduled_jobs
+
+    config = {**config_of(folder), "results": "results"}  # the dry run's target is results/report.md
+    run = dry_run(tmp_path, config)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert scheduled_jobs(run.stdout)["download"] == 1
+    weights = folder / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size - 1000)
+    run = dry_run(tmp_path, config)
+    output = run.stdout + run.stderr
+    assert run.returncode != 0
+    assert f"{weights} is truncated" in output and "copy it again" in output, output[-3000:]
+    assert "Job stats" not in output
+    assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize("architecture", ["llama-3.2-1b", "qwen2.5-0.5b", "smollm-135m", "smollm-360m"])
+def test_the_shipped_architectures_as_transformers_saves_them_pass(architecture, tmp_path):
+    """The tensors transformers saves for each shipped architecture (a tied head left
+    out, as save_pretrained does) are the ones the checks expect, in their shapes."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fourbit.inputs.model_folder import check_weights
+    from fourbit.inputs.sources import model_config
+    from fourbit.inputs.weight_headers import Tensor
+
+    config = model_config({"source": "synthetic", "architecture": architecture, "layers": 2}, tmp_path)
+    given = dict(config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(given.pop("model_type"), **given))
+    tensors = {name: Tensor("model.safetensors", "F32", tuple(t.shape))
+               for name, t in model.state_dict().items()}
+    if config["tie_word_embeddings"]:
+        del tensors["lm_head.weight"]
+    assert check_weights(tmp_path, tensors, config) == config["vocab_size"]
+
+
+def test_the_download_job_refuses_an_hf_snapshot_without_a_tokenizer(good, tmp_path):
+    """An hf model has no folder before its download job: the job checks the snapshot."""
+    from conftest import hub_cache
+    from test_sources import REVISION, fetch_offline, model_files
+
+    files = {name: data for name, data in model_files(good).items() if not name.startswith("tokenizer")}
+    hub = hub_cache(tmp_path, "models--org--tiny", REVISION, files)
+    spec = {"source": "hf", "repo_id": "org/tiny", "revision": REVISION, "trust_remote_code": False}
+    run = fetch_offline(hub, spec, tmp_path / "out")
+    assert run.returncode != 0
+    assert f"FolderError: org/tiny@{REVISION}: no tokenizer (neither tokenizer.json" in run.stderr, \
+        run.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
