@@ -177,7 +177,7 @@ def test_the_default_of_an_absent_tie_word_embeddings_is_transformers(folder):
     from transformers import AutoConfig
 
     from fourbit.inputs.model_folder import _tied
-    from fourbit.quant.shapes import LLAMA_LAYOUT
+    from fourbit.quantizers.shapes import LLAMA_LAYOUT
 
     for model_type in LLAMA_LAYOUT:
         assert AutoConfig.for_model(model_type).tie_word_embeddings is _tied({}), model_type

@@ -15,7 +15,7 @@ Where each check runs:
 
 The checks cost the headers (kilobytes) and one tokenizer load: seconds for a real model.
 The tensor names are the Llama layout every model_type fourbit quantizes shares
-(fourbit.quant.shapes.LLAMA_LAYOUT): model.embed_tokens, model.layers.N.self_attn.
+(fourbit.quantizers.shapes.LLAMA_LAYOUT): model.embed_tokens, model.layers.N.self_attn.
 {q,k,v,o}_proj, model.layers.N.mlp.{gate,up,down}_proj, their norms, model.norm, lm_head.
 Nothing here imports torch.
 """
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from fourbit.inputs import tokenizer_files
 from fourbit.inputs.weight_headers import FolderError, Tensor, read_tensors
-from fourbit.quant import shapes
+from fourbit.quantizers import shapes
 
 __all__ = ["FolderError", "changes", "check_folder", "check_weights"]
 # Norm weights every Llama-layout decoder stores, one vector of hidden_size each.
