@@ -1,6 +1,6 @@
 """The vllm engine's lifecycle: its environment, opening and closing one in-process LLM, and
-what runs the weights (runtime). Scoring is fourbit.engines.vllm.score, timing .bench,
-the fidelity comparison .fidelity.
+what runs the weights (runtime). Scoring is fourbit.engines.vllm.score, timing .throughput,
+the fidelity sides .fidelity.
 
 What the engine relies on (line numbers are vllm 0.32.0 in site-packages/vllm):
 
@@ -11,7 +11,7 @@ which the engine core freezes after start (v1/engine/core.py:258 enable_envs_cac
 every call here resets that cache before setting variables, and tears the engine down
 with cleanup_dist_env_and_memory (distributed/parallel_state.py:2516-2543: unfreezes the
 GC heap that core.py:253 froze, destroys the gloo group, collects). A second LLM in the
-same process then starts cleanly (measured). The CPU worker replaces
+same process then starts cleanly. The CPU worker replaces
 torch.set_num_threads with a no-op (v1/worker/cpu_worker.py:139-145); it is put back
 on teardown. LLM(seed=...) seeds the global RNGs of this process (arg_utils.py:1945).
 
@@ -27,18 +27,15 @@ backend (platforms/cpu.py:355-377) and vLLM saves the compiled model under
 VLLM_CACHE_ROOT/torch_compile_cache/torch_aot_compile/<hash> and points
 TORCHINDUCTOR_CACHE_DIR into it (compilation/decorators.py:546-582). The prompt-logprob
 rank computation is torch.compile'd even in eager mode (v1/sample/ops/logprobs.py:10)
-and uses TORCHINDUCTOR_CACHE_DIR (default /tmp/torchinductor_$USER): ~15-20 s the first
-time, ~2 s from a warm cache. The V2 model runner needs Triton, absent here, so the V1
+and uses TORCHINDUCTOR_CACHE_DIR (default /tmp/torchinductor_$USER), slow the first time
+and fast from a warm cache. The V2 model runner needs Triton, absent here, so the V1
 runner is used (config/vllm.py:720-728); VLLM_USE_V2_MODEL_RUNNER=0 makes that explicit.
 
-Measured here (2 shared cores; this host reports AVX-512 incl. avx512_bf16, torch's CPU
-capability "AVX512"): `import vllm` 8-15 s; an eager in-process engine on the test-size
-model 1.7-2.5 s warm (4-13 s for the first in a process); a 0.5B-shaped fourbit_int4
-checkpoint 4-15 s warm, ~37 s cold; compiled mode 13-17 s warm and ~45 s cold for the
-tiny model. The AOT artifact vLLM saves in compiled mode does not load back on CPU
-("'function' object has no attribute 'finalize_loading'", compilation/decorators.py:315:
-the stock-inductor backend of DYNAMO_TRACE_ONCE returns a plain function), so every
-compiled start recompiles, helped only by inductor's own cache.
+In compiled mode the AOT artifact vLLM saves does not load back on CPU ("'function'
+object has no attribute 'finalize_loading'", compilation/decorators.py:315: the
+stock-inductor backend of DYNAMO_TRACE_ONCE returns a plain function), so every compiled
+start recompiles, helped only by inductor's own cache. (docs/engines.md has the start-up
+times measured.)
 
 Caches per arm (``cache_root``): VLLM_CACHE_ROOT (compile cache; vllm/envs.py:712),
 TRITON_CACHE_DIR, VLLM_RPC_BASE_PATH (IPC sockets; unused in-process, envs.py:730),
@@ -54,17 +51,14 @@ does not point it into VLLM_CACHE_ROOT). Inductor keys an entry by the graph it 
 not by anything vLLM leaves out, so every checkpoint of every arm may share it, as every
 process of a user shares inductor's default /tmp folder; what its key lacks is the CPU
 (torch 2.13's FxGraphHashDetails holds no vector ISA), so the folder is per CPU and per
-ATen capability. A per-arm folder made every ppl job compile that op again: one default-
-study ppl job took 54.3 s so, 52.5 s with the shared folder empty and 40.1 s with it warm
-(2-core Intel Xeon, AVX-512; the same nll_sum to the last digit in all three).
+ATen capability. A per-arm folder made every ppl job compile that op again.
 
 One folder of model-class facts shared likewise (:func:`model_info_cache`): before its
 first engine of a class, vLLM learns what the class supports (_ModelInfo) by importing
 vLLM again in a subprocess (model_executor/models/registry.py:1043-1089), unless
 VLLM_CACHE_ROOT/modelinfos holds them, keyed by the class's module source hash (registry.py
 :968-992); nothing of a checkpoint goes in. With VLLM_CACHE_ROOT per arm, every process's
-first engine paid that subprocess: 8.8 of the 18.0 s a first engine took to start (the
-default study's baseline, 2-core AMD EPYC with AVX-512). So <arm cache>/vllm/modelinfos
+first engine paid that subprocess, about half its start. So <arm cache>/vllm/modelinfos
 is a link to one folder per vLLM release.
 """
 
