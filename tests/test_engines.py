@@ -17,23 +17,15 @@ from fourbit.engines import (
     get_engine,
     unavailable_here,
 )
-from fourbit.engines.base import (
-    ComparesPositions,
-    Engine,
-    HasOwnKlMode,
-    KeepsSides,
-    TimesInSession,
-    TimesPasses,
-    capable,
-)
+from fourbit.engines import base
 
 # What the bench and fidelity steps call, per declaration (fourbit.engines' docstring).
 CAPABILITIES = {
-    Bench.PER_PASS: [TimesPasses],
-    Bench.SESSION: [TimesPasses, TimesInSession],
-    Fidelity.PER_POSITION: [ComparesPositions],
-    Fidelity.KEPT_SIDES: [KeepsSides],
-    Fidelity.OWN_KL_MODE: [HasOwnKlMode],
+    Bench.PER_PASS: [base.TimesPasses],
+    Bench.SESSION: [base.TimesPasses, base.TimesInSession],
+    Fidelity.PER_POSITION: [base.ComparesPositions],
+    Fidelity.KEPT_SIDES: [base.KeepsSides],
+    Fidelity.OWN_KL_MODE: [base.HasOwnKlMode],
     Fidelity.NOT_COMPARED: [],
 }
 
@@ -43,7 +35,7 @@ def test_every_engine_class_implements_what_its_spec_declares(name):
     spec = engine_spec(name)
     engine = get_engine(name)
     bench = [] if isinstance(spec.bench, NotBenchmarked) else CAPABILITIES[spec.bench]
-    for capability in [Engine, *bench, *CAPABILITIES[spec.fidelity]]:
+    for capability in [base.Engine, *bench, *CAPABILITIES[spec.fidelity]]:
         assert isinstance(engine, capability), (spec.implementation, capability.__name__)
     assert spec.reads in ("hf", "gguf")
     reason = unavailable_here(name)
@@ -64,13 +56,13 @@ def test_a_class_lacking_a_declared_capability_is_refused(monkeypatch):
     with pytest.raises(TypeError, match="ReferenceEngine is not a TimesPasses"):
         get_engine("half")
     reference = get_engine("reference")
-    assert capable(reference, ComparesPositions) is reference
+    assert base.capable(reference, base.ComparesPositions) is reference
     with pytest.raises(TypeError, match="ReferenceEngine is not a KeepsSides"):
-        capable(reference, KeepsSides)
+        base.capable(reference, base.KeepsSides)
 
 
 def test_an_abstract_method_left_out_is_an_error_at_instantiation():
-    class Unfinished(TimesPasses):
+    class Unfinished(base.TimesPasses):
         def score_windows(self, checkpoint, windows, settings, threads):
             return []
 

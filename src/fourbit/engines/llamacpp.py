@@ -7,17 +7,8 @@ arm is compared with llama.cpp, not with another engine.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-from fourbit.engines.base import (
-    HasOwnKlMode,
-    Numerics,
-    Rates,
-    Settings,
-    TimesPasses,
-    TokenIds,
-    WindowScore,
-)
+from fourbit.engines.base import HasOwnKlMode, Numerics, TimesPasses
 from fourbit.llamacpp import ARITHMETIC
 from fourbit.llamacpp.installed import find_llamacpp
 from fourbit.llamacpp.perplexity import greedy_continuations as llamacpp_greedy
@@ -87,27 +78,9 @@ def throughput(checkpoint: Path, settings: dict, threads: int, *, prompt_tokens:
 class LlamaCppEngine(TimesPasses, HasOwnKlMode):
     """The engine table's "llamacpp" (fourbit.engines.ENGINES): the functions above."""
 
-    def score_windows(self, checkpoint: Path, windows: TokenIds, settings: Settings,
-                      threads: int) -> list[WindowScore]:
-        return score_windows(checkpoint, windows, settings, threads)
-
-    def runtime(self, checkpoint: Path, settings: Settings) -> str:
-        return runtime(checkpoint, settings)
-
-    def numerics(self, checkpoint: Path, settings: Settings, rows: int) -> Numerics:
-        return numerics(checkpoint, settings, rows)
-
-    def throughput(self, checkpoint: Path, settings: Settings, threads: int, *,
-                   prompt_tokens: int, decode_tokens: int) -> Rates:
-        return throughput(checkpoint, settings, threads, prompt_tokens=prompt_tokens,
-                          decode_tokens=decode_tokens)
-
-    def divergence_from_baseline(self, arm_checkpoint: Path, baseline_checkpoint: Path,
-                                 text_file: Path, settings: Settings, *, ctx: int,
-                                 chunks: int) -> dict[str, Any]:
-        return divergence_from_baseline(arm_checkpoint, baseline_checkpoint, text_file, settings,
-                                        ctx=ctx, chunks=chunks)
-
-    def greedy_continuations(self, checkpoint: Path, prompts: TokenIds, new_tokens: int,
-                             settings: Settings) -> list[list[int]]:
-        return greedy_continuations(checkpoint, prompts, new_tokens, settings)
+    score_windows = staticmethod(score_windows)
+    runtime = staticmethod(runtime)
+    numerics = staticmethod(numerics)
+    throughput = staticmethod(throughput)
+    divergence_from_baseline = staticmethod(divergence_from_baseline)
+    greedy_continuations = staticmethod(greedy_continuations)

@@ -16,14 +16,7 @@ import torch
 
 from fourbit.checkpoints.hf import skeleton
 from fourbit.checkpoints.quantized import is_quantized, read_quantized
-from fourbit.engines.base import (
-    ComparesPositions,
-    Numerics,
-    PerPosition,
-    Settings,
-    TokenIds,
-    WindowScore,
-)
+from fourbit.engines.base import ComparesPositions, Numerics, WindowScore
 from fourbit.kernels import tinygemm
 from fourbit.metrics.kl import FULL, kl_full
 from fourbit.progress import Progress
@@ -237,19 +230,7 @@ def _full_kl(baseline: torch.nn.Module, arm: torch.nn.Module, windows: list[list
 class ReferenceEngine(ComparesPositions):
     """The engine table's "reference" (fourbit.engines.ENGINES): the functions above."""
 
-    def score_windows(self, checkpoint: Path, windows: TokenIds, settings: Settings,
-                      threads: int) -> list[WindowScore]:
-        return score_windows(checkpoint, windows, settings, threads)
-
-    def runtime(self, checkpoint: Path, settings: Settings) -> str:
-        return runtime(checkpoint, settings)
-
-    def numerics(self, checkpoint: Path, settings: Settings, rows: int) -> Numerics:
-        return numerics(checkpoint, settings, rows)
-
-    def compare_with_baseline(self, arm_checkpoint: Path, baseline_checkpoint: Path,
-                              windows: TokenIds, settings: Settings, threads: int, *,
-                              prompts: TokenIds, new_tokens: int,
-                              top_k: int | None = None) -> PerPosition:
-        return compare_with_baseline(arm_checkpoint, baseline_checkpoint, windows, settings,
-                                     threads, prompts=prompts, new_tokens=new_tokens, top_k=top_k)
+    score_windows = staticmethod(score_windows)
+    runtime = staticmethod(runtime)
+    numerics = staticmethod(numerics)
+    compare_with_baseline = staticmethod(compare_with_baseline)
