@@ -2,7 +2,7 @@ from fourbit.steps.evaluate import score_checkpoint
 from fourbit.progress import setup_logging
 from fourbit.inputs.sources import source_weights_sha256
 
-setup_logging(snakemake.log[0])
+setup_logging(snakemake.log[0], disk_mb=snakemake.resources.disk_mb)
 weights = source_weights_sha256(snakemake.input.source)
 # rules ppl, ppl_with_side: the arm as quantized, then its dense expansion; rules
 # ppl_baseline, ppl_baseline_with_side: the baseline (get_ppl_caches names the forms). The

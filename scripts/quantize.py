@@ -1,7 +1,7 @@
 from fourbit.progress import setup_logging
 from fourbit.steps.quantize import quantize_checkpoint
 
-setup_logging(snakemake.log[0])
+setup_logging(snakemake.log[0], disk_mb=snakemake.resources.disk_mb)
 quantize_checkpoint(
     snakemake.input.model,
     snakemake.output.checkpoint,

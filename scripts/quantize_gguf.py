@@ -1,7 +1,7 @@
 from fourbit.steps.llamacpp import quantize_arm
 from fourbit.progress import setup_logging
 
-setup_logging(snakemake.log[0])
+setup_logging(snakemake.log[0], disk_mb=snakemake.resources.disk_mb)
 quantize_arm(
     snakemake.input.gguf,
     snakemake.output.gguf,

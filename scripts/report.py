@@ -1,7 +1,7 @@
 from fourbit.progress import setup_logging
 from fourbit.steps.report import write_report
 
-setup_logging(snakemake.log[0])
+setup_logging(snakemake.log[0], disk_mb=snakemake.resources.disk_mb)
 write_report(
     dict(snakemake.params.study),
     report_settings=dict(snakemake.params.report_settings),

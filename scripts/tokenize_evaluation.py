@@ -1,7 +1,7 @@
 from fourbit.steps.evaluate import tokenize_windows
 from fourbit.progress import setup_logging
 
-setup_logging(snakemake.log[0])
+setup_logging(snakemake.log[0], disk_mb=snakemake.resources.disk_mb)
 tokenize_windows(
     snakemake.input.model,
     snakemake.input.evaluation,

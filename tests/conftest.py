@@ -1,10 +1,12 @@
-"""Shared fixtures: tiny real Hugging Face models written to disk."""
+"""Shared fixtures: tiny real Hugging Face models written to disk; the tiny study, run once."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -89,6 +91,37 @@ def int4_checkpoints(tmp_path_factory):
     arm = {"name": "t", "id": "t-0000000000", "quant": quant}
     quantize_checkpoint(root / "baseline", root / "arm", root / "arm.json", arm)
     return root / "arm", root / "baseline"
+
+
+@pytest.fixture(scope="session")
+def finished_study(tmp_path_factory):
+    """A folder where the tiny study (tests/workflow/tiny.yaml) has run to its report: run
+    once for the session, read by tests/test_workflow.py and copied by tests/test_faults.py
+    (a test that changes it works on a copy)."""
+    from tiny_study import snakemake
+
+    workdir = tmp_path_factory.mktemp("study")
+    run = snakemake(workdir, "results/report.md")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    return workdir
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(folder: Path, size: int):
+    """A tmpfs of ``size`` bytes mounted on ``folder`` (made if missing) while the block
+    runs: a small filesystem that fills up. Skips the test, saying why, where mounting is
+    not permitted (it needs root, or CAP_SYS_ADMIN, outside a container that forbids it)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                           capture_output=True, text=True)
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs to fill up ({mount.stderr.strip() or 'mount failed'}); "
+                    "this test needs root or CAP_SYS_ADMIN")
+    try:
+        yield folder
+    finally:
+        if subprocess.run(["umount", str(folder)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(folder)], capture_output=True)  # still busy: detach
 
 
 def random_qweight(n: int, k: int, g: int, *, sym: bool, gen: torch.Generator,

@@ -56,8 +56,8 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
 # cycle check keeps the arrows one way.
 LAYERS = (
     # utilities that know nothing of models
-    {"atomic", "cpuinfo", "envcheck", "hashing", "layouts", "metrics", "progress", "records",
-     "schema", "threads", "usercache", "versions"},
+    {"atomic", "cpuinfo", "envcheck", "filesystems", "hashing", "layouts", "metrics", "progress",
+     "records", "schema", "threads", "usercache", "versions"},
     # the numerics: grids and GPTQ, the CPU kernels, the on-disk formats
     {"quant", "kernels", "formats"},
     # checkpoints on disk
@@ -67,8 +67,9 @@ LAYERS = (
     {"quantizers", "vllm_plugin", "inputs", "llamacpp", "bench"},
     # engines run checkpoints; the report reads records
     {"engines", "report"},
-    # the study: the validated config and its ids, read by the workflow at DAG time
-    {"config"},
+    # the study: the validated config and its ids, and the disk its outputs take, read by the
+    # workflow at DAG time
+    {"config", "diskspace"},
     # one module per rule file
     {"steps"},
 )

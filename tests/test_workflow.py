@@ -13,32 +13,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "tests" / "workflow" / "tiny.yaml"
-SNAKEMAKE = [sys.executable, "-m", "snakemake", "--snakefile", str(ROOT / "Snakefile")]
+from tiny_study import ROOT, SNAKEMAKE, TINY, scheduled_jobs, snakemake
 
 pytestmark = [pytest.mark.workflow, pytest.mark.slow]
 
-
-def snakemake(workdir: Path, *args: str, config: Path = TINY) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*SNAKEMAKE, "--directory", str(workdir), "--configfile", str(config), "--cores", "2", *args],
-        capture_output=True, text=True, timeout=900,
-    )
-
-
-def scheduled_jobs(output: str) -> dict[str, int]:
-    """Job counts from Snakemake's 'Job stats' table of a dry run."""
-    table = output.split("Job stats:")[1].split("\n\n")[0]
-    return {m[1]: int(m[2]) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.M) if m[1] != "total"}
-
-
-@pytest.fixture(scope="module")
-def finished_study(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("study")
-    run = snakemake(workdir, "results/report.md")
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    return workdir
+# finished_study (conftest.py): the tiny study, run once for the session.
 
 
 def test_report_has_a_row_per_arm_and_engine(finished_study):

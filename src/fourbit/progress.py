@@ -6,6 +6,8 @@ import logging
 import sys
 import time
 
+from fourbit.filesystems import explain_disk_full
+
 log = logging.getLogger("fourbit")
 
 
@@ -44,8 +46,10 @@ def _clock(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
-def setup_logging(log_path: str | None = None) -> None:
-    """Send log lines and stderr (warnings, tracebacks) to a rule's log file."""
+def setup_logging(log_path: str | None = None, *, disk_mb: float | None = None) -> None:
+    """Send log lines and stderr (warnings, tracebacks) to a rule's log file; a job that
+    fails on a full disk ends its log saying so, with ``disk_mb``, what the rule declares
+    the job needs (fourbit.filesystems.explain_disk_full)."""
     if log_path:
         sys.stderr = open(log_path, "a", buffering=1)  # noqa: SIM115  lives as long as the job
     handler = logging.StreamHandler(sys.stderr)
@@ -53,3 +57,4 @@ def setup_logging(log_path: str | None = None) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.INFO)
+    explain_disk_full(disk_mb)

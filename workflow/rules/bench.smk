@@ -25,6 +25,7 @@ if BENCH_PAIRS:
         resources:  # one engine per checkpoint held open at once
             mem_mb=held("checkpoints", 3, 4000, per_checkpoint_mb=1024),
             runtime=per_attempt(120),
+            disk_mb=disk_need("records"),
         params:
             pairs=BENCH_PAIRS,
             bench=STUDY.config["bench"],

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 from fourbit.config import ID_PATTERN, Study, model_folder_state
+from fourbit.diskspace import StudyDisk, refuse_short_disk
 
 STUDY = Study.from_config(config)
 # An arm that cannot apply to this model (its shapes were checked against the model's
@@ -25,6 +26,8 @@ LLAMACPP_TOOLS = f"{RESULTS}/tools/llamacpp.json"
 # A local model folder as the study was planned on it (config.json, weight file sizes;
 # None for other sources): the download job names any file changed since.
 MODEL_FOLDER_STATE = model_folder_state(STUDY.config["model"])
+# What each output takes on disk, estimated from config.json (fourbit.diskspace).
+DISK = StudyDisk(STUDY)
 
 
 # ---- resources: what each rule asks of the machine or the cluster ----------------
@@ -48,6 +51,17 @@ def held(inputs, copies, base_mb, per_checkpoint_mb=0):
         return (base_mb + per_checkpoint_mb * len(paths) + copies * size // 2**20) * attempt
 
     return mem_mb
+
+
+def disk_need(kind):
+    """disk_mb of a rule whose outputs are of `kind` (fourbit.diskspace.StudyDisk.bytes,
+    "records" for a job that writes records only): what an executor that sizes a job's disk
+    reads, and what the job's log names if the disk fills (fourbit.filesystems)."""
+
+    def disk_mb(wildcards):
+        return DISK.megabytes(kind, wildcards.get("arm"))
+
+    return disk_mb
 
 
 def per_attempt(amount):
@@ -238,3 +252,28 @@ def baseline_storage_inputs():
     if any(e.reads == "gguf" for e in STUDY.engines.values()):
         return {"gguf_base_storage": rules.convert_gguf.output.storage}
     return {}
+
+
+def disk_outputs():
+    """The outputs fourbit.diskspace counts, by kind: the rules' outputs, {model} and {arm}
+    left open."""
+    return {
+        "source": rules.download.output.model,
+        "untied": rules.untie_head.output.model,
+        "quantized": rules.quantize.output.checkpoint,
+        "dense": rules.dequantize.output.checkpoint,
+        "gguf_base": rules.convert_gguf.output.gguf,
+        "gguf": rules.quantize_gguf.output.gguf,
+        "gguf_dense": rules.dequantize_gguf.output.gguf,
+    }
+
+
+def check_disk_space():
+    """Before any job: refuse the study (fourbit.diskspace.DiskSpaceError, naming the free
+    and the needed bytes) when the outputs still to write do not fit where they go, else
+    say what they need. Once the rules are defined (report.smk); a job that reads the
+    workflow again (on a cluster node) does not ask again."""
+    if workflow.is_main_process:
+        needed = refuse_short_disk(DISK.outputs(disk_outputs()), RESULTS)
+        if needed:
+            print(f"fourbit: {needed}", file=sys.stderr)

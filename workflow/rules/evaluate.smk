@@ -11,6 +11,7 @@ rule tokenize_evaluation:
     resources:
         mem_mb=4000,
         runtime=30,
+        disk_mb=disk_need("records"),
     params:
         window=STUDY.config["evaluation"]["window"],
         max_windows=STUDY.config["evaluation"]["max_windows"],
@@ -50,6 +51,7 @@ rule ppl:
     resources:  # one checkpoint at a time, held in float32, + logits of one window
         mem_mb=held("dense", 3, 4000),
         runtime=per_attempt(480),
+        disk_mb=disk_need("records"),
     params:
         engine=get_engine_settings,
         cache_roots=get_ppl_caches,
@@ -82,6 +84,7 @@ use rule ppl as ppl_baseline with:
     resources:
         mem_mb=held("dense", 3, 4000),
         runtime=per_attempt(240),
+        disk_mb=disk_need("records"),
 
 
 use rule ppl_baseline as ppl_baseline_with_side with:

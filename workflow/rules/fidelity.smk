@@ -26,6 +26,7 @@ rule fidelity:
     resources:  # the reference engine holds the arm and its baseline at once
         mem_mb=held("baseline", 4, 4000),
         runtime=per_attempt(120),
+        disk_mb=disk_need("records"),
     params:
         engine=get_engine_settings,
         fidelity=STUDY.config["fidelity"],

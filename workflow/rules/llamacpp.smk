@@ -16,6 +16,7 @@ rule build_llamacpp:
     resources:
         mem_mb=4000,
         runtime=per_attempt(60),
+        disk_mb=disk_need("records"),
     script:
         "../../scripts/build_llamacpp.py"
 
@@ -34,6 +35,7 @@ rule convert_gguf:
     resources:
         mem_mb=held("model", 2, 2000),
         runtime=per_attempt(60),
+        disk_mb=disk_need("gguf_base"),
     script:
         "../../scripts/convert_gguf.py"
 
@@ -55,6 +57,7 @@ rule quantize_gguf:
     resources:  # llama-quantize streams tensors; the f16 GGUF is memory-mapped
         mem_mb=per_attempt(8000),
         runtime=per_attempt(120),
+        disk_mb=disk_need("gguf"),
     params:
         arm=get_arm_manifest,
     script:
@@ -77,5 +80,6 @@ rule dequantize_gguf:
     resources:  # llama-quantize to F32, streamed the same way
         mem_mb=per_attempt(8000),
         runtime=per_attempt(120),
+        disk_mb=disk_need("gguf_dense"),
     script:
         "../../scripts/dequantize_gguf.py"

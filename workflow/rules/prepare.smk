@@ -13,6 +13,7 @@ rule prepare_corpus:
     resources:
         mem_mb=4000,
         runtime=30,
+        disk_mb=disk_need("records"),
     params:
         spec=STUDY.config["corpus"],
     script:
@@ -37,6 +38,7 @@ rule download:
     resources:  # fetch + hash the weights, or train the builtin model
         mem_mb=per_attempt(8000),
         runtime=per_attempt(240),
+        disk_mb=disk_need("source"),
     params:
         spec=STUDY.config["model"],
         corpus_dir=f"{RESULTS}/corpus/{CORPUS}",
@@ -58,5 +60,6 @@ rule untie_head:
     resources:  # all tensors in memory, written back with their own lm_head
         mem_mb=held("model", 2, 2000),
         runtime=per_attempt(60),
+        disk_mb=disk_need("untied"),
     script:
         "../../scripts/untie_head.py"

@@ -16,6 +16,7 @@ rule quantize:
     resources:  # GPTQ: float32 weights + calibration activations + Hessians; runtime for 7-8B
         mem_mb=held("model", 3, 8000),
         runtime=per_attempt(720),
+        disk_mb=disk_need("quantized"),
     params:
         arm=get_arm_manifest,
     script:
@@ -34,5 +35,6 @@ rule dequantize:
     resources:  # 4-bit in, float32 out: ~8x the input
         mem_mb=held("checkpoint", 10, 2000),
         runtime=per_attempt(60),
+        disk_mb=disk_need("dense"),
     script:
         "../../scripts/dequantize.py"

@@ -2,6 +2,8 @@ from fourbit.report.loading import record_paths
 
 # What each record is (engine id, arm id, kind) is said here, not read back from its path.
 REPORT_RECORDS = all_results()
+# Before any job: the outputs still to write fit where they go, or the study is refused.
+check_disk_space()
 
 
 rule report:
@@ -31,6 +33,7 @@ rule report:
     resources:
         mem_mb=2000,
         runtime=15,
+        disk_mb=disk_need("records"),
     params:
         study=STUDY.summary(),
         report_settings=STUDY.config["report"],
