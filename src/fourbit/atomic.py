@@ -3,10 +3,10 @@
 An interrupted job must never leave a file or folder that looks finished:
 Snakemake (and a human) take an existing output to mean "done". A job killed outright
 (SIGKILL, a node lost) leaves at most its hidden temporary, ``.<name>.tmp-<pid>``, which
-the next write of the same path removes (a path has one writer at a time: Snakemake's lock
-keeps two runs from making the same output, and llama.cpp's build holds its own lock); a write that fails on a full disk raises
-fourbit.filesystems.DiskFull, saying so in numbers (tests/test_faults.py does both to every
-kind of job).
+the next write of the same path removes (a path has one writer at a time: Snakemake's
+lock keeps two runs from making the same output, and llama.cpp's build holds its own
+lock). A write that fails on a full disk raises fourbit.filesystems.DiskFull, saying so
+in numbers (tests/test_faults.py does both to every kind of job).
 """
 
 from __future__ import annotations
