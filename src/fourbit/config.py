@@ -84,6 +84,8 @@ class Study:
     model_id: str
     corpus_id: str
     engines: dict[str, Engine]
+    # the model's config.json, read once before any job (every check and estimate uses it)
+    model_config: dict = field(default_factory=dict)
     arms: dict[str, Arm] = field(default_factory=dict)
     # engine name -> why it cannot run on this host (None: it can)
     unavailable: dict[str, str | None] = field(default_factory=dict)
@@ -138,6 +140,7 @@ class Study:
             model_id=model_id,
             corpus_id=corpus_id,
             engines=engines,
+            model_config=model_config,
             arms=arms,
             unavailable={name: unavailable_here(name) for name in engines},
             refused_arms=refused,

@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fourbit.filesystems import existing_ancestor, filesystem, human
-from fourbit.inputs import sources
 from fourbit.quantizers import shapes
 from fourbit.schema import ConfigError
 
@@ -89,9 +88,8 @@ class StudyDisk:
     def __init__(self, study):
         self.study = study
         model = study.config["model"]
-        config = sources.model_config(model, Path(study.results) / study.model_id / "source")
         self.trained_here = model["source"] in ("builtin", "synthetic")  # written in float32
-        self.parameters = parameters(config, 32 if self.trained_here else None)
+        self.parameters = parameters(study.model_config, 32 if self.trained_here else None)
         self.gguf_fallbacks = any(arm.plan.get("llamacpp_fallback") for arm in study.arms.values())
 
     def bytes(self, kind: str, arm_id: str | None = None) -> int:
