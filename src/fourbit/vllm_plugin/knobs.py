@@ -17,8 +17,8 @@ DEFAULTS: dict[str, Any] = {
     "dequant_threshold": 64,  # rows (tokens in the step) from which the dense path is used
     "prefill_dequant": True,  # False: tinygemm for every batch size
     # True: the dense path reads W_hat out of the packed tinygemm tensors, so no second
-    # copy of the weights is kept. Measured here single-threaded at 4096x4096: 0.09 s
-    # against 0.115 s from a kept copy; shapes the layout does not cover keep a copy.
+    # copy of the weights is kept, and it is no slower than reading a kept copy
+    # (docs/engines.md); shapes the layout does not cover keep a copy.
     "direct_dequant": True,
     "activation_dtype": "auto",  # compute dtype of both paths; "auto" = the model's dtype
     # Which kernel runs batches below the threshold, and with which numerics (kernels/
