@@ -390,25 +390,26 @@ LLAMACPP = "llamacpp-0000000000"
 
 
 def vllm_study(tmp_path, tiny_untied, arms, *, benches=None, control=None, settings=SETTINGS,
-               gguf_arms=None, gguf_control=0.0):
+               gguf_arms=None, gguf_control=0.0, bits=None):
     """Write the records of ``arms`` (name -> ISSUE_ARMS-like tuple) on one vLLM-like engine
     and run the report; ``benches``: name -> (baseline tg128, arm tg128) per pass;
     ``control``: name -> the dense expansion's mean NLL offset (default 0, faithful);
     ``gguf_arms``: name -> (Δppl, scatter, own_kl_record's arguments) on a llama.cpp-like
     engine, whose runtime rounds activations to int8 (its dense expansion offset by
-    ``gguf_control``)."""
-    benches, control, gguf_arms = benches or {}, control or {}, gguf_arms or {}
+    ``gguf_control``); ``bits``: name -> the arm's bits per weight over all matrices (none
+    recorded by default)."""
+    benches, control, gguf_arms, bits = benches or {}, control or {}, gguf_arms or {}, bits or {}
     root = tmp_path / "eval"
     records, manifests = {}, []
 
     def record(arm, kind, data, engine=VLLM):
         put(records, root, engine, arm, kind, data)
 
-    def manifest_of(name):
+    def manifest_of(name, quant):
         manifest = tmp_path / f"{name}.arm.json"
-        manifest.write_text(json.dumps({"id": arm_id(name), "name": name, "format": "gptq",
-                                        "quant": {"method": "gptq", "group_size": 128},
-                                        "storage": {"quantized_bits_per_weight": 4.2,
+        matrix = {"matrix_bits_per_weight": bits[name]} if name in bits else {}
+        manifest.write_text(json.dumps({"id": arm_id(name), "name": name, "format": "gptq", "quant": quant,
+                                        "storage": {"quantized_bits_per_weight": 4.2, **matrix,
                                                     "file_bits_per_param": 9.8, "size_mib": 6.1}}))
         manifests.append(manifest)
 
@@ -421,7 +422,7 @@ def vllm_study(tmp_path, tiny_untied, arms, *, benches=None, control=None, setti
         record(arm_id(name), "fidelity", fidelity_record(kl, top1, identical, phase=1.1 * slot))
         record(arm_id(name), "bench", bench_record(*benches[name], slot=slot + 1) if name in benches
                else {"measured": False, "reason": "not timed here", "model_weights_sha256": WEIGHTS})
-        manifest_of(name)
+        manifest_of(name, {"method": "gptq", "group_size": 128})
     engines = {VLLM: {"name": "vllm", "reads": "hf", "arms": [arm_id(n) for n in arms],
                       "unavailable": None}}
     gguf_storage = None
@@ -435,7 +436,7 @@ def vllm_study(tmp_path, tiny_untied, arms, *, benches=None, control=None, setti
             record(arm_id(name), "fidelity", own_kl_record(*fidelity), LLAMACPP)
             record(arm_id(name), "bench", {"measured": False, "reason": "not timed here",
                                            "model_weights_sha256": WEIGHTS}, LLAMACPP)
-            manifest_of(name)
+            manifest_of(name, {"method": "llamacpp", "type": "Q4_K_M", "imatrix": False})
         engines[LLAMACPP] = {"name": "llamacpp", "reads": "gguf", "arms": [arm_id(n) for n in gguf_arms],
                              "unavailable": None}
         gguf_storage = tmp_path / "f16.storage.json"
@@ -625,3 +626,27 @@ def test_a_mixed_precision_arm_says_what_moved_and_what_costs_most():
                            "per weight (budget 0.5): layers.0.self_attn.q/k/v_proj. Most sensitive")
     assert line.endswith("layers.0.self_attn.q/k/v_proj 3e-05 (8-bit); lm_head 2.5e-05; "
                          "layers.1.mlp.down_proj 1e-08.")
+
+
+def test_the_frontier_places_each_family_and_a_bound_below_an_exact_value_decides_nothing(
+        tmp_path, tiny_untied):
+    """The issue's vLLM arms (KL lower bounds) and a llama.cpp Q4_K_M (exact KL) by bits over all
+    matrices: at Q4_K_M's bits, gptq_asym_g128's bound lies below Q4_K_M's exact KL, so KL decides
+    nothing there; the TSV names each row's family."""
+    q4_k_m = (0.0324, 0.002, 0.000531, 2e-5, 0.992, 0.003, first(14))
+    bits = {"gptq_asym_g128": 4.95, "gptq_sym_g128": 9.78, "rtn_sym_g128": 9.78, "cpu_int4_g128": 9.75,
+            "q4_k_m": 5.09}
+    markdown = vllm_study(tmp_path, tiny_untied, ISSUE_ARMS, gguf_arms={"q4_k_m": q4_k_m}, bits=bits)
+    section = markdown.split("## Quality per bit: the frontier", 1)[1].split("\n## ", 1)[0]
+    assert "by family: fourbit on vllm (4 arms), llama.cpp, no imatrix (1 arm)." in section
+    assert (f"| llama.cpp, no imatrix | `{arm_id('q4_k_m')}` on {LLAMACPP} | llamacpp | 5.09 | "
+            "0.000531 [0.000492, 0.00057] |") in section
+    # cpu_int4_g128 (9.75 bits, KL ≥ 0.00069) lies above gptq_asym_g128 (4.95 bits, ≥ 4.2e-05)
+    assert f"On no front (dominated within its family on KL and on |Δppl|): `{arm_id('cpu_int4_g128')}`" in section
+    budget = next(line for line in section.splitlines() if line.startswith("- **at ≤ 5.09 bits**"))
+    assert (f"by KL **undecided**: `{arm_id('q4_k_m')}` on {LLAMACPP} has the lowest exact KL, 0.000531 "
+            "[0.000492, 0.00057], but a lower bound lies below it") in budget
+    assert f"`{arm_id('gptq_asym_g128')}` on {VLLM} (KL ≥ 4.2e-05 (a lower bound))" in budget
+    rows = {r["arm_id"]: r for r in csv.DictReader((tmp_path / "report.tsv").open(), delimiter="\t")}
+    assert rows[arm_id("q4_k_m")]["family"] == "llama.cpp, no imatrix"
+    assert rows[arm_id("gptq_sym_g128")]["family"] == "fourbit on vllm"

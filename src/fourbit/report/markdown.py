@@ -1,6 +1,7 @@
 """The report's markdown: the results table, then a section per question (what the
 split can tell apart, fidelity, throughput, how each arm was made, the recommendation,
-plots, host, definitions, runtimes), rendered from the rows and the run's facts.
+quality per bit, plots, host, definitions, runtimes), rendered from the rows and the
+run's facts.
 
 A value missing from a row (None) shows as a blank cell or a dash, never as "None".
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from fourbit.metrics.stats import CONFIDENCE, overlapping
+from fourbit.report.frontier import frontier_section
 from fourbit.report.verdicts import (
     below_baseline,
     fmt_value,
@@ -35,6 +37,7 @@ def render_markdown(study: dict, rows: list[dict], facts: dict, settings: Mappin
     if facts["quantization"]:
         lines += ["", "## How each arm was quantized", ""] + quantization_table(facts["quantization"])
     lines += ["", "## Recommendation for this host", ""] + recommend(rows, settings)
+    lines += ["", "## Quality per bit: the frontier", ""] + frontier_section(rows)
     if plots:
         lines += ["", "## Plots", ""] + [f"![{title}]({link})" for title, link in plots]
     lines += ["", "## Host", ""] + host_block(study, facts, rows)

@@ -14,11 +14,12 @@ import io
 from fourbit.bench.bandwidth import decode_roofline
 from fourbit.bench.passes import summarize
 from fourbit.metrics.stats import delta_ppl_interval
+from fourbit.report.frontier import family
 from fourbit.report.loading import Records, ReportInputError
 from fourbit.report.verdicts import distribution_measures
 
 COLUMNS = [
-    "engine", "arm_id", "method", "group_size", "sym", "bits_per_weight", "matrix_bits_per_weight",
+    "engine", "arm_id", "method", "family", "group_size", "sym", "bits_per_weight", "matrix_bits_per_weight",
     "file_bits_per_param",
     "size_mib", "ppl", "baseline_ppl", "delta_ppl", "delta_ppl_ci_low", "delta_ppl_ci_high",
     "delta_ppl_pct", "dense_ppl",
@@ -53,11 +54,12 @@ def build_rows(
             fidelity = arm["fidelity"].data
             row = _row(engine_id, arm_id, arms[arm_id], arm["ppl_quantized"].data, baseline,
                        arm["ppl_dense"].data, tolerances)
-            engine_rows.append({**row, **_throughput([bench], "arm"), **_fidelity(fidelity),
+            engine_rows.append({**row, "family": family(arms[arm_id]["quant"], engine["name"]),
+                                **_throughput([bench], "arm"), **_fidelity(fidelity),
                                 "_measures": distribution_measures(fidelity)})
         base_row = _row(engine_id, "baseline", unquantized, baseline, baseline, None, tolerances)
-        rows += [{**base_row, **_throughput(benches[engine_id], "baseline"), **_fidelity(None),
-                  "_measures": None},
+        rows += [{**base_row, "family": None, **_throughput(benches[engine_id], "baseline"),
+                  **_fidelity(None), "_measures": None},
                  *engine_rows]
     return rows
 

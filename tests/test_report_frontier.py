@@ -1,0 +1,155 @@
+"""The quality-per-bit frontier (fourbit.report.frontier), on small hand-made rows: families,
+fronts (dominated points out, ties kept), a bound against an exact KL, the budget lines, the plot."""
+
+import pytest
+
+from fourbit.report.frontier import (
+    best_by_kl,
+    family,
+    frontier_of,
+    frontier_section,
+    kl_at_most,
+)
+from fourbit.report.verdicts import Measure
+
+BASE_PPL = 10.0
+TOP_K = ("top-k lower bound", 20)
+
+
+def kl(value, *, bound=False, se=None, method=TOP_K):
+    return Measure("KL", value, False, lower_bound=bound, bound_method=method if bound else (), se=se)
+
+
+def row(name, fam, bits, kl_value=None, delta_pct=1.0, *, bound=False, se=None, width=0.2,
+        engine="vllm-0000000000", control="faithful", method=TOP_K):
+    """A report row with what the frontier reads: Δppl in % of a baseline of 10 with an
+    interval ± ``width`` points, a KL (exact, or a bound) or none."""
+    return {
+        "arm_id": f"{name}-0000000000", "engine": engine, "method": "gptq", "family": fam,
+        "control": control, "matrix_bits_per_weight": bits, "baseline_ppl": BASE_PPL,
+        "delta_ppl": BASE_PPL * delta_pct / 100, "delta_ppl_pct": delta_pct,
+        "delta_ppl_ci_low": BASE_PPL * (delta_pct - width) / 100,
+        "delta_ppl_ci_high": BASE_PPL * (delta_pct + width) / 100,
+        "tg128_median": None,
+        "_measures": None if kl_value is None else {"KL": kl(kl_value, bound=bound, se=se, method=method)},
+    }
+
+
+def names(points):
+    return [p.row["arm_id"].removesuffix("-0000000000") for p in points]
+
+
+@pytest.mark.parametrize("quant, engine, expected", [
+    ({"method": "gptq"}, "vllm", "fourbit on vllm"),
+    ({"method": "cpu_int4"}, "reference", "fourbit on reference"),
+    ({"method": "llamacpp", "imatrix": False}, "llamacpp", "llama.cpp, no imatrix"),
+    ({"method": "llamacpp", "imatrix": "none"}, "llamacpp", "llama.cpp, no imatrix"),
+    ({"method": "llamacpp", "imatrix": None}, "llamacpp", "llama.cpp, no imatrix"),
+    ({"method": "llamacpp"}, "llamacpp", "llama.cpp, no imatrix"),
+    ({"method": "llamacpp", "imatrix": "calibration"}, "llamacpp", "llama.cpp + imatrix"),
+    ({"method": "llamacpp", "imatrix": True}, "llamacpp", "llama.cpp + imatrix"),
+])
+def test_family_of_an_arm(quant, engine, expected):
+    assert family(quant, engine) == expected
+
+
+def test_the_front_leaves_out_dominated_points_and_keeps_ties():
+    """By KL: c (more bits, higher KL than a) and e (a's bits, higher KL) are dominated; b and b2
+    tie (same bits, same KL) and both stay; d's KL equals a's at more bits, so it is dominated.
+    By |Δppl| the order differs: c's -0.1% is the smallest, so c is on that front."""
+    rows = [row("a", "F", 4.5, 0.03, 2.0), row("b", "F", 5.0, 0.01, 1.5), row("b2", "F", 5.0, 0.01, 1.5),
+            row("c", "F", 6.0, 0.05, -0.1), row("d", "F", 6.5, 0.03, 3.0), row("e", "F", 4.5, 0.04, 2.5)]
+    frontier = frontier_of(rows)
+    assert names(frontier.kl_front["F"]) == ["a", "b", "b2"]
+    assert names(frontier.delta_front["F"]) == ["a", "b", "b2", "c"]
+    assert [bits for bits, _ in frontier.budgets()] == [4.5, 5.0, 6.0]
+
+
+def test_families_have_their_own_fronts():
+    rows = [row("a", "fourbit on vllm", 5.0, 0.01), row("q", "llama.cpp, no imatrix", 5.5, 0.02),
+            row("qi", "llama.cpp + imatrix", 5.5, 0.015)]
+    frontier = frontier_of(rows)
+    # q is worse than a at more bits, but a is another family's: q stays on its own front
+    assert {name: names(front) for name, front in frontier.kl_front.items()} == {
+        "fourbit on vllm": ["a"], "llama.cpp + imatrix": ["qi"], "llama.cpp, no imatrix": ["q"]}
+
+
+def test_a_bound_pushes_no_exact_value_off_a_front():
+    """In one family: a bound below an exact value at fewer bits does not dominate it (the true
+    KL behind the bound may be larger); an exact value below a bound at fewer bits does."""
+    frontier = frontier_of([row("bound", "F", 4.5, 0.001, bound=True), row("exact", "F", 5.0, 0.01),
+                            row("far_bound", "F", 6.0, 0.02, bound=True)])
+    assert names(frontier.kl_front["F"]) == ["bound", "exact"]
+    assert kl_at_most(kl(0.01), kl(0.02, bound=True))
+    assert not kl_at_most(kl(0.001, bound=True), kl(0.01))
+    assert kl_at_most(kl(0.001, bound=True), kl(0.002, bound=True))
+    assert not kl_at_most(kl(0.001, bound=True), kl(0.002, bound=True, method=("top-k lower bound", 5)))
+
+
+def test_best_by_kl_a_bound_below_an_exact_value_decides_nothing():
+    points = frontier_of([row("bound", "A", 4.5, 0.001, bound=True), row("exact", "B", 5.0, 0.01)]).points
+    candidates = [p for members in points.values() for p in members]
+    best, contenders = best_by_kl(candidates)
+    assert best is None and names(contenders) == ["exact", "bound"]
+    # the exact value below the bound: proven lower (the bound's KL is at least 0.02)
+    points = frontier_of([row("bound", "A", 4.5, 0.02, bound=True), row("exact", "B", 5.0, 0.01)]).points
+    best, contenders = best_by_kl([p for members in points.values() for p in members])
+    assert names([best]) == ["exact"] and contenders == []
+    # bounds alone compare when computed alike, not otherwise
+    alike = frontier_of([row("x", "A", 4.5, 0.02, bound=True), row("y", "A", 5.0, 0.01, bound=True)]).points["A"]
+    assert names([best_by_kl(alike)[0]]) == ["y"]
+    unlike = frontier_of([row("x", "A", 4.5, 0.02, bound=True),
+                          row("y", "B", 5.0, 0.01, bound=True, method=("top-k lower bound", 5))]).points
+    best, contenders = best_by_kl([p for members in unlike.values() for p in members])
+    assert best is None and names(contenders) == ["y", "x"]
+
+
+def budget_lines(rows):
+    return [line for line in frontier_section(rows) if line.startswith("- **at ≤")]
+
+
+def test_a_budget_line_per_front_bits_with_its_intervals():
+    """fourbit's arm (a bound) at 4.5 bits, llama.cpp's at 5 and 6 (exact, with standard
+    errors): at ≤ 4.5 fourbit's is the only arm; at ≤ 5 its bound lies below llama.cpp's exact
+    KL, so KL is undecided and |Δppl| names the best; at ≤ 6 the exact 0.0001 lies below the
+    bound, so it is best by KL and by |Δppl|, its KL and Δppl intervals stated."""
+    rows = [row("g", "fourbit on vllm", 4.5, 0.004, 3.0, bound=True, se=0.0004),
+            row("q4", "llama.cpp, no imatrix", 5.0, 0.01, 2.0, se=0.001, engine="llamacpp-0000000000"),
+            row("q6", "llama.cpp, no imatrix", 6.0, 0.0001, 0.5, se=0.00001, engine="llamacpp-0000000000")]
+    first, second, third = budget_lines(rows)
+    assert first == ("- **at ≤ 4.5 bits** (`g-0000000000` on vllm-0000000000): the only arm, `g-0000000000` "
+                     "on vllm-0000000000 (KL ≥ 0.004 (a lower bound); Δppl +3% [+2.8, +3.2]).")
+    assert second.startswith("- **at ≤ 5 bits** (`q4-0000000000` on llamacpp-0000000000): by KL "
+                             "**undecided**: `q4-0000000000` on llamacpp-0000000000 has the lowest exact "
+                             "KL, 0.01 [0.00804, 0.012], but a lower bound lies below it, and a bound below "
+                             "an exact value decides nothing: `g-0000000000` on vllm-0000000000 (KL ≥ 0.004")
+    assert second.endswith("By |Δppl|: **`q4-0000000000` on llamacpp-0000000000** (Δppl +2% [+1.8, +2.2]; "
+                           "KL 0.01 [0.00804, 0.012]).")
+    # separably below both other KLs, and its Δppl interval overlaps neither: no tie named
+    assert third == ("- **at ≤ 6 bits** (`q6-0000000000` on llamacpp-0000000000): best arm "
+                     "**`q6-0000000000` on llamacpp-0000000000** by KL and by |Δppl| (KL 0.0001 "
+                     "[8.04e-05, 0.00012]; Δppl +0.5% [+0.3, +0.7]).")
+
+
+def test_a_budget_names_the_arms_the_best_cannot_be_told_from():
+    """Two exact KLs whose unpaired interval of the difference includes 0, and Δppl intervals
+    that overlap (the smaller |Δppl| includes 0): the best is named, with both ties."""
+    rows = [row("a", "F", 5.0, 0.010, 0.1, se=0.002), row("b", "F", 4.0, 0.011, 0.3, se=0.002)]
+    *_, line = budget_lines(rows)
+    assert line.startswith("- **at ≤ 5 bits** (`a-0000000000` on vllm-0000000000): best arm **`a-0000000000` "
+                           "on vllm-0000000000** by KL and by |Δppl| (KL 0.01 [0.00608, 0.0139]; Δppl +0.1% "
+                           "[-0.1, +0.3, 0 inside])")
+    assert "; on KL not separable from `b-0000000000` on vllm-0000000000 (KL 0.01 vs 0.011: the unpaired" in line
+    assert line.endswith("; on Δppl not separable from (intervals overlap) `b-0000000000` on vllm-0000000000 "
+                         "(Δppl +0.3% [+0.1, +0.5]).")
+
+
+def test_arms_the_frontier_cannot_place_are_named():
+    rows = [row("a", "F", 5.0, 0.01), row("bad", "F", 4.0, 0.001, control="NOT faithful"),
+            row("old", "F", None, 0.01)]
+    section = "\n".join(frontier_section(rows))
+    assert ("Not placed: `bad-0000000000` on vllm-0000000000 (control NOT faithful); `old-0000000000` on "
+            "vllm-0000000000 (no bits per weight over all matrices") in section
+    assert frontier_section([row("old", "F", None)]) == [
+        "No arm has bits per weight over all matrices, so there is no frontier."]
+
