@@ -12,6 +12,7 @@ write_report(
     plot_paths={
         "quality_vs_bits": snakemake.output.quality_vs_bits,
         "quality_vs_decode": snakemake.output.quality_vs_decode,
+        "frontier": snakemake.output.frontier,
     },
     baseline_checkpoint=snakemake.input.model[0],
     gguf_base_storage=snakemake.input.get("gguf_base_storage"),

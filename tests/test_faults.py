@@ -84,9 +84,10 @@ FAULTS = [
           "temporary name",
           published=("results/*/eval/*/llamacpp-*/*/bench.json",), nth=2),
     Fault("report", ("results/report.md", "results/report.tsv", "results/report-quality-vs-bits.png",
-                     "results/report-quality-vs-decode.png"), "os.rename", r"/\.report\.md\.tmp-\d+$",
+                     "results/report-quality-vs-decode.png", "results/report-frontier.png"), "os.rename",
+          r"/\.report\.md\.tmp-\d+$",
           "the plots and the table published, the markdown whole under its temporary name",
-          published=("results/report.tsv", "results/report-quality-vs-*.png")),
+          published=("results/report.tsv", "results/report-quality-vs-*.png", "results/report-frontier.png")),
 ]
 
 # Record fields that differ between two runs of the same job (dotted paths), by record

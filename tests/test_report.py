@@ -56,7 +56,8 @@ def run_report(tmp_path, setup, records, manifests, tiny_untied, *, settings=SET
     """write_report with the arguments rule report gives it (the plots beside the report,
     unless ``plot_paths`` says otherwise); the markdown."""
     plot_paths = plot_paths or {"quality_vs_bits": tmp_path / "report-quality-vs-bits.png",
-                                "quality_vs_decode": tmp_path / "report-quality-vs-decode.png"}
+                                "quality_vs_decode": tmp_path / "report-quality-vs-decode.png",
+                                "frontier": tmp_path / "report-frontier.png"}
     write_report(setup, report_settings=settings, records=records, arm_manifests=[str(m) for m in manifests],
                  markdown_path=tmp_path / "report.md", table_path=tmp_path / "report.tsv",
                  plot_paths=plot_paths, baseline_checkpoint=tiny_untied, **extra)
@@ -149,12 +150,15 @@ def test_plots_are_written_where_the_rule_says_and_linked_from_the_report(tmp_pa
     records, manifest = results
     figures = tmp_path / "figures"
     figures.mkdir()
-    paths = {"quality_vs_bits": figures / "bits.png", "quality_vs_decode": figures / "decode.png"}
+    paths = {"quality_vs_bits": figures / "bits.png", "quality_vs_decode": figures / "decode.png",
+             "frontier": figures / "frontier.png"}
     markdown = run_report(tmp_path, study(), records, [manifest], tiny_untied, plot_paths=paths)
     assert "![Perplexity increase against bits per weight](figures/bits.png)" in markdown
     assert "![Perplexity increase against decode speed (Pareto view)](figures/decode.png)" in markdown
+    assert ("![Quality per bit: each family's Pareto front of KL and Δppl](figures/frontier.png)"
+            in markdown)
     assert all(path.read_bytes().startswith(b"\x89PNG") for path in paths.values())
-    assert sorted(p.name for p in figures.iterdir()) == ["bits.png", "decode.png"]  # no temp left
+    assert sorted(p.name for p in figures.iterdir()) == ["bits.png", "decode.png", "frontier.png"]  # no temp left
 
 
 def test_synthetic_model_marks_quality_meaningless(tmp_path, tiny_untied, results):
@@ -632,7 +636,7 @@ def test_the_frontier_places_each_family_and_a_bound_below_an_exact_value_decide
         tmp_path, tiny_untied):
     """The issue's vLLM arms (KL lower bounds) and a llama.cpp Q4_K_M (exact KL) by bits over all
     matrices: at Q4_K_M's bits, gptq_asym_g128's bound lies below Q4_K_M's exact KL, so KL decides
-    nothing there; the TSV names each row's family."""
+    nothing there; the TSV names each row's family and the frontier plot is written."""
     q4_k_m = (0.0324, 0.002, 0.000531, 2e-5, 0.992, 0.003, first(14))
     bits = {"gptq_asym_g128": 4.95, "gptq_sym_g128": 9.78, "rtn_sym_g128": 9.78, "cpu_int4_g128": 9.75,
             "q4_k_m": 5.09}
@@ -650,3 +654,4 @@ def test_the_frontier_places_each_family_and_a_bound_below_an_exact_value_decide
     rows = {r["arm_id"]: r for r in csv.DictReader((tmp_path / "report.tsv").open(), delimiter="\t")}
     assert rows[arm_id("q4_k_m")]["family"] == "llama.cpp, no imatrix"
     assert rows[arm_id("gptq_sym_g128")]["family"] == "fourbit on vllm"
+    assert (tmp_path / "report-frontier.png").read_bytes().startswith(b"\x89PNG")

@@ -10,6 +10,7 @@ from fourbit.report.frontier import (
     frontier_section,
     kl_at_most,
 )
+from fourbit.report.plots import plot
 from fourbit.report.verdicts import Measure
 
 BASE_PPL = 10.0
@@ -153,3 +154,16 @@ def test_arms_the_frontier_cannot_place_are_named():
     assert frontier_section([row("old", "F", None)]) == [
         "No arm has bits per weight over all matrices, so there is no frontier."]
 
+
+def test_the_frontier_plot_is_written(tmp_path):
+    rows = [row("g", "fourbit on vllm", 4.5, 0.004, 3.0, bound=True),
+            row("q4", "llama.cpp, no imatrix", 5.0, 0.01, 2.0, se=0.001),
+            row("x", "llama.cpp + imatrix", 5.0, None, 1.0)]
+    paths = {name: tmp_path / f"{name}.png" for name in ("quality_vs_bits", "quality_vs_decode", "frontier")}
+    made = plot(rows, paths)
+    assert made[-1] == ("Quality per bit: each family's Pareto front of KL and Δppl", paths["frontier"])
+    assert paths["frontier"].read_bytes().startswith(b"\x89PNG")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["frontier.png", "quality_vs_bits.png",
+                                                          "quality_vs_decode.png"]  # no temp left
+    plot([], paths)  # no arm at all: the figure says so instead of failing
+    assert paths["frontier"].stat().st_size > 0

@@ -39,8 +39,10 @@ def test_report_has_a_row_per_arm_and_engine(finished_study):
         else:  # the reference engine is not a deployment engine
             assert row["tg128_median"] == "" and "not benchmarked" in row["throughput_note"]
     markdown = (finished_study / "results/report.md").read_text()
-    for section in ("## Fidelity to the baseline", "## Throughput", "## Recommendation", "## Host"):
+    for section in ("## Fidelity to the baseline", "## Throughput", "## Recommendation",
+                    "## Quality per bit: the frontier", "## Host"):
         assert section in markdown
+    assert (finished_study / "results/report-frontier.png").is_file()
 
 
 

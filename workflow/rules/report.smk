@@ -26,6 +26,11 @@ rule report:
             caption="../report/quality_vs_decode.rst",
             category="Plots",
         ),
+        frontier=report(
+            f"{RESULTS}/report-frontier.png",
+            caption="../report/frontier.rst",
+            category="Plots",
+        ),
     log:
         f"{RESULTS}/logs/report.log",
     conda:

@@ -1,9 +1,10 @@
 """workflow/rules/report.smk: rule report (write_report). `results/report.md`,
-`results/report.tsv` (one row per arm and engine) and the two plots.
+`results/report.tsv` (one row per arm and engine) and the three plots.
 
 Every number comes from a result file of this run; a missing or unreadable file
 stops the report and names the file, instead of leaving a hole in the table. The
-work is in fourbit.report: records (reading and checking), rows, markdown, plots.
+work is in fourbit.report: records (reading and checking), rows, markdown, plots,
+the frontier.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def write_report(
     """``report_settings``: the config's validated ``report`` block (the schema's defaults
     filled in; this module has none of its own); ``records``: engine id -> arm id (or
     "baseline") -> kind -> path (fourbit.report.loading); ``plot_paths``: by figure name
-    (fourbit.report.plots.FIGURES, the rule's output names), where to write it."""
+    (fourbit.report.plots.FIGURES and FRONTIER, the rule's output names), where to write it."""
     read = read_records(records)
     weights = check_same_weights(study["model"]["id"], read)
     storage = {"hf": storage_stats(baseline_checkpoint)}
