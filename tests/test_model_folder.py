@@ -1,6 +1,7 @@
 """A broken model folder is refused before any job (fourbit.inputs.model_folder), with a
-message naming the file, what is wrong and what would be right; and the download job
-refuses a folder changed since the DAG was built, naming what changed."""
+message naming the file, what is wrong and what would be right; a tokenizer the study
+names (model.tokenizer) is checked and used in place of the model's own; and the download
+job refuses a folder changed since the DAG was built, naming what changed."""
 
 import json
 import os
@@ -14,7 +15,8 @@ import pytest
 from conftest import save_tiny_llama, save_tiny_tokenizer
 from safetensors.torch import load_file, save_file
 
-from fourbit.config import ConfigError, Study, model_folder_state
+from fourbit.config import ConfigError, Study, model_folder_state, model_identity
+from fourbit.inputs import sources
 from fourbit.inputs.model_folder import check_folder
 from fourbit.steps.prepare import fetch_model
 
@@ -275,3 +277,83 @@ def test_the_download_job_refuses_an_hf_snapshot_without_a_tokenizer(good, tmp_p
     assert f"FolderError: org/tiny@{REVISION}: no tokenizer (neither tokenizer.json" in run.stderr, \
         run.stderr[-2000:]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture
+def own_tokenizer(tmp_path):
+    """A tokenizer folder of its own (what model.tokenizer names): 300 ids, one added token."""
+    folder = tmp_path / "tokenizer"
+    save_tiny_tokenizer(folder)
+    return folder
+
+
+def with_tokenizer(folder: Path, tokenizer: Path) -> dict:
+    config = config_of(folder)
+    config["model"]["tokenizer"] = str(tokenizer)
+    return config
+
+
+def test_a_folder_without_a_tokenizer_runs_with_the_one_the_study_names(folder, own_tokenizer, tmp_path):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).unlink()
+    with pytest.raises(ConfigError, match=r"or name a folder that holds them in the study's "
+                                          "model.tokenizer"):
+        Study.from_config(config_of(folder))
+    (folder / "tokenizer.model").write_bytes(b"not a tokenizer: the study's replaces it")
+    with pytest.raises(ConfigError, match="tokenizer.model: sentencepiece cannot load it"):
+        Study.from_config(config_of(folder))
+    study = Study.from_config(with_tokenizer(folder, own_tokenizer))
+    spec = study.config["model"]
+    fetch_model(spec, tmp_path / "out", tmp_path, 1, model_id=study.model_id,
+                corpus_id=study.corpus_id)
+    out = tmp_path / "out"
+    assert (out / "tokenizer.json").resolve() == own_tokenizer / "tokenizer.json"
+    assert (out / "tokenizer_config.json").resolve() == own_tokenizer / "tokenizer_config.json"
+    assert not (out / "tokenizer.model").exists()  # the model's own tokenizer files stay out
+    assert (out / "model.safetensors").resolve() == folder / "model.safetensors"
+
+
+def test_the_tokenizer_the_study_names_is_part_of_the_model_id(good, own_tokenizer):
+    own = Study.from_config(config_of(good)).model_id
+    named_one = Study.from_config(with_tokenizer(good, own_tokenizer)).model_id
+    assert named_one != own
+    save_tiny_tokenizer(own_tokenizer, vocab=299)
+    assert Study.from_config(with_tokenizer(good, own_tokenizer)).model_id not in (own, named_one)
+
+
+def test_the_tokenizer_the_study_names_is_checked_before_any_job(folder, own_tokenizer, tmp_path):
+    config = with_tokenizer(folder, own_tokenizer)
+    save_tiny_tokenizer(own_tokenizer, vocab=600)
+    refused_with = rf"{named(own_tokenizer / 'tokenizer.json')}: the tokenizer's ids run up to 599, " \
+                   r"but the model's embedding has 512 rows"
+    with pytest.raises(ConfigError, match=refused_with):
+        Study.from_config(config)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (own_tokenizer / name).unlink()
+    with pytest.raises(ConfigError, match=rf"^{named(own_tokenizer)}: no tokenizer \(neither "
+                                          r"tokenizer.json, .*\), yet model.tokenizer names it as the "
+                                          "tokenizer to use: point model.tokenizer at the folder"):
+        Study.from_config(config)
+    with pytest.raises(ConfigError, match=rf"^model.tokenizer: {named(tmp_path / 'nowhere')} is not "
+                                          "a folder"):
+        Study.from_config(with_tokenizer(folder, tmp_path / "nowhere"))
+
+
+def test_a_hub_model_takes_the_tokenizer_the_study_names(good, own_tokenizer, tmp_path):
+    """The Hub snapshot has no folder before its job: the named tokenizer is checked when
+    the DAG is built against config.json's vocab_size, and linked in by the download."""
+    from conftest import hub_cache
+    from test_sources import REVISION, fetch_offline, model_files
+
+    spec = {"source": "hf", "repo_id": "org/tiny", "revision": REVISION, "trust_remote_code": False,
+            "tokenizer": str(own_tokenizer)}
+    sources.check_local_folder(spec, {"vocab_size": 512})
+    with pytest.raises(ConfigError, match="the tokenizer's ids run up to 299, but the model's "
+                                          "embedding has 200 rows"):
+        sources.check_local_folder(spec, {"vocab_size": 200})
+    assert model_identity(spec, "c") != model_identity({**spec, "tokenizer": None}, "c")
+    files = {name: data for name, data in model_files(good).items() if not name.startswith("tokenizer")}
+    hub = hub_cache(tmp_path, "models--org--tiny", REVISION, files)
+    run = fetch_offline(hub, spec, tmp_path / "out")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert (tmp_path / "out" / "tokenizer.json").resolve() == own_tokenizer / "tokenizer.json"

@@ -110,7 +110,7 @@ class Study:
         }
         model_config = _model_config(config, model_id)
         matrices = _matrices(model_config)
-        sources.check_local_folder(config["model"], model_config)  # a local folder, whole
+        sources.check_local_folder(config["model"], model_config)  # local folders, whole
         has_gguf_arms = any(quant.get("method") in GGUF_METHODS for quant in quant_parts)
         model_dir = Path(config["results"]) / model_id
         _check_engines_read(config["model"], model_config, engines, has_gguf_arms, model_dir)
@@ -281,7 +281,7 @@ def model_identity(model: dict, corpus_id: str) -> str:
         return f"builtin_{model['preset']}-{short_hash('model', identity)}"
     if source == "hf":
         org, name = model["repo_id"].split("/")
-        return f"hf_{_slug(org)}__{_slug(name)}-{short_hash('model', model)}"
+        return f"hf_{_slug(org)}__{_slug(name)}-{short_hash('model', _with_tokenizer(model))}"
     if source == "path":
         return f"path_{_slug(Path(model['path']).name)}-{short_hash('model', _path_fingerprint(model))}"
     return f"synthetic_{_slug(Path(model['architecture']).stem)}-{short_hash('model', model)}"
@@ -294,8 +294,17 @@ def model_folder_state(model: dict) -> dict | None:
     return _path_fingerprint(model) if model["source"] == "path" else None
 
 
+def _with_tokenizer(model: dict) -> dict:
+    """The model block with the tokenizer folder it names (model.tokenizer) as that
+    folder's files' hashes, so another tokenizer is another model; unchanged without one,
+    so a study that names none keeps its id."""
+    tokenizer = sources.tokenizer_identity(model)
+    return {**model, "tokenizer": tokenizer} if tokenizer else model
+
+
 def _path_fingerprint(model: dict) -> dict:
-    """Cheap identity of a local model folder: its config plus weight file sizes.
+    """Cheap identity of a local model folder: its config plus weight file sizes, and the
+    tokenizer model.tokenizer names (fourbit.inputs.sources.tokenizer_identity).
 
     Reading gigabytes at DAG-build time would break the 5-second dry run; the
     download rule records the full content hashes in its manifest.
@@ -310,8 +319,10 @@ def _path_fingerprint(model: dict) -> dict:
             f"model.path: {folder} has no *.safetensors files; fourbit loads safetensors only "
             "(convert pickle checkpoints with transformers' save_pretrained(safe_serialization=True))"
         )
-    return {
+    fingerprint = {
         "path": str(folder.resolve()),
         "config": json.loads(config.read_text()),
         "weights": {w.name: w.stat().st_size for w in weights},
     }
+    tokenizer = sources.tokenizer_identity(model)
+    return {**fingerprint, "tokenizer": tokenizer} if tokenizer else fingerprint

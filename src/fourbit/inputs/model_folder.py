@@ -1,6 +1,6 @@
 """A model folder checked before any job uses it: its weight files' headers, their tensors
-against config.json, its tokenizer; and what changed in a local folder since the DAG was
-built.
+against config.json, its tokenizer (or the one the study names in model.tokenizer); and
+what changed in a local folder since the DAG was built.
 
 Where each check runs:
 - a ``path`` source: when the workflow builds its DAG (fourbit.config.Study.from_config,
@@ -37,15 +37,19 @@ SAME_MODEL = "use the config.json that came with these weights"
 _LAYER = re.compile(rf"{re.escape(shapes.LAYER_PREFIX)}\.(\d+)\.")
 
 
-def check_folder(folder: str | Path, config: dict, *, load_tokenizer: bool = False) -> None:
+def check_folder(folder: str | Path, config: dict, *, tokenizer: str | Path | None = None,
+                 load_tokenizer: bool = False) -> None:
     """FolderError naming the file and the fix unless ``folder``'s weights agree with
     ``config`` (its config.json) and its tokenizer loads and fits the embedding.
-    ``load_tokenizer``: also load it with transformers' AutoTokenizer, as the evaluation
-    does (seconds of imports: for a job, not for the DAG)."""
+    ``tokenizer``: the folder whose tokenizer the study names (model.tokenizer), checked
+    in place of the model folder's own. ``load_tokenizer``: also load it with
+    transformers' AutoTokenizer, as the evaluation does (seconds of imports: for a job,
+    not for the DAG)."""
     folder = Path(folder)
     tensors = read_tensors(folder)
     rows = check_weights(folder, tensors, config)
-    tokenizer_files.check_tokenizer(folder, rows, load=load_tokenizer)
+    tokenizer_files.check_tokenizer(Path(tokenizer or folder), rows, load=load_tokenizer,
+                                    named=tokenizer is not None)
 
 
 def _tied(config: dict) -> bool:

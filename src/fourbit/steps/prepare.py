@@ -33,7 +33,7 @@ from fourbit.checkpoints.hf import (
     write_checkpoint,
 )
 from fourbit.hashing import file_sha256
-from fourbit.inputs import corpus, model_folder, sources
+from fourbit.inputs import corpus, model_folder, sources, tokenizer_files
 
 log = logging.getLogger("fourbit")
 
@@ -97,7 +97,10 @@ def _check_fetched(spec: dict, folder: Path, target: Path) -> None:
     try:
         model_folder.check_folder(folder, read_config(folder), load_tokenizer=True)
     except model_folder.FolderError as error:
-        named = str(error).replace(str(folder), where.get(spec["source"]) or str(target))
+        named = str(error)
+        for name in tokenizer_files.FILES if spec.get("tokenizer") else ():
+            named = named.replace(str(folder / name), str(Path(spec["tokenizer"]) / name))
+        named = named.replace(str(folder), where.get(spec["source"]) or str(target))
         raise model_folder.FolderError(named) from None
 
 
