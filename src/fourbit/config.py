@@ -96,7 +96,13 @@ class Study:
     bench_refusals: dict[str, str | None] = field(default_factory=dict)
 
     @classmethod
-    def from_config(cls, config: dict, schema: dict | None = None) -> "Study":
+    def from_config(cls, config: dict, schema: dict | None = None, *,
+                    check_folder: bool = True) -> "Study":
+        """The study ``config`` describes, validated and checked against its model.
+        ``check_folder``: check the model's local folders whole (fourbit.inputs.sources.
+        check_local_folder); False where they were checked when the DAG was built and are
+        compared with that DAG's record of them instead (workflow/rules/common.smk, on a
+        cluster node)."""
         schema = schema or load_schema()
         config = copy.deepcopy(config)
         quant_parts = [arm.get("quant") for arm in config.get("arms", []) if isinstance(arm, dict)]
@@ -110,7 +116,8 @@ class Study:
         }
         model_config = _model_config(config, model_id)
         matrices = _matrices(model_config)
-        sources.check_local_folder(config["model"], model_config)  # local folders, whole
+        if check_folder:
+            sources.check_local_folder(config["model"], model_config)  # local folders, whole
         has_gguf_arms = any(quant.get("method") in GGUF_METHODS for quant in quant_parts)
         model_dir = Path(config["results"]) / model_id
         _check_engines_read(config["model"], model_config, engines, has_gguf_arms, model_dir)
@@ -287,13 +294,6 @@ def model_identity(model: dict, corpus_id: str) -> str:
     return f"synthetic_{_slug(Path(model['architecture']).stem)}-{short_hash('model', model)}"
 
 
-def model_folder_state(model: dict) -> dict | None:
-    """What a ``path`` model's id holds of its folder (config.json, the size of each weight
-    file), which the download job compares with the folder it links, naming any file that
-    changed (fourbit.inputs.model_folder.changes); None for the other sources."""
-    return _path_fingerprint(model) if model["source"] == "path" else None
-
-
 def _with_tokenizer(model: dict) -> dict:
     """The model block with the tokenizer folder it names (model.tokenizer) as that
     folder's files' hashes, so another tokenizer is another model; unchanged without one,
@@ -307,7 +307,9 @@ def _path_fingerprint(model: dict) -> dict:
     tokenizer model.tokenizer names (fourbit.inputs.sources.tokenizer_identity).
 
     Reading gigabytes at DAG-build time would break the 5-second dry run; the
-    download rule records the full content hashes in its manifest.
+    download rule records the full content hashes in its manifest. A file rewritten in
+    place keeps the id; the DAG's record of the folder (fourbit.inputs.folder_state) is
+    what sees it.
     """
     folder = Path(model["path"])
     config = folder / "config.json"

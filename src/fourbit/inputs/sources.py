@@ -13,6 +13,9 @@ DAG's build checks that folder whole (``check_local_folder``, fourbit.inputs.mod
 the place of the model's own in the folder the download job writes, so every later step
 reads it as the model's tokenizer. The DAG's build checks it like the model's own, and
 the model id holds its files' hashes (fourbit.config.model_identity).
+
+The local folders (the model's, the tokenizer's) are recorded as the DAG's build finds
+them, and compared with that record before a job uses them (fourbit.inputs.folder_state).
 """
 
 from __future__ import annotations
