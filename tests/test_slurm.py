@@ -2,9 +2,10 @@
 
 tests/slurm/start.sh starts a one-node cluster on this machine (Debian's
 slurm-wlm and munge, plain daemons, no systemd, no slurmdbd); the tests run the
-tiny study, a failing and a retried job, and requests no node can satisfy, each
-through ``--profile profiles/slurm``; tests/slurm/stop.sh stops the cluster.
-Needs root; installs slurm-wlm and munge with .ci/install-slurm.sh if missing.
+tiny study, a failing and a retried job, requests no node can satisfy, and a
+model folder changed while its job waits, each through ``--profile
+profiles/slurm``; tests/slurm/stop.sh stops the cluster. Needs root; installs
+slurm-wlm and munge with .ci/install-slurm.sh if missing.
 
 The profiles themselves (both parse, name only real rules) and the rules'
 own resources are checked without a cluster, in the fast tier.
@@ -12,6 +13,7 @@ own resources are checked without a cluster, in the fast tier.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -222,6 +224,56 @@ def test_bad_requests_fail_fast_with_the_schedulers_message(cluster, tmp_path):
     assert run.seconds < 150, f"bad requests took {run.seconds:.0f}s to fail"
     targeted = (workdir / "targeted.txt").read_text().strip()
     assert scontrol_job(targeted)["Features"] == features[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.workflow
+def test_a_model_folder_changed_while_its_job_waits_is_refused_on_the_node(cluster, tmp_path):
+    """The submitting host records a path model's folder (rule record_model_folder, a
+    local rule) and submits the download; the folder's config.json changes while the job
+    pends (the partition held down); on the node, where Snakemake builds the DAG again
+    and the new config.json makes another model id, the job is refused naming the
+    change (before that record, Snakemake itself stopped there with an AttributeError)."""
+    from conftest import save_tiny_llama, save_tiny_tokenizer
+
+    from fourbit.config import Study
+
+    folder = tmp_path / "model"
+    save_tiny_llama(folder, tied=True)
+    save_tiny_tokenizer(folder)
+    config = {"model": {"source": "path", "path": str(folder)}, "corpus": {"source": "builtin"},
+              "arms": [{"name": "g64", "quant": {"method": "cpu_int4", "group_size": 64}}],
+              "results": "results"}
+    study = tmp_path / "study.yaml"
+    study.write_text(yaml.safe_dump(config))
+    model_id = Study.from_config(config).model_id
+    output = tmp_path / "run.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_"))}
+    subprocess.run(["scontrol", "update", "PartitionName=debug", "State=DOWN"], check=True)
+    try:
+        with output.open("w") as log:
+            proc = subprocess.Popen(
+                [*SNAKEMAKE, "--snakefile", str(ROOT / "Snakefile"), "--profile", str(SLURM_PROFILE),
+                 "--configfile", str(study), "--directory", str(tmp_path), *FAST_POLL,
+                 "--restart-times", "0", f"results/{model_id}/source"],
+                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            deadline = time.monotonic() + 120
+            while "submitted with SLURM jobid" not in output.read_text():
+                assert proc.poll() is None and time.monotonic() < deadline, output.read_text()[-3000:]
+                time.sleep(1)
+            assert (tmp_path / "results" / model_id / "source.planned.json").is_file()
+            edited = {**json.loads((folder / "config.json").read_text()), "max_position_embeddings": 1024}
+            (folder / "config.json").write_text(json.dumps(edited))
+    finally:
+        subprocess.run(["scontrol", "update", "PartitionName=debug", "State=UP"], check=True)
+    assert proc.wait(timeout=300) != 0
+    job_log = next((tmp_path / ".snakemake" / "slurm_logs" / "rule_download").rglob("*.log")).read_text()
+    assert (f"the model folder {folder} changed after the workflow built its DAG: "
+            f"{folder / 'config.json'} (max_position_embeddings 512 then, 1024 now). The study was "
+            f"planned on the files as they were (recorded in results/{model_id}/source.planned.json "
+            "when the DAG was built)") in job_log, job_log[-3000:]
+    assert "AttributeError" not in job_log
+    assert not (tmp_path / "results" / model_id / "source").exists()
 
 
 # ---- the profiles, without a cluster --------------------------------------------

@@ -96,7 +96,13 @@ class Study:
     bench_refusals: dict[str, str | None] = field(default_factory=dict)
 
     @classmethod
-    def from_config(cls, config: dict, schema: dict | None = None) -> "Study":
+    def from_config(cls, config: dict, schema: dict | None = None, *,
+                    check_folder: bool = True) -> "Study":
+        """The study ``config`` describes, validated and checked against its model.
+        ``check_folder``: check the model's local folders whole (fourbit.inputs.sources.
+        check_local_folder); False where they were checked when the DAG was built and are
+        compared with that DAG's record of them instead (workflow/rules/common.smk, on a
+        cluster node)."""
         schema = schema or load_schema()
         config = copy.deepcopy(config)
         quant_parts = [arm.get("quant") for arm in config.get("arms", []) if isinstance(arm, dict)]
@@ -110,7 +116,8 @@ class Study:
         }
         model_config = _model_config(config, model_id)
         matrices = _matrices(model_config)
-        sources.check_local_folder(config["model"], model_config)  # a local folder, whole
+        if check_folder:
+            sources.check_local_folder(config["model"], model_config)  # local folders, whole
         has_gguf_arms = any(quant.get("method") in GGUF_METHODS for quant in quant_parts)
         model_dir = Path(config["results"]) / model_id
         _check_engines_read(config["model"], model_config, engines, has_gguf_arms, model_dir)
@@ -281,24 +288,28 @@ def model_identity(model: dict, corpus_id: str) -> str:
         return f"builtin_{model['preset']}-{short_hash('model', identity)}"
     if source == "hf":
         org, name = model["repo_id"].split("/")
-        return f"hf_{_slug(org)}__{_slug(name)}-{short_hash('model', model)}"
+        return f"hf_{_slug(org)}__{_slug(name)}-{short_hash('model', _with_tokenizer(model))}"
     if source == "path":
         return f"path_{_slug(Path(model['path']).name)}-{short_hash('model', _path_fingerprint(model))}"
     return f"synthetic_{_slug(Path(model['architecture']).stem)}-{short_hash('model', model)}"
 
 
-def model_folder_state(model: dict) -> dict | None:
-    """What a ``path`` model's id holds of its folder (config.json, the size of each weight
-    file), which the download job compares with the folder it links, naming any file that
-    changed (fourbit.inputs.model_folder.changes); None for the other sources."""
-    return _path_fingerprint(model) if model["source"] == "path" else None
+def _with_tokenizer(model: dict) -> dict:
+    """The model block with the tokenizer folder it names (model.tokenizer) as that
+    folder's files' hashes, so another tokenizer is another model; unchanged without one,
+    so a study that names none keeps its id."""
+    tokenizer = sources.tokenizer_identity(model)
+    return {**model, "tokenizer": tokenizer} if tokenizer else model
 
 
 def _path_fingerprint(model: dict) -> dict:
-    """Cheap identity of a local model folder: its config plus weight file sizes.
+    """Cheap identity of a local model folder: its config plus weight file sizes, and the
+    tokenizer model.tokenizer names (fourbit.inputs.sources.tokenizer_identity).
 
     Reading gigabytes at DAG-build time would break the 5-second dry run; the
-    download rule records the full content hashes in its manifest.
+    download rule records the full content hashes in its manifest. A file rewritten in
+    place keeps the id; the DAG's record of the folder (fourbit.inputs.folder_state) is
+    what sees it.
     """
     folder = Path(model["path"])
     config = folder / "config.json"
@@ -310,8 +321,10 @@ def _path_fingerprint(model: dict) -> dict:
             f"model.path: {folder} has no *.safetensors files; fourbit loads safetensors only "
             "(convert pickle checkpoints with transformers' save_pretrained(safe_serialization=True))"
         )
-    return {
+    fingerprint = {
         "path": str(folder.resolve()),
         "config": json.loads(config.read_text()),
         "weights": {w.name: w.stat().st_size for w in weights},
     }
+    tokenizer = sources.tokenizer_identity(model)
+    return {**fingerprint, "tokenizer": tokenizer} if tokenizer else fingerprint

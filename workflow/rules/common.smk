@@ -1,13 +1,20 @@
 # Validate first, then derive: fourbit.config checks the config against
 # src/fourbit/schemas/config.schema.yaml (filling defaults) and computes every id
 # before any rule is defined.
+import glob
 import sys
 from pathlib import Path
 
-from fourbit.config import ID_PATTERN, Study, model_folder_state
+from fourbit.config import ID_PATTERN, Study
 from fourbit.diskspace import StudyDisk, refuse_short_disk
+from fourbit.inputs.folder_state import check_as_planned, local_state
 
-STUDY = Study.from_config(config)
+# Snakemake builds the DAG where the workflow starts, and again for each job it runs
+# elsewhere (a cluster node: --mode remote). There, the model's local folders were checked
+# whole already: they are compared with the record that first build made instead (rule
+# record_model_folder), below, once the model id is known.
+PLANNING = workflow.is_main_process
+STUDY = Study.from_config(config, check_folder=PLANNING)
 # An arm that cannot apply to this model (its shapes were checked against the model's
 # config.json just now) has no jobs; the report names it with the same reason.
 for refused in STUDY.refused_arms:
@@ -17,15 +24,31 @@ for engine_name, refusal in STUDY.bench_refusals.items():
         print(f"fourbit: {engine_name}: {refusal}", file=sys.stderr)
 RESULTS = STUDY.results
 MODEL = STUDY.model_id
+# Where rule record_model_folder writes the model's local folders as the DAG's build
+# found them (fourbit.inputs.folder_state.local_state).
+PLANNED = f"{RESULTS}/{{model}}/source.planned.json"
 CORPUS = STUDY.corpus_id
 MODEL_DIR = f"{RESULTS}/{MODEL}"
 EVAL_DIR = f"{MODEL_DIR}/eval/{CORPUS}"
 GGUF_BASE = f"{MODEL_DIR}/gguf/f16.gguf"
 GGUF_BASE_STORAGE = f"{MODEL_DIR}/gguf/f16.storage.json"
 LLAMACPP_TOOLS = f"{RESULTS}/tools/llamacpp.json"
-# A local model folder as the study was planned on it (config.json, weight file sizes;
-# None for other sources): the download job names any file changed since.
-MODEL_FOLDER_STATE = model_folder_state(STUDY.config["model"])
+# The model's local folders as the study is planned on them (None: it has none), which
+# rule record_model_folder writes for the download job to compare with.
+LOCAL_STATE = local_state(STUDY.config["model"])
+
+
+def planned_records():
+    """The record_model_folder files of this results folder, this model id's first, then
+    the newest first: where this build makes another id than the one a job was sent for
+    (its folder resized since), that job's record is among the others."""
+    own = Path(PLANNED.format(model=MODEL))
+    others = [Path(p) for p in glob.glob(PLANNED.format(model="*")) if Path(p) != own]
+    return [own] + sorted(others, key=lambda p: p.stat().st_mtime_ns, reverse=True)
+
+
+if not PLANNING:
+    check_as_planned(STUDY.config["model"], STUDY.model_config, planned_records())
 # What each output takes on disk, estimated from config.json (fourbit.diskspace).
 DISK = StudyDisk(STUDY)
 
@@ -74,7 +97,10 @@ def per_attempt(amount):
 
 
 wildcard_constraints:
-    model=MODEL,
+    # A job sent elsewhere keeps the id it was planned with even where this build makes
+    # another (a model folder changed since; the builtin model on another CPU vendor):
+    # its own check then names why, where a narrower pattern would stop Snakemake itself.
+    model=MODEL if PLANNING else ID_PATTERN,
     corpus=CORPUS,
     arm=f"baseline|{ID_PATTERN}",
     engine="|".join(engine.id for engine in STUDY.engines.values()),
@@ -103,10 +129,14 @@ def get_engine_settings(wildcards):
 
 
 def get_download_input(wildcards):
-    """The builtin model and the synthetic model's tokenizer are trained on the corpus."""
+    """The builtin model and the synthetic model's tokenizer are trained on the corpus; a
+    model with local folders is compared with their record from the DAG's build."""
+    inputs = {}
     if STUDY.config["model"]["source"] in ("builtin", "synthetic"):
-        return {"corpus": f"{RESULTS}/corpus/{CORPUS}/manifest.json"}
-    return {}
+        inputs["corpus"] = f"{RESULTS}/corpus/{CORPUS}/manifest.json"
+    if LOCAL_STATE is not None:
+        inputs["planned"] = rules.record_model_folder.output.planned.format(model=wildcards.model)
+    return inputs
 
 
 def get_quantize_input(wildcards):

@@ -20,6 +20,26 @@ rule prepare_corpus:
         "../../scripts/prepare_corpus.py"
 
 
+# Written where the workflow started, whichever host runs the download (a cluster node).
+localrules:
+    record_model_folder,
+
+
+rule record_model_folder:
+    output:
+        planned=PLANNED,
+    log:
+        f"{RESULTS}/logs/record_model_folder/{{model}}.log",
+    conda:
+        "../../envs/fourbit.yaml"
+    resources:
+        disk_mb=disk_need("records"),
+    params:
+        state=LOCAL_STATE,
+    script:
+        "../../scripts/record_model_folder.py"
+
+
 rule download:
     input:
         unpack(get_download_input),
@@ -43,7 +63,6 @@ rule download:
         spec=STUDY.config["model"],
         corpus_dir=f"{RESULTS}/corpus/{CORPUS}",
         corpus_id=CORPUS,
-        built_from=MODEL_FOLDER_STATE,
     script:
         "../../scripts/download.py"
 

@@ -1,12 +1,12 @@
 """A model folder checked before any job uses it: its weight files' headers, their tensors
-against config.json, its tokenizer; and what changed in a local folder since the DAG was
-built.
+against config.json, its tokenizer (or the one the study names in model.tokenizer).
 
 Where each check runs:
 - a ``path`` source: when the workflow builds its DAG (fourbit.config.Study.from_config,
   through fourbit.inputs.sources.check_local_folder), and again in the download job
   (fourbit.steps.prepare.fetch_model) on the host that runs it, a cluster node too, after
-  the job has compared the folder with what it held when the DAG was built;
+  the folder was compared with what it held when the DAG was built
+  (fourbit.inputs.folder_state);
 - an ``hf`` source: in the download job, on the downloaded snapshot, before the manifest
   is written (there is no folder before that job);
 - ``builtin`` and ``synthetic``: in the download job on the folder fourbit has just built,
@@ -29,7 +29,7 @@ from fourbit.inputs import tokenizer_files
 from fourbit.inputs.weight_headers import FolderError, Tensor, read_tensors
 from fourbit.quantizers import shapes
 
-__all__ = ["FolderError", "changes", "check_folder", "check_weights"]
+__all__ = ["FolderError", "check_folder", "check_weights"]
 # Norm weights every Llama-layout decoder stores, one vector of hidden_size each.
 LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
 FINAL_NORM = "model.norm"
@@ -37,15 +37,19 @@ SAME_MODEL = "use the config.json that came with these weights"
 _LAYER = re.compile(rf"{re.escape(shapes.LAYER_PREFIX)}\.(\d+)\.")
 
 
-def check_folder(folder: str | Path, config: dict, *, load_tokenizer: bool = False) -> None:
+def check_folder(folder: str | Path, config: dict, *, tokenizer: str | Path | None = None,
+                 load_tokenizer: bool = False) -> None:
     """FolderError naming the file and the fix unless ``folder``'s weights agree with
     ``config`` (its config.json) and its tokenizer loads and fits the embedding.
-    ``load_tokenizer``: also load it with transformers' AutoTokenizer, as the evaluation
-    does (seconds of imports: for a job, not for the DAG)."""
+    ``tokenizer``: the folder whose tokenizer the study names (model.tokenizer), checked
+    in place of the model folder's own. ``load_tokenizer``: also load it with
+    transformers' AutoTokenizer, as the evaluation does (seconds of imports: for a job,
+    not for the DAG)."""
     folder = Path(folder)
     tensors = read_tensors(folder)
     rows = check_weights(folder, tensors, config)
-    tokenizer_files.check_tokenizer(folder, rows, load=load_tokenizer)
+    tokenizer_files.check_tokenizer(Path(tokenizer or folder), rows, load=load_tokenizer,
+                                    named=tokenizer is not None)
 
 
 def _tied(config: dict) -> bool:
@@ -163,33 +167,3 @@ def _check_head(folder: Path, tensors: dict[str, Tensor], config: dict, head: st
             f"{folder / 'config.json'} has {said}, so the head is its own matrix, but no weight "
             f"file holds {head} (transformers would give it random weights): set "
             "tie_word_embeddings: true if the head shares the embedding, or add the head's weights")
-
-
-def changes(before: dict, after: dict) -> list[str]:
-    """What differs between two states of a local model folder (fourbit.config's
-    model_folder_state: config.json, and the size of each weight file), one phrase each."""
-    found = []
-    if before.get("path") != after.get("path"):
-        found.append(f"the path now leads to {after.get('path')}, not {before.get('path')}")
-    config_before, config_after = before.get("config") or {}, after.get("config") or {}
-    keys = sorted(k for k in {*config_before, *config_after}
-                  if config_before.get(k) != config_after.get(k))
-    if keys:
-        shown = ", ".join(f"{k} {_value(config_before, k)} then, {_value(config_after, k)} now"
-                          for k in keys[:3])
-        more = f", and {len(keys) - 3} more keys" if len(keys) > 3 else ""
-        found.append(f"config.json ({shown}{more})")
-    sizes_before, sizes_after = before.get("weights") or {}, after.get("weights") or {}
-    for name in sorted({*sizes_before, *sizes_after}):
-        then, now = sizes_before.get(name), sizes_after.get(name)
-        if then is None:
-            found.append(f"{name} (new, {now:,} bytes)")
-        elif now is None:
-            found.append(f"{name} (gone; it had {then:,} bytes)")
-        elif then != now:
-            found.append(f"{name} ({then:,} bytes then, {now:,} now)")
-    return found
-
-
-def _value(config: dict, key: str) -> str:
-    return repr(config[key]) if key in config else "absent"

@@ -8,6 +8,14 @@ runs (``model_config``), so the workflow checks every arm's shapes against the m
 while it builds the DAG. Config readers import neither torch nor transformers. A source
 whose model is a folder before any job (``path``) also names it (``folder``), and the
 DAG's build checks that folder whole (``check_local_folder``, fourbit.inputs.model_folder).
+
+``model.tokenizer`` (``path`` and ``hf``) names a local folder whose tokenizer files take
+the place of the model's own in the folder the download job writes, so every later step
+reads it as the model's tokenizer. The DAG's build checks it like the model's own, and
+the model id holds its files' hashes (fourbit.config.model_identity).
+
+The local folders (the model's, the tokenizer's) are recorded as the DAG's build finds
+them, and compared with that record before a job uses them (fourbit.inputs.folder_state).
 """
 
 from __future__ import annotations
@@ -19,8 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from fourbit.hashing import model_weights_sha256
-from fourbit.inputs import model_folder
+from fourbit.hashing import file_sha256, model_weights_sha256
+from fourbit.inputs import model_folder, tokenizer_files
+from fourbit.inputs.weight_headers import FolderError
 
 log = logging.getLogger("fourbit")
 ARCHITECTURES = Path(__file__).parent / "architectures"
@@ -86,17 +95,59 @@ def model_config(spec: dict, source_dir: str | os.PathLike) -> dict:
 
 
 def tokenizer_folder(spec: dict, source_dir: str | os.PathLike) -> Path | None:
-    """A folder holding the model's own tokenizer files (and config.json) before any job,
-    for checks such as llama.cpp's converter's; None when there is none to check yet."""
-    return source_of(spec).tokenizer(spec, Path(source_dir))
+    """A folder holding the model's tokenizer files before any job (the one model.tokenizer
+    names, else the model's own), for checks such as llama.cpp's converter's; None when
+    there is none to check yet."""
+    return named_tokenizer(spec) or source_of(spec).tokenizer(spec, Path(source_dir))
+
+
+def named_tokenizer(spec: dict) -> Path | None:
+    """The folder model.tokenizer names, or None; FolderError unless it is a folder."""
+    if not spec.get("tokenizer"):
+        return None
+    folder = Path(spec["tokenizer"])
+    if not folder.is_dir():
+        raise FolderError(f"model.tokenizer: {folder} is not a folder; name the folder that holds "
+                          "the tokenizer's files (tokenizer.json or tokenizer.model, "
+                          "tokenizer_config.json)")
+    return folder
+
+
+def tokenizer_identity(spec: dict) -> dict | None:
+    """What the model id holds of model.tokenizer: its folder and the sha256 of each of
+    its tokenizer files (a few megabytes); None when the study names no tokenizer."""
+    folder = named_tokenizer(spec)
+    if folder is None:
+        return None
+    return {"path": str(folder.resolve()),
+            "sha256": {name: file_sha256(folder / name) for name in tokenizer_names(folder)}}
 
 
 def check_local_folder(spec: dict, config: dict) -> None:
     """The checks of fourbit.inputs.model_folder on the model's own folder, where there is
-    one before any job (a ``path`` source); FolderError (a ConfigError) naming the file."""
+    one before any job (a ``path`` source), and on the tokenizer folder the study names
+    (against config.json's vocab_size where the weights are not here yet); FolderError (a
+    ConfigError) naming the file."""
     folder = source_of(spec).folder(spec)
+    tokenizer = named_tokenizer(spec)
     if folder is not None:
-        model_folder.check_folder(folder, config)
+        model_folder.check_folder(folder, config, tokenizer=tokenizer)
+    elif tokenizer is not None:
+        tokenizer_files.check_tokenizer(tokenizer, config["vocab_size"], named=True)
+
+
+def linked_files(folder: Path, spec: dict) -> list[str]:
+    """The files of ``folder`` (a model's own) that the download job links: every file at
+    its top level, but for its tokenizer files where model.tokenizer names others."""
+    names = sorted(p.name for p in Path(folder).iterdir() if p.is_file())
+    if spec.get("tokenizer"):
+        names = [name for name in names if name not in tokenizer_files.FILES]
+    return names
+
+
+def tokenizer_names(folder: Path) -> list[str]:
+    """The tokenizer files ``folder`` has (fourbit.inputs.tokenizer_files.FILES)."""
+    return [name for name in tokenizer_files.FILES if (folder / name).is_file()]
 
 
 def _builtin_spec(spec: dict) -> dict:
@@ -210,7 +261,7 @@ def _hugging_face(spec: dict, folder: Path, corpus_dir: Path, threads: int) -> N
             f"{spec['repo_id']}@{spec['revision']} needs remote code (auto_map in config.json); "
             "set model.trust_remote_code: true if you trust it"
         )
-    _link_folder(snapshot, folder)
+    _link_folder(snapshot, folder, spec)
 
 
 def _path_config(spec: dict, source_dir: Path) -> dict:
@@ -228,7 +279,7 @@ def _read_config(folder: Path) -> dict:
 @register_source("path", config=_path_config, tokenizer=lambda spec, source_dir: Path(spec["path"]),
                  folder=lambda spec: Path(spec["path"]))
 def _local_path(spec: dict, folder: Path, corpus_dir: Path, threads: int) -> None:
-    _link_folder(Path(spec["path"]), folder)
+    _link_folder(Path(spec["path"]), folder, spec)
 
 
 def _architecture_file(spec: dict) -> Path:
@@ -275,11 +326,14 @@ def _synthetic(spec: dict, folder: Path, corpus_dir: Path, threads: int) -> None
     train_tokenizer(corpus_dir / "train.txt", folder, vocab_size=4096)
 
 
-def _link_folder(source: Path, folder: Path) -> None:
-    """Link a model folder's files instead of copying gigabytes."""
+def _link_folder(source: Path, folder: Path, spec: dict) -> None:
+    """Link a model folder's files instead of copying gigabytes; where model.tokenizer
+    names a tokenizer, its files in place of the model's own."""
     from fourbit.checkpoints.hf import weight_files
 
     weight_files(source)  # fails early, naming the folder, when there are no safetensors
-    for path in source.iterdir():
-        if path.is_file():
-            os.symlink(path.resolve(), folder / path.name)
+    for name in linked_files(source, spec):
+        os.symlink((source / name).resolve(), folder / name)
+    tokenizer = named_tokenizer(spec)
+    for name in tokenizer_names(tokenizer) if tokenizer else []:
+        os.symlink((tokenizer / name).resolve(), folder / name)

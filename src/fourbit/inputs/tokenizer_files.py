@@ -23,14 +23,19 @@ from fourbit.inputs.weight_headers import FolderError
 TEXT_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
               "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja",
               "chat_template.json")
+# Every tokenizer file transformers may read: what a tokenizer folder the study names
+# (model.tokenizer) brings into the model's folder, in place of the model's own.
+FILES = (*TEXT_FILES, "tokenizer.model")
 RESAVE = ("save it again as UTF-8, e.g. AutoTokenizer.from_pretrained(<where it came from>)"
           ".save_pretrained(<this folder>), or copy it again from where the model came from")
 
 
-def check_tokenizer(folder: Path, embedding_rows: int, *, load: bool = False) -> None:
+def check_tokenizer(folder: Path, embedding_rows: int, *, load: bool = False,
+                    named: bool = False) -> None:
     """FolderError naming the file unless ``folder`` holds a tokenizer that loads and whose
     ids all fall inside the embedding's ``embedding_rows`` rows; ``load``: also load it
-    with transformers' AutoTokenizer (seconds of imports)."""
+    with transformers' AutoTokenizer (seconds of imports); ``named``: the folder is the
+    one the study names in model.tokenizer, not the model's own."""
     texts = {name: _text(folder / name) for name in TEXT_FILES if (folder / name).is_file()}
     if "tokenizer.json" in texts:
         kind = "tokenizer.json"
@@ -41,12 +46,18 @@ def check_tokenizer(folder: Path, embedding_rows: int, *, load: bool = False) ->
         vocab = json.loads(texts["vocab.json"])
         ids = vocab.values() if isinstance(vocab, dict) else []
         kind, largest = "vocab.json", max((i for i in ids if isinstance(i, int)), default=0)
+    elif named:
+        raise FolderError(
+            f"{folder}: no tokenizer (neither tokenizer.json, nor tokenizer.model, nor vocab.json "
+            "with merges.txt), yet model.tokenizer names it as the tokenizer to use: point "
+            "model.tokenizer at the folder that holds the model's tokenizer files")
     else:
         raise FolderError(
             f"{folder}: no tokenizer (neither tokenizer.json, nor tokenizer.model, nor vocab.json "
             "with merges.txt); every engine tokenizes the evaluation text with the model's own "
             "tokenizer: copy its tokenizer files (tokenizer.json, tokenizer_config.json, "
-            "special_tokens_map.json) from where the model came from into the folder")
+            "special_tokens_map.json) from where the model came from into the folder, or name "
+            "a folder that holds them in the study's model.tokenizer")
     largest = max([largest, *_added_ids(texts)])
     if largest >= embedding_rows:
         raise FolderError(

@@ -2,6 +2,9 @@
 
 - prepare_corpus: the corpus's train / calibration / evaluation splits plus a manifest
   that says exactly what was taken (fourbit.inputs.corpus selects the documents).
+- record_model_folder: the model's local folders as the DAG's build found them
+  (fourbit.inputs.folder_state.local_state), for the download job to compare with; a local
+  rule, so written where the workflow started, whichever host runs the download.
 - fetch_model (rule download): the model into results/<model id>/source, with
   fourbit-source.json holding the content hash of every weight file (the weights'
   identity every downstream record carries; fourbit.inputs.sources fetches), once the
@@ -21,8 +24,8 @@ import logging
 import os
 from pathlib import Path
 
-from fourbit.atomic import atomic_dir
-from fourbit.config import model_folder_state, model_identity
+from fourbit.atomic import atomic_dir, write_json
+from fourbit.config import model_identity
 from fourbit.schema import block
 from fourbit.checkpoints.hf import (
     load_tensors,
@@ -33,7 +36,7 @@ from fourbit.checkpoints.hf import (
     write_checkpoint,
 )
 from fourbit.hashing import file_sha256
-from fourbit.inputs import corpus, model_folder, sources
+from fourbit.inputs import corpus, folder_state, model_folder, sources, tokenizer_files
 
 log = logging.getLogger("fourbit")
 
@@ -57,9 +60,16 @@ def prepare_corpus(spec: dict, out_dir: Path) -> dict:
     return manifest
 
 
+def record_model_folder(state: dict, out: str | os.PathLike) -> None:
+    """Write ``state`` (fourbit.inputs.folder_state.local_state, taken when the DAG was built)
+    to ``out``, where the download job and every job on a cluster node compare the
+    model's local folders with it."""
+    write_json(out, state)
+
+
 def fetch_model(spec: dict, target: str | os.PathLike, corpus_dir: str | os.PathLike, threads: int,
                 *, model_id: str | None = None, corpus_id: str | None = None,
-                built_from: dict | None = None) -> None:
+                planned: str | os.PathLike | None = None) -> None:
     """The model ``spec`` names (the config's model block, its defaults filled here if a
     caller left them out), written to ``target`` with a manifest of its weights' hashes,
     once the folder passes fourbit.inputs.model_folder's checks (here, on the host that
@@ -68,11 +78,12 @@ def fetch_model(spec: dict, target: str | os.PathLike, corpus_dir: str | os.Path
     (the workflow passes both; a direct call may leave them out); refused before any work
     if this host would make another model id (a builtin model trained on another CPU
     vendor or other library versions, as on a cluster node unlike the submitting host).
-    ``built_from``: a local folder's state when the DAG was built
-    (fourbit.config.model_folder_state); refused, naming each file that changed since."""
+    ``planned``: the record_model_folder file, the model's local folders as the DAG's
+    build found them; refused, naming each file that changed since."""
     spec = block("model", spec)
-    if built_from is not None:
-        _refuse_changes(spec, built_from, model_id)
+    if planned is not None:
+        folder_state.refuse_changes(spec, json.loads(Path(planned).read_text()),
+                                    f"recorded in {planned} when the DAG was built")
     if model_id is not None and (here := model_identity(spec, corpus_id)) != model_id:
         raise ValueError(
             f"this host would make model {here}, not the study's {model_id}: the id holds "
@@ -97,25 +108,17 @@ def _check_fetched(spec: dict, folder: Path, target: Path) -> None:
     try:
         model_folder.check_folder(folder, read_config(folder), load_tokenizer=True)
     except model_folder.FolderError as error:
-        named = str(error).replace(str(folder), where.get(spec["source"]) or str(target))
+        named = str(error)
+        for name in tokenizer_files.FILES if spec.get("tokenizer") else ():
+            named = named.replace(str(folder / name), str(Path(spec["tokenizer"]) / name))
+        named = named.replace(str(folder), where.get(spec["source"]) or str(target))
         raise model_folder.FolderError(named) from None
-
-
-def _refuse_changes(spec: dict, built_from: dict, model_id: str | None) -> None:
-    """FolderError naming what changed in a local model folder since the DAG was built."""
-    changed = model_folder.changes(built_from, model_folder_state(spec))
-    if changed:
-        raise model_folder.FolderError(
-            f"the model folder {spec['path']} changed after the workflow built its DAG: "
-            f"{'; '.join(changed)}; the study was planned on it as it was (model "
-            f"{model_id or 'id'} holds its config.json and the size of each weight file): put "
-            "it back as it was, or start the workflow again to plan on the folder as it is")
 
 
 def _what_sets_the_weights(spec: dict) -> str:
     if spec["source"] == "path":
-        state = model_folder_state(spec)
-        sizes = ", ".join(f"{name} {size:,} bytes" for name, size in state["weights"].items())
+        weights = sorted(Path(spec["path"]).glob("*.safetensors"))
+        sizes = ", ".join(f"{path.name} {path.stat().st_size:,} bytes" for path in weights)
         return (f"for a model folder its config.json and the size of each weight file, here "
                 f"{sizes}: the folder changed since the workflow started")
     if spec["source"] != "builtin":
