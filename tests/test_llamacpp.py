@@ -363,7 +363,7 @@ def _fake_build(calls):
         tools.gguf_py.mkdir(parents=True)
         tools.convert_script.touch()
         tools.quantize.parent.mkdir()
-        for program in (tools.quantize, tools.perplexity, tools.bench, tools.scorer):
+        for program in tools.programs:
             program.touch()
 
     return fake

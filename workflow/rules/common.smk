@@ -6,6 +6,7 @@ from pathlib import Path
 
 from fourbit.config import ID_PATTERN, Study, model_folder_state
 from fourbit.diskspace import StudyDisk, refuse_short_disk
+from fourbit.llamacpp.installed import build_key
 
 STUDY = Study.from_config(config)
 # An arm that cannot apply to this model (its shapes were checked against the model's
@@ -23,6 +24,7 @@ EVAL_DIR = f"{MODEL_DIR}/eval/{CORPUS}"
 GGUF_BASE = f"{MODEL_DIR}/gguf/f16.gguf"
 GGUF_BASE_STORAGE = f"{MODEL_DIR}/gguf/f16.storage.json"
 LLAMACPP_TOOLS = f"{RESULTS}/tools/llamacpp.json"
+LLAMACPP_BUILD = build_key()
 # A local model folder as the study was planned on it (config.json, weight file sizes;
 # None for other sources): the download job names any file changed since.
 MODEL_FOLDER_STATE = model_folder_state(STUDY.config["model"])

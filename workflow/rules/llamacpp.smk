@@ -17,6 +17,10 @@ rule build_llamacpp:
         mem_mb=4000,
         runtime=per_attempt(60),
         disk_mb=disk_need("records"),
+    params:
+        # the cached build's name (fourbit.llamacpp.installed.build_key): when the recipe
+        # changes (a new program, say), this job runs again, and every llama.cpp job after it
+        build=LLAMACPP_BUILD,
     script:
         "../../scripts/build_llamacpp.py"
 
