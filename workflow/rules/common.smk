@@ -119,6 +119,23 @@ def get_quantize_input(wildcards):
     return inputs
 
 
+def get_imatrix_calibration(wildcards):
+    return STUDY.imatrices[wildcards.imatrix]
+
+
+def get_quantize_gguf_input(wildcards):
+    """The f16 GGUF; for an arm of imatrix: calibration, its importance matrix too."""
+    inputs = {
+        "gguf": rules.convert_gguf.output.gguf,
+        "tools": rules.build_llamacpp.output.tools,
+    }
+    imatrix = STUDY.arms[wildcards.arm].imatrix
+    if imatrix:
+        inputs["imatrix"] = rules.imatrix.output.imatrix.format(imatrix=imatrix)
+        inputs["imatrix_record"] = rules.imatrix.output.record.format(imatrix=imatrix)
+    return inputs
+
+
 def checkpoint_outputs(kind):
     """Where each kind of checkpoint an engine reads comes from: the rule outputs of the
     unquantized baseline, an arm's quantized checkpoint and its dense expansion (the
@@ -257,14 +274,15 @@ def baseline_storage_inputs():
 
 
 def disk_outputs():
-    """The outputs fourbit.diskspace counts, by kind: the rules' outputs, {model} and {arm}
-    left open."""
+    """The outputs fourbit.diskspace counts, by kind: the rules' outputs, {model}, {arm}
+    and {imatrix} left open."""
     return {
         "source": rules.download.output.model,
         "untied": rules.untie_head.output.model,
         "quantized": rules.quantize.output.checkpoint,
         "dense": rules.dequantize.output.checkpoint,
         "gguf_base": rules.convert_gguf.output.gguf,
+        "imatrix": rules.imatrix.output.imatrix,
         "gguf": rules.quantize_gguf.output.gguf,
         "gguf_dense": rules.dequantize_gguf.output.gguf,
     }
