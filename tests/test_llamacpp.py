@@ -345,9 +345,18 @@ def test_fourbit_imatrix_is_llama_imatrix_with_its_tokenizer_call_replaced():
         recipe.imatrix_source(IMATRIX_LIKE + "static bool compute_imatrix(")
 
 
-def test_the_cache_key_changes_with_fourbit_imatrixs_edits(monkeypatch):
+def test_llama_perplexitys_main_flushes_its_log_at_exit():
+    main = "int llama_perplexity(int argc, char ** argv);\n\nint main(int argc, char ** argv) {\n" \
+           "    return llama_perplexity(argc, argv);\n}\n"
+    edited = recipe.edited(recipe.PERPLEXITY_SOURCE, main, recipe.PERPLEXITY_EDITS)
+    assert "std::atexit(fourbit_flush_log);\n    return llama_perplexity(argc, argv);" in edited
+    assert "common_log_flush(common_log_main())" in edited
+
+
+@pytest.mark.parametrize("edits", ["IMATRIX_EDITS", "PERPLEXITY_EDITS"])
+def test_the_cache_key_changes_with_fourbits_edits_of_llamacpp(monkeypatch, edits):
     key = installed.build_key()
-    monkeypatch.setattr(recipe, "IMATRIX_EDITS", recipe.IMATRIX_EDITS[:1])
+    monkeypatch.setattr(recipe, edits, getattr(recipe, edits)[:-1])
     assert installed.build_key() != key
 
 
@@ -804,6 +813,20 @@ def test_greedy_continuations_take_the_most_likely_token(ggufs, tools, windows):
         scored = score_windows(ggufs["Q4_K_M"], [prompt + ids] + [prompt + ids[:-1] + [t] for t in others],
                                tools=tools, threads=2)
         assert all(scored[0]["nll_sum"] < other["nll_sum"] for other in scored[1:])
+
+
+@pytest.mark.slow
+def test_llama_perplexity_prints_its_final_lines_every_run(ggufs, tools, corpus, tmp_path):
+    """Its logger thread lost the last lines of up to 8 in 20 runs on a loaded host before
+    the recipe made it flush at exit (docs/llamacpp-build.md)."""
+    from fourbit.llamacpp.perplexity import _BASE_DONE
+
+    text = tmp_path / "text.txt"
+    text.write_text((corpus / "evaluation.txt").read_text()[:20_000])
+    command = [tools.perplexity, "-m", ggufs["F16"], "-f", text, "--kl-divergence-base",
+               tmp_path / "base.logits", "-c", 128, "-b", 128, "-ub", 128, "-t", 2, "--chunks", 8]
+    outputs = [run_tool(command, "llama-perplexity", merge_stderr=True).stdout for _ in range(10)]
+    assert all(_BASE_DONE.search(output) for output in outputs)
 
 
 def test_greedy_output_is_checked():

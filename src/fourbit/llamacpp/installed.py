@@ -85,6 +85,7 @@ def build_key() -> str:
             "scorer_cmake": recipe.SCORER_CMAKELISTS,
             "scorer": recipe.SCORER_SOURCE,
             "imatrix_edits": recipe.IMATRIX_EDITS,
+            "perplexity_edits": recipe.PERPLEXITY_EDITS,
         },
         sort_keys=True,
     )

@@ -57,7 +57,7 @@ SCORER_SOURCE = files("fourbit.llamacpp").joinpath("scorer.cpp").read_text(encod
 # fourbit-imatrix: llama-imatrix reading token ids instead of text, so an importance matrix
 # is computed on exactly the windows a gptq arm calibrates on (imatrix_ids.cpp says how).
 # It is llama.cpp's own tools/imatrix/imatrix.cpp with IMATRIX_EDITS made, each (old, new)
-# found exactly once or the build stops (imatrix_source); the edits are part of the recipe.
+# found exactly once or the build stops (edited); the edits are part of the recipe.
 IMATRIX_TARGET = "fourbit-imatrix"
 IMATRIX_SOURCE = "tools/imatrix/imatrix.cpp"
 IMATRIX_EDITS = (
@@ -69,15 +69,37 @@ IMATRIX_EDITS = (
 )
 
 
-def imatrix_source(original: str) -> str:
-    """fourbit-imatrix's source: llama-imatrix's ``original`` with IMATRIX_EDITS made."""
-    for old, new in IMATRIX_EDITS:
+# llama-perplexity's logger prints from its own thread, and this commit leaks it at exit
+# (ggml-org/llama.cpp#22142): the lines still queued when main returns are lost, its
+# final statistics among them (8 of 20 runs of the tiny model's base-logits step on a
+# loaded 2-core host, 0 to 1 of 20 on a quieter moment). This edit flushes the log when
+# the program exits; it changes nothing llama-perplexity computes or prints.
+PERPLEXITY_SOURCE = "tools/perplexity/main.cpp"  # main() alone; perplexity.cpp does the work
+PERPLEXITY_EDITS = (
+    ("int main(int argc, char ** argv) {\n",
+     ("#include \"log.h\"\n#include <cstdlib>\n\n"
+      "// fourbit's edit (fourbit.llamacpp.recipe): print what the log still holds at exit\n"
+      "static void fourbit_flush_log() { common_log_flush(common_log_main()); }\n\n"
+      "int main(int argc, char ** argv) {\n"
+      "    std::atexit(fourbit_flush_log);\n")),
+)
+
+
+def edited(path: str, original: str, edits: tuple[tuple[str, str], ...]) -> str:
+    """``original`` (the text of ``path`` in the vendored tree) with ``edits`` made, each
+    (old, new) found exactly once, or RuntimeError naming the file and the text."""
+    for old, new in edits:
         if original.count(old) != 1:
             raise RuntimeError(
-                f"{IMATRIX_SOURCE} holds {original.count(old)} copies of {old.splitlines()[0]!r}, "
-                f"not one: this llama.cpp is not the one fourbit-imatrix's edits were written for")
+                f"{path} holds {original.count(old)} copies of {old.splitlines()[0]!r}, not one: "
+                f"this llama.cpp is not the one fourbit's edits were written for")
         original = original.replace(old, new)
     return original
+
+
+def imatrix_source(original: str) -> str:
+    """fourbit-imatrix's source: llama-imatrix's ``original`` with IMATRIX_EDITS made."""
+    return edited(IMATRIX_SOURCE, original, IMATRIX_EDITS)
 
 
 # Adds fourbit-score and fourbit-imatrix to llama.cpp's own build, against the same static
