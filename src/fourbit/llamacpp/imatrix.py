@@ -4,9 +4,10 @@ llama-imatrix runs a GGUF model over calibration text cut into chunks of ``-c`` 
 keeps, for every matrix a decoder layer multiplies, the sum over tokens of each input
 column's squared activation (``<tensor>.in_sum2`` [K]) and how many tokens it summed
 (``<tensor>.counts``); llama-quantize ``--imatrix`` weighs each weight's rounding error by
-them. llama-imatrix tokenizes its text itself, and text decoded from a window of ids does
-not always tokenize back to those ids, nor into chunks that fall on the windows. So the
-windows go to fourbit-imatrix: llama-imatrix's own source reading ids instead of text
+them. llama-imatrix tokenizes its text itself: the windows' text, joined, comes back in
+chunks that drift off the windows (each chunk's first id goes under the BOS it writes),
+and a tokenizer may merge across the joins (benchmarks/imatrix_tokens.py measures it). So
+the windows go to fourbit-imatrix: llama-imatrix's own source reading ids instead of text
 (:mod:`fourbit.llamacpp.recipe`, ``imatrix_ids.cpp``). Each window is one chunk, written
 as llama-imatrix evaluates a chunk: where the vocabulary adds BOS, llama-imatrix writes
 BOS over the chunk's first token, so the chunk is BOS followed by the whole window (-c one
@@ -51,9 +52,10 @@ def compute_imatrix(f16_gguf: Path, out_path: Path, windows: list[list[int]], *,
     if not f16_gguf.is_file():
         raise FileNotFoundError(f"GGUF to compute the importance matrix on {f16_gguf} does not exist")
     if len(windows) < 2 or len({len(w) for w in windows}) != 1 or len(windows[0]) < UBATCH_ROWS:
+        lengths = sorted({len(w) for w in windows})
         raise ValueError(f"need 2 or more windows of one length, at least {UBATCH_ROWS} (llama-imatrix "
-                         f"refuses fewer than two chunks, and counts no shorter one); got lengths {sorted({len(w) for w in windows})} "
-                         f"of {len(windows)} windows")
+                         f"refuses fewer than two chunks, and counts no shorter one); got "
+                         f"{len(windows)} windows of lengths {lengths}")
     add_bos, bos = vocabulary_bos(f16_gguf, tools.gguf_py)
     chunks = [[bos, *w] if add_bos else list(w) for w in windows]
     text = "".join(" ".join(map(str, chunk)) + "\n" for chunk in chunks)
