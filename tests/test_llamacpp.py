@@ -648,6 +648,31 @@ def test_the_imatrix_is_computed_on_exactly_the_windows(imatrix, ggufs, tools):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("model, add_bos, bos, expected", [
+    ("llama", None, 1, (True, 1)),  # SentencePiece adds BOS unless the file says otherwise
+    ("gpt2", None, None, (False, None)),  # BPE adds none
+    ("gpt2", True, 7, (True, 7)),
+    ("llama", False, 1, (False, 1)),
+])
+def test_whether_a_chunk_starts_with_bos_follows_llamacpps_rule(tools, tmp_path, model, add_bos,
+                                                                 bos, expected):
+    from fourbit.llamacpp.imatrix import vocabulary_bos
+    from fourbit.llamacpp.quantize import _import_gguf
+
+    writer = _import_gguf(tools.gguf_py).GGUFWriter(str(tmp_path / "vocab.gguf"), "llama")
+    writer.add_tokenizer_model(model)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
+    if bos is not None:
+        writer.add_bos_token_id(bos)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert vocabulary_bos(tmp_path / "vocab.gguf", tools.gguf_py) == expected
+
+
+@pytest.mark.slow
 def test_the_imatrix_changes_what_llama_quantize_writes(imatrix, ggufs, tools):
     from fourbit.llamacpp.quantize import _import_gguf
 
