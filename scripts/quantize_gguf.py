@@ -9,4 +9,6 @@ quantize_arm(
     dict(snakemake.params.arm),
     snakemake.input.tools,
     threads=snakemake.threads,
+    imatrix=snakemake.input.get("imatrix"),
+    imatrix_record=snakemake.input.get("imatrix_record"),
 )

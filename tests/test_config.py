@@ -553,3 +553,40 @@ def test_every_arm_of_the_architecture_tier_is_scheduled_or_refused_at_dag_time(
     for name in refused:
         assert f"not run: arm {name} (" in run.stderr
         assert f"K={width} is not a multiple of group_size 128" in run.stderr
+
+
+def llamacpp_study(*quants: dict) -> Study:
+    return study({**BASE, "engines": {"llamacpp": {}},
+                  "arms": [{"name": f"q{i}", "quant": {"method": "llamacpp", **quant}}
+                           for i, quant in enumerate(quants)]})
+
+
+def test_the_imatrix_is_keyed_in_the_arm_id_and_shared_by_arms_of_one_calibration_block():
+    from fourbit.schema import canonical_quant, load_schema
+
+    s = llamacpp_study({}, {"imatrix": False}, {"imatrix": "calibration"},
+                       {"type": "IQ4_XS", "imatrix": "calibration"},
+                       {"imatrix": "calibration", "calibration": {"samples": 64}})
+    arms = list(s.arms.values())
+    hashes = [arm.id.rsplit("-", 1)[1] for arm in arms]
+    # false is the default (the id of every llama.cpp arm made before the imatrix existed);
+    # an arm that differs only by its imatrix is another arm
+    assert hashes[0] == hashes[1] != hashes[2]
+    assert [arm.imatrix for arm in arms[:2]] == [None, None]
+    assert arms[2].imatrix == arms[3].imatrix != arms[4].imatrix
+    assert s.imatrices == {arms[2].imatrix: arms[2].quant["calibration"],
+                           arms[4].imatrix: arms[4].quant["calibration"]}
+    # the calibration block is gptq's, its defaults included, and names the corpus
+    gptq = canonical_quant({"method": "gptq"}, load_schema())["calibration"]
+    assert arms[2].quant["calibration"] == {**gptq, "corpus": s.corpus_id}
+
+
+@pytest.mark.parametrize("quant, message", [
+    ({"type": "Q8_0", "imatrix": "calibration"}, "Q8_0 reads no importance matrix"),
+    ({"calibration": {"samples": 8}}, "calibration is read only to compute an importance matrix"),
+    ({"imatrix": "calibration", "calibration": {"samples": 1}}, "needs at least 2 calibration windows"),
+    ({"type": "Q3_K_S"}, "allowed: Q4_0, Q4_1, Q4_K_S, Q4_K_M, Q5_K_S, Q5_K_M, Q6_K, Q8_0, IQ4_XS, IQ4_NL"),
+])
+def test_a_llamacpp_arm_that_cannot_be_built_as_asked_stops_before_any_job(quant, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        llamacpp_study(quant)

@@ -29,6 +29,7 @@ PATTERNS = {
     "quantized": "{results}/{{model}}/arms/{{arm}}/quantized",
     "dense": "{results}/{{model}}/arms/{{arm}}/dense",
     "gguf_base": "{results}/{{model}}/gguf/f16.gguf",
+    "imatrix": "{results}/{{model}}/imatrix/{{imatrix}}/imatrix.gguf",
     "gguf": "{results}/{{model}}/arms/{{arm}}/gguf/model.gguf",
     "gguf_dense": "{results}/{{model}}/arms/{{arm}}/gguf/dense.gguf",
 }
@@ -70,7 +71,12 @@ def test_each_output_of_the_tiny_study(tmp_path):
         ("dense", "int4_g128"): everything * 4, ("dense", "int4_g64"): everything * 4,
         ("gguf_base", None): everything * 2,
         ("gguf", "q4_k_m"): math.ceil((linears * 4.9 + 2 * table * 8.5) / 8),
-        ("gguf_dense", "q4_k_m"): everything * 4,
+        ("gguf", "q4_k_s_imatrix"): math.ceil((linears * 4.6 + 2 * table * 8.5) / 8),
+        ("gguf", "iq4_nl_imatrix"): math.ceil((linears * 4.5 + 2 * table * 8.5) / 8),
+        **{("gguf_dense", arm): everything * 4 for arm in ("q4_k_m", "q4_k_s_imatrix", "iq4_nl_imatrix")},
+        # one for the two arms of one calibration block: per decoder linear a float32 sum of
+        # squares per input column (K: 4 x 256, 2 x 256, 512) and a count, 160 bytes of names
+        ("imatrix", None): 4 * (2048 + 7) + 160 * (7 + 1),
     }
 
 
@@ -131,7 +137,7 @@ def test_the_estimate_holds_for_what_the_tiny_study_wrote(finished_study):
     results = finished_study / "results"
     made = outputs(study_disk(TINY, results), results)
     assert {o.kind for o in made} == {"source", "untied", "quantized", "dense", "gguf_base",
-                                      "gguf", "gguf_dense"}
+                                      "imatrix", "gguf", "gguf_dense"}
     for output in made:
         assert 0.8 * output.bytes <= bytes_under(output.path) <= (1 + MARGIN) * output.bytes, output
     assert refuse_short_disk(made, results) == ""

@@ -41,6 +41,7 @@ pytestmark = [pytest.mark.workflow, pytest.mark.slow]
 HOOK = Path(__file__).resolve().parent / "fault_hook"
 ARM = "results/*/arms/int4_g128-*"  # the tiny study's cpu_int4 arm at group 128
 GGUF_ARM = "results/*/arms/q4_k_m-*"
+IMATRIX = "results/*/imatrix/imatrix-*"  # the one importance matrix of the tiny study
 SCORES = "results/*/eval/*/reference-*/int4_g128-*"  # its records from the reference engine
 TEMPORARY = re.compile(r"^\..+\.tmp-\d+$")  # fourbit.atomic's temporary names
 
@@ -68,6 +69,9 @@ FAULTS = [
     Fault("convert_gguf", ("results/*/gguf/f16.gguf", "results/*/gguf/f16.storage.json"),
           "os.rename", r"/\.f16\.gguf\.tmp-\d+$",
           "llama.cpp's converter done, the f16 GGUF whole under its temporary name"),
+    Fault("imatrix", (f"{IMATRIX}/imatrix.gguf", f"{IMATRIX}/imatrix.json"), "os.rename",
+          r"/\.imatrix\.gguf\.tmp-\d+$",
+          "fourbit-imatrix done, the matrix whole under its temporary name"),
     Fault("quantize_gguf", (f"{GGUF_ARM}/gguf/model.gguf", f"{GGUF_ARM}/arm.json"), "os.rename",
           r"/\.arm\.json\.tmp-\d+$", "the GGUF published, the arm's manifest whole under its temporary name",
           published=(f"{GGUF_ARM}/gguf/model.gguf",)),
@@ -98,6 +102,8 @@ EXCLUDED = {
                  "method_facts.peak_rss_mb"},
     # the comparison's wall time
     "fidelity.json": {"seconds"},
+    # llama.cpp's wall time computing the importance matrix
+    "imatrix.json": {"llama_cpp.seconds"},
     # a timed record holds this run's timings and the host's state while it ran (load,
     # bandwidth, page cache); kept: what was timed, against what, and from which weights
     "bench.json": {"arm", "baseline", "ratio", "runs", "job", "contention", "bandwidth",

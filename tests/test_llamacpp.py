@@ -31,7 +31,7 @@ from fourbit.llamacpp.perplexity import (
     parse_scorer_output,
     score_windows,
 )
-from fourbit.llamacpp.quantize import dequantize_gguf, gguf_bits_per_weight, quantize_gguf
+from fourbit.llamacpp.quantize import QTYPES, dequantize_gguf, gguf_bits_per_weight, quantize_gguf
 from fourbit.llamacpp.throughput import llama_bench, parse_bench_json
 
 # --- recorded output of the real tools (llama.cpp 0c1e570), trimmed ---------------------------
@@ -318,6 +318,59 @@ def test_cache_key_names_version_commit_and_this_cpu():
     assert "-recipe" in key
 
 
+def test_the_types_an_arm_may_name_are_the_schemas_and_each_has_a_layout_row():
+    from fourbit.layouts import GGUF_TYPES
+    from fourbit.schema import allowed
+
+    assert QTYPES == allowed("llamacpp_type")
+    assert set(QTYPES) == set(GGUF_TYPES)
+    assert {"Q4_0", "Q4_1", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "Q8_0", "IQ4_XS",
+            "IQ4_NL"} <= set(QTYPES)
+
+
+IMATRIX_LIKE = """static bool compute_imatrix(llama_context * ctx, const common_params & params, const int32_t n_ctx) {
+    std::vector<llama_token> tokens = common_tokenize(ctx, params.prompt, true, params.parse_special);
+}
+"""
+
+
+def test_fourbit_imatrix_is_llama_imatrix_with_its_tokenizer_call_replaced():
+    edited = recipe.imatrix_source(IMATRIX_LIKE)
+    assert "common_tokenize(" not in edited
+    assert "tokens = fourbit_token_ids(ctx, params.prompt);" in edited
+    assert edited.index("fourbit_token_ids(const llama_context") < edited.index("static bool compute_imatrix(")
+    with pytest.raises(RuntimeError, match="holds 0 copies of .*common_tokenize.*not the one"):
+        recipe.imatrix_source(IMATRIX_LIKE.replace("common_tokenize", "tokenize"))
+    with pytest.raises(RuntimeError, match="holds 2 copies of 'static bool compute_imatrix\\('"):
+        recipe.imatrix_source(IMATRIX_LIKE + "static bool compute_imatrix(")
+
+
+def test_llama_perplexitys_main_flushes_its_log_at_exit():
+    main = "int llama_perplexity(int argc, char ** argv);\n\nint main(int argc, char ** argv) {\n" \
+           "    return llama_perplexity(argc, argv);\n}\n"
+    edited = recipe.edited(recipe.PERPLEXITY_SOURCE, main, recipe.PERPLEXITY_EDITS)
+    assert "std::atexit(fourbit_flush_log);\n    return llama_perplexity(argc, argv);" in edited
+    assert "common_log_flush(common_log_main())" in edited
+
+
+@pytest.mark.parametrize("edits", ["IMATRIX_EDITS", "PERPLEXITY_EDITS"])
+def test_the_cache_key_changes_with_fourbits_edits_of_llamacpp(monkeypatch, edits):
+    key = installed.build_key()
+    monkeypatch.setattr(recipe, edits, getattr(recipe, edits)[:-1])
+    assert installed.build_key() != key
+
+
+def test_an_importance_matrix_needs_two_windows_of_one_length(tmp_path):
+    from fourbit.llamacpp.imatrix import compute_imatrix
+
+    gguf = tmp_path / "f16.gguf"
+    gguf.write_bytes(b"GGUF")
+    tools = installed.LlamaCpp.at(tmp_path)
+    for windows in ([[1, 2, 3]], [[1, 2, 3], [1, 2]]):
+        with pytest.raises(ValueError, match="need 2 or more windows of one length"):
+            compute_imatrix(gguf, tmp_path / "imatrix.gguf", windows, tools=tools, threads=1)
+
+
 def _fake_sdist(path, commit=recipe.LLAMA_CPP_COMMIT):
     files = {
         sdist._VENDORED_COMMIT_FILE: commit + "\n",
@@ -363,7 +416,7 @@ def _fake_build(calls):
         tools.gguf_py.mkdir(parents=True)
         tools.convert_script.touch()
         tools.quantize.parent.mkdir()
-        for program in (tools.quantize, tools.perplexity, tools.bench, tools.scorer):
+        for program in tools.programs:
             program.touch()
 
     return fake
@@ -560,6 +613,136 @@ def test_bits_per_weight_are_counted_from_the_files(ggufs, tools):
         )
 
 
+@pytest.fixture(scope="session")
+def imatrix(ggufs, tools, corpus, tiny_model, tmp_path_factory):
+    """(the importance matrix, its facts, the windows): the tiny model's on 6 windows of 64
+    of its calibration split, drawn as the study's imatrix step draws them."""
+    from fourbit.llamacpp.imatrix import compute_imatrix
+    from fourbit.quantizers.calibration import calibration_ids, draw_windows
+
+    ids = calibration_ids(tiny_model, corpus / "calibration.txt")
+    windows = draw_windows(ids, {"samples": 6, "seq_len": 64, "seed": 0}, 0).tolist()
+    out = tmp_path_factory.mktemp("imatrix") / "imatrix.gguf"
+    return out, compute_imatrix(ggufs["F16"], out, windows, tools=tools, threads=2), windows
+
+
+@pytest.mark.slow
+def test_the_imatrix_is_computed_on_exactly_the_windows(imatrix, ggufs, tools):
+    from fourbit.llamacpp.imatrix import compute_imatrix, read_imatrix
+
+    out, facts, windows = imatrix
+    stored = read_imatrix(out, tools.gguf_py)
+    # the tiny model's SentencePiece vocabulary adds BOS: each chunk is BOS + one window
+    assert facts["bos_prepended"] and facts["window_tokens_in_chunks"] == 6 * 64
+    assert (stored["chunks"], stored["chunk_size"], stored["tokens_per_matrix"]) == (6, 65, [6 * 65])
+    assert stored["matrices"] == 14  # 2 layers x 7; the head is left out, as llama-imatrix does
+    assert stored["datasets"] == ["calibration-ids.txt"]
+    assert facts["command"][facts["command"].index("-o") + 1] == str(out)
+    # the same windows give the same bytes (a killed job's rerun writes what it would have)
+    compute_imatrix(ggufs["F16"], out.with_name("again.gguf"), windows, tools=tools, threads=2)
+    assert out.with_name("again.gguf").read_bytes() == out.read_bytes()
+    with pytest.raises(ToolError, match="token id 512 is outside the vocabulary of 512"):
+        compute_imatrix(ggufs["F16"], out.with_name("bad.gguf"), [w[:-1] + [VOCAB] for w in windows],
+                        tools=tools, threads=2)
+    assert not out.with_name("bad.gguf").exists() and not list(out.parent.glob(".bad.gguf.tmp-*"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, add_bos, bos, expected", [
+    ("llama", None, 1, (True, 1)),  # SentencePiece adds BOS unless the file says otherwise
+    ("gpt2", None, None, (False, None)),  # BPE adds none
+    ("gpt2", True, 7, (True, 7)),
+    ("llama", False, 1, (False, 1)),
+])
+def test_whether_a_chunk_starts_with_bos_follows_llamacpps_rule(tools, tmp_path, model, add_bos,
+                                                                 bos, expected):
+    from fourbit.llamacpp.imatrix import vocabulary_bos
+    from fourbit.llamacpp.quantize import _import_gguf
+
+    writer = _import_gguf(tools.gguf_py).GGUFWriter(str(tmp_path / "vocab.gguf"), "llama")
+    writer.add_tokenizer_model(model)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
+    if bos is not None:
+        writer.add_bos_token_id(bos)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert vocabulary_bos(tmp_path / "vocab.gguf", tools.gguf_py) == expected
+
+
+@pytest.mark.slow
+def test_the_imatrix_changes_what_llama_quantize_writes(imatrix, ggufs, tools):
+    from fourbit.llamacpp.quantize import _import_gguf
+
+    weighted = quantize_gguf(ggufs["F16"], ggufs["F16"].with_name("Q4_K_M-imatrix.gguf"), "Q4_K_M",
+                             tools=tools, threads=2, imatrix=imatrix[0])
+    assert weighted.read_bytes() != ggufs["Q4_K_M"].read_bytes()
+    gguf = _import_gguf(tools.gguf_py)
+    plain, with_imatrix = (gguf.GGUFReader(str(path)) for path in (ggufs["Q4_K_M"], weighted))
+    before = {t.name: t for t in plain.tensors}
+    changed = {t.name for t in with_imatrix.tensors
+               if not np.array_equal(np.asarray(t.data), np.asarray(before[t.name].data))}
+    # every decoder matrix is rounded otherwise; the head and the table, which the matrix
+    # holds nothing for, and the F32 norms are not
+    assert changed == {name for name, t in before.items()
+                       if name.startswith("blk.") and t.tensor_type.name != "F32"}
+    assert with_imatrix.fields["quantize.imatrix.chunks_count"].contents() == 6
+    assert "quantize.imatrix.file" not in plain.fields
+
+
+@pytest.mark.slow
+def test_fourbit_imatrix_computes_what_llama_imatrix_does_from_the_same_tokens(
+        tools, ggufs, tiny_model, corpus, tmp_path):
+    """Its one edit is where the tokens come from: given the ids llama-imatrix makes of a
+    text (BOS, then the text's, which llama.cpp's and the Hugging Face tokenizer agree on for
+    plain words), in the chunks it cuts, it writes the same sums."""
+    import re
+
+    from transformers import AutoTokenizer
+
+    from fourbit.inputs.tokenizer import BOS_ID
+    from fourbit.llamacpp.imatrix import IDS_FILE, read_imatrix
+
+    words = re.findall(r"[a-z]+", (corpus / "calibration.txt").read_text()[:20_000])
+    text = " ".join(words)
+    ctx = 48
+    stream = [BOS_ID] + AutoTokenizer.from_pretrained(tiny_model).encode(text, add_special_tokens=False)
+    chunks = [[stream[0]] + stream[k * ctx + 1:(k + 1) * ctx] for k in range(len(stream) // ctx)]
+    (tmp_path / "text.txt").write_text(text)
+    (tmp_path / IDS_FILE).write_text("".join(" ".join(map(str, c)) + "\n" for c in chunks))
+    options = ["-c", ctx, "-t", 2, "--no-ppl", "-m", ggufs["F16"].resolve()]
+    run_tool([tools.imatrix, "-f", "text.txt", "-o", "text.gguf", *options], "llama-imatrix", cwd=tmp_path)
+    run_tool([tools.imatrix_ids, "-f", IDS_FILE, "-o", "ids.gguf", *options], "fourbit-imatrix", cwd=tmp_path)
+    by_text, by_ids = (read_imatrix(tmp_path / name, tools.gguf_py) for name in ("text.gguf", "ids.gguf"))
+    assert by_ids["chunks"] == by_text["chunks"] == len(chunks) > 10
+    assert by_ids["tokens_per_matrix"] == by_text["tokens_per_matrix"]
+    for name, summed in by_ids["in_sum2"].items():
+        np.testing.assert_array_equal(summed, by_text["in_sum2"][name], err_msg=name)
+
+
+# What each llama-quantize type stores its decoder matrices in, on a model whose rows its
+# blocks divide (the tiny models here, and the builtin ones: widths multiples of 256).
+MAIN_TYPE = {"Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K", "Q5_K_S": "Q5_K",
+             "Q5_K_M": "Q5_K", "Q6_K": "Q6_K", "Q8_0": "Q8_0", "IQ4_XS": "IQ4_XS", "IQ4_NL": "IQ4_NL"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_every_type_quantizes_expands_and_scores_a_256_wide_model(qtype, imatrix, ggufs, tools,
+                                                                   windows, tmp_path):
+    """With the importance matrix where the type reads one (all but Q8_0)."""
+    quantized = quantize_gguf(ggufs["F16"], tmp_path / f"{qtype}.gguf", qtype, tools=tools, threads=2,
+                              imatrix=None if qtype == "Q8_0" else imatrix[0])
+    types = gguf_bits_per_weight(quantized, tools.gguf_py)["tensor_types"]
+    assert types["blk.1.ffn_gate.weight"] == MAIN_TYPE[qtype]
+    dense = dequantize_gguf(quantized, tmp_path / f"{qtype}-f32.gguf", tools=tools, threads=2)
+    scored = [score_windows(path, windows[:2], tools=tools, threads=2) for path in (quantized, dense)]
+    nll = [sum(w["nll_sum"] for w in s) / sum(w["tokens"] for w in s) for s in scored]
+    assert abs(nll[0] - nll[1]) < 0.02  # the control: int8 activations' tolerance
+
+
 @pytest.mark.slow
 def test_head_and_embedding_types_can_be_chosen(ggufs, tools):
     out = quantize_gguf(
@@ -655,6 +838,20 @@ def test_greedy_continuations_take_the_most_likely_token(ggufs, tools, windows):
         scored = score_windows(ggufs["Q4_K_M"], [prompt + ids] + [prompt + ids[:-1] + [t] for t in others],
                                tools=tools, threads=2)
         assert all(scored[0]["nll_sum"] < other["nll_sum"] for other in scored[1:])
+
+
+@pytest.mark.slow
+def test_llama_perplexity_prints_its_final_lines_every_run(ggufs, tools, corpus, tmp_path):
+    """Its logger thread lost the last lines of up to 8 in 20 runs on a loaded host before
+    the recipe made it flush at exit (docs/llamacpp-build.md)."""
+    from fourbit.llamacpp.perplexity import _BASE_DONE
+
+    text = tmp_path / "text.txt"
+    text.write_text((corpus / "evaluation.txt").read_text()[:20_000])
+    command = [tools.perplexity, "-m", ggufs["F16"], "-f", text, "--kl-divergence-base",
+               tmp_path / "base.logits", "-c", 128, "-b", 128, "-ub", 128, "-t", 2, "--chunks", 8]
+    outputs = [run_tool(command, "llama-perplexity", merge_stderr=True).stdout for _ in range(10)]
+    assert all(_BASE_DONE.search(output) for output in outputs)
 
 
 def test_greedy_output_is_checked():

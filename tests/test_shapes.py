@@ -7,7 +7,7 @@ import pytest
 
 from fourbit.schema import allowed
 from fourbit.formats import FORMATS, get_format
-from fourbit.layouts import LAYOUTS
+from fourbit.layouts import GGUF_TYPES, LAYOUTS
 from fourbit.quantizers import shapes
 from fourbit.quantizers.methods import get_method
 
@@ -144,6 +144,16 @@ def test_llamacpp_arms_are_never_refused_but_their_fallbacks_are_listed():
     named = shapes.llamacpp_fallbacks(matrices, {"type": "Q4_0", "output_tensor_type": "q6_k",
                                                  "token_embedding_type": "f16"})
     assert named == {"lm_head": "K=576 is not a multiple of 256 (q6_k's block)"}
+
+
+@pytest.mark.parametrize("qtype", allowed("llamacpp_type"))
+def test_every_llamacpp_type_falls_back_where_its_block_does_not_divide_the_rows(qtype):
+    fallbacks = shapes.llamacpp_fallbacks(shapes.matrices_from_config(WIDE_576), {"type": qtype})
+    if GGUF_TYPES[qtype].block == 256:  # the K types and IQ4_XS: 576 = 2.25 x 256
+        assert fallbacks["model.layers.0.self_attn.q_proj"] == (
+            f"K=576 is not a multiple of 256 ({qtype}'s block)")
+    else:  # 576 = 18 x 32
+        assert fallbacks == {}
 
 
 @pytest.mark.parametrize("method", ["cpu_int4", "rtn"])

@@ -45,6 +45,27 @@ def test_report_has_a_row_per_arm_and_engine(finished_study):
     assert (finished_study / "results/report-frontier.png").is_file()
 
 
+def test_the_imatrix_arms_share_one_importance_matrix_of_the_calibration_windows(finished_study):
+    """The two arms of imatrix: calibration name one calibration block: one matrix, computed
+    by llama.cpp on exactly the windows a gptq arm with that block fits (each one chunk),
+    recorded beside it and in both arms' manifests."""
+    results = finished_study / "results"
+    [record_path] = results.glob("*/imatrix/*/imatrix.json")
+    record = json.loads(record_path.read_text())
+    llama = record["llama_cpp"]
+    assert record["same_ids"] and record["gptq_windows"] == {"windows": 8, "seq_len": 128,
+                                                             "tokens": 8 * 128}
+    assert llama["chunks"] == 8 and llama["chunk_size"] == 128 + llama["bos_prepended"]
+    assert llama["matrices"] == 7  # the tiny model's one decoder layer; not the head
+    for name in ("q4_k_s_imatrix", "iq4_nl_imatrix"):
+        arm = json.loads(next(results.glob(f"*/arms/{name}-*/arm.json")).read_text())
+        assert arm["imatrix"]["llama_cpp"] == llama
+        assert (finished_study / arm["imatrix"]["path"]).parent == record_path.parent
+    main_type = {"q4_k_s_imatrix": "Q4_K", "iq4_nl_imatrix": "IQ4_NL"}
+    for name, ggml_type in main_type.items():
+        arm = json.loads(next(results.glob(f"*/arms/{name}-*/arm.json")).read_text())
+        assert ggml_type in arm["storage"]["by_type"], arm["storage"]["by_type"]
+
 
 # The vLLM engine as the default study runs it (float32, eager, fourbit's plugin for the
 # 4-bit arms), added to the finished tiny study in a copy of its folder: only the vLLM
@@ -69,7 +90,8 @@ def vllm_study(finished_study, tmp_path_factory):
 
 def test_vllm_engine_runs_the_study_end_to_end(vllm_study):
     workdir, scheduled = vllm_study
-    arms = len(yaml.safe_load(TINY.read_text())["arms"]) - 1  # all but the GGUF arm
+    arms = sum(arm["quant"]["method"] != "llamacpp"  # all but the GGUF arms
+               for arm in yaml.safe_load(TINY.read_text())["arms"])
     # Its baseline, and every fourbit arm quantized and dense in one job; each arm's fidelity.
     # (its ppl jobs keep the fidelity sides: the *_with_side rules)
     assert scheduled == {"ppl_baseline_with_side": 1, "ppl_with_side": arms, "fidelity": arms,

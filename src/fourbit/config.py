@@ -50,6 +50,15 @@ class Arm:
         """Methods that read calibration data carry a ``calibration`` block."""
         return "calibration" in self.quant
 
+    @property
+    def imatrix(self) -> str | None:
+        """The id of the importance matrix a llama.cpp arm quantizes with (``imatrix:
+        calibration``), a hash of its calibration block, the corpus id in it: arms of one
+        block share one matrix. None for every other arm."""
+        if self.quant.get("imatrix") != "calibration":
+            return None
+        return f"imatrix-{short_hash('imatrix', self.quant['calibration'])}"
+
     def manifest(self) -> dict:
         return {"name": self.name, "id": self.id, "quant": self.quant}
 
@@ -154,6 +163,11 @@ class Study:
             bench_refusals={name: engine_spec(name).bench_refusal(
                 model_config, config["bench"]["prompt_tokens"]) for name in engines},
         )
+
+    @property
+    def imatrices(self) -> dict[str, dict]:
+        """The importance matrices the arms quantize with: id -> the calibration block."""
+        return {arm.imatrix: arm.quant["calibration"] for arm in self.arms.values() if arm.imatrix}
 
     def arms_of_kind(self, kind: str) -> list[str]:
         return [arm_id for arm_id, arm in self.arms.items() if arm.kind == kind]

@@ -11,7 +11,8 @@ the parameters of each matrix) and each arm's bits per weight:
 | ``arms/<arm>/quantized/`` (quantize) | each matrix at its grid's bits: 4 + 32/G on the 4-bit grid, 8 + 32/G on the 8-bit one (a float16 scale and a zero of at most 16 bits per group of G), the matrices the arm keeps dense in the model's dtype, plus mixed_precision's extra bits |
 | ``arms/<arm>/dense/`` (dequantize) | every parameter in float32 |
 | ``gguf/f16.gguf`` (convert_gguf) | every parameter at 16 bits |
-| ``arms/<arm>/gguf/model.gguf`` (quantize_gguf) | every matrix at the type's bits (Q4_0 4.5, Q4_K_M 4.9, Q8_0 8.5), the head and the table at 8.5 unless the arm names their type; a model whose rows the type's blocks do not divide, every matrix at 8.5 (llama-quantize's fallbacks) |
+| ``imatrix/<imatrix>/imatrix.gguf`` (imatrix) | per decoder linear, a float32 sum of squares per input column and a float32 count, plus 160 bytes (its tensors' names and alignment); 160 more for the header |
+| ``arms/<arm>/gguf/model.gguf`` (quantize_gguf) | every matrix at the type's bits (fourbit.layouts.GGUF_TYPES: Q4_0 4.5, Q4_K_M 4.9, Q8_0 8.5 ...), the head and the table at 8.5 unless the arm names their type; a model whose rows the type's blocks do not divide, every matrix at 8.5 (llama-quantize's fallbacks) |
 | ``arms/<arm>/gguf/dense.gguf`` (dequantize_gguf) | every parameter in float32 |
 | everything else | records, windows, logs: ``SMALL`` per job |
 
@@ -35,23 +36,28 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fourbit.filesystems import existing_ancestor, filesystem, human
+from fourbit.layouts import GGUF_TYPES
 from fourbit.quantizers import shapes
 from fourbit.schema import ConfigError
 
 MARGIN = 0.10
 ALLOWANCE = 256 * 10**6  # corpus, windows, records, logs, compile caches
 SMALL = 10**6  # a job that writes records only
-# bits per weight of a llama.cpp type's matrices, and of the head and table it picks
-GGUF_BITS = {"Q4_0": 4.5, "Q4_K_M": 4.9, "Q8_0": 8.5}
+# bits per weight of the head and table a llama.cpp type picks (its matrices': GGUF_TYPES)
 GGUF_WIDE = 8.5  # Q6_K, Q8_0: what Q4_K_M keeps its head in, and the fallbacks' widest
 GGML_BITS = {"f32": 32, "f16": 16, "bf16": 16, "q8_0": 8.5, "q6_k": 6.5625, "q5_k": 5.5,
              "q5_0": 5.5, "q4_k": 4.5, "q4_0": 4.5}
+# An importance matrix's bytes beyond its floats, per matrix (two tensors' names, shapes
+# and alignment: 163 measured on the tiny model) and once (its header).
+IMATRIX_OVERHEAD = 160
 DTYPE_BITS = {"float32": 32, "float16": 16, "bfloat16": 16}
 # What each output kind is called in the refusal; the kinds an arm has one of are counted.
 WHAT = {"source": "the model as fetched or trained", "untied": "the untied model",
         "quantized": "quantized checkpoints", "dense": "float32 dense expansions",
-        "gguf_base": "the f16 GGUF", "gguf": "quantized GGUFs", "gguf_dense": "float32 GGUFs"}
+        "gguf_base": "the f16 GGUF", "imatrix": "imatrix files", "gguf": "quantized GGUFs",
+        "gguf_dense": "float32 GGUFs"}
 PER_ARM = {"quantized": "hf", "dense": "hf", "gguf": "gguf", "gguf_dense": "gguf"}
+COUNTED = (*PER_ARM, "imatrix")  # kinds the refusal counts ("6 quantized checkpoints")
 
 
 class DiskSpaceError(ConfigError):
@@ -76,6 +82,8 @@ class Parameters:
     embedding: int
     dtype_bits: int  # what the untied model stores them in
     tied: bool  # config.json ties the head to the embedding
+    linear_inputs: int = 0  # the decoder linears' input widths (K) summed
+    decoder_linears: int = 0  # how many there are
 
     @property
     def total(self) -> int:
@@ -104,6 +112,9 @@ class StudyDisk:
             return p.total * 4
         if kind == "gguf_base":
             return p.total * 2
+        if kind == "imatrix":  # per decoder linear a float32 sum of squares [K] and a count
+            return 4 * (p.linear_inputs + p.decoder_linears) + IMATRIX_OVERHEAD * (
+                p.decoder_linears + 1)
         if kind == "quantized":
             return quantized_bytes(p, self.study.arms[arm_id])
         if kind == "gguf":
@@ -118,19 +129,21 @@ class StudyDisk:
 
     def outputs(self, patterns: dict[str, str]) -> list[Output]:
         """Every output of a kind in ``patterns`` (kind -> the rule's output, with {model}
-        and {arm} unfilled) that this study makes, with its bytes."""
+        and {arm} or {imatrix} unfilled) that this study makes, with its bytes."""
         study = self.study
         reads_gguf = bool(study.arms_of_kind("gguf")) or any(
             e.reads == "gguf" for e in study.runnable_engines)
         found = []
         for kind, pattern in patterns.items():
             if kind in PER_ARM:
-                arm_ids = study.arms_of_kind(PER_ARM[kind])
+                ids = study.arms_of_kind(PER_ARM[kind])
+            elif kind == "imatrix":
+                ids = list(study.imatrices)
             else:
-                arm_ids = [None] if kind != "gguf_base" or reads_gguf else []
-            for arm_id in arm_ids:
-                path = Path(pattern.format(model=study.model_id, arm=arm_id))
-                found.append(Output(kind, path, self.bytes(kind, arm_id)))
+                ids = [None] if kind != "gguf_base" or reads_gguf else []
+            for one in ids:
+                path = Path(pattern.format(model=study.model_id, arm=one, imatrix=one))
+                found.append(Output(kind, path, self.bytes(kind, one)))
         return found
 
 
@@ -138,12 +151,13 @@ def parameters(config: dict, dtype_bits: int | None = None) -> Parameters:
     """The parameters of the model config.json describes (fourbit.quantizers.shapes reads
     its matrices); ``dtype_bits`` overrides config.json's dtype (32 when absent)."""
     matrices = shapes.matrices_from_config(config)
-    linears = sum(n * k for name, (n, k) in matrices.linears.items() if name != matrices.head)
+    decoder = {name: nk for name, nk in matrices.linears.items() if name != matrices.head}
     head = math.prod(matrices.linears[matrices.head])
     dtype = config.get("torch_dtype") or config.get("dtype") or "float32"
-    return Parameters(linears, head, math.prod(matrices.embedding_shape),
-                      dtype_bits or DTYPE_BITS.get(dtype, 32),
-                      bool(config.get("tie_word_embeddings", True)))
+    return Parameters(sum(n * k for n, k in decoder.values()), head,
+                      math.prod(matrices.embedding_shape), dtype_bits or DTYPE_BITS.get(dtype, 32),
+                      bool(config.get("tie_word_embeddings", True)),
+                      sum(k for _, k in decoder.values()), len(decoder))
 
 
 def quantized_bytes(p: Parameters, arm) -> int:
@@ -164,7 +178,7 @@ def quantized_bytes(p: Parameters, arm) -> int:
 
 def gguf_bytes(p: Parameters, quant: dict, fallbacks: bool) -> int:
     """A llama.cpp arm's GGUF; ``fallbacks``: the type's blocks do not divide some rows."""
-    body = GGUF_WIDE if fallbacks else GGUF_BITS.get(quant["type"], GGUF_WIDE)
+    body = GGUF_WIDE if fallbacks else GGUF_TYPES[quant["type"]].bits
     head = GGML_BITS.get((quant.get("output_tensor_type") or "").lower(), max(body, GGUF_WIDE))
     table = GGML_BITS.get((quant.get("token_embedding_type") or "").lower(), max(body, GGUF_WIDE))
     return math.ceil((p.linears * body + p.head * head + p.embedding * table) / 8)
@@ -218,7 +232,7 @@ def _breakdown(group: list[Output]) -> str:
     for kind, what in WHAT.items():
         of_kind = [o for o in group if o.kind == kind]
         if of_kind:
-            if kind in PER_ARM:  # "1 quantized checkpoint", "6 quantized checkpoints"
+            if kind in COUNTED:  # "1 quantized checkpoint", "6 quantized checkpoints"
                 what = f"{len(of_kind)} {what if len(of_kind) > 1 else what.removesuffix('s')}"
             parts.append(f"{what} {human(sum(o.bytes for o in of_kind))}")
     return "; ".join(parts)

@@ -7,7 +7,8 @@ planner (fourbit.quantizers.shapes) checks every matrix of a model against the s
 tables while the workflow builds its DAG, where importing torch would cost seconds. So
 they live here, below both, not in the format modules: importing anything under
 fourbit.formats imports torch. The 8-bit layout (fourbit.formats.int8) keeps its table
-beside its code, since it stores any N x K and the planner never asks it.
+beside its code, since it stores any N x K and the planner never asks it. llama.cpp's
+types (GGUF_TYPES) are rows of one table: their layouts are ggml's.
 """
 
 from __future__ import annotations
@@ -81,4 +82,36 @@ LAYOUTS: dict[str, tuple[TensorSpec, ...]] = {
         ),
         TensorSpec("weight_shape", ("2",), "int64", "(N, K)"),
     ),
+}
+
+
+@dataclass(frozen=True)
+class GgufType:
+    """One llama-quantize type a llama.cpp arm may name (config.schema.yaml's
+    $defs.llamacpp_type lists the same names; a test holds the two together)."""
+
+    block: int  # weights per block of its main tensors: a row (K) holds whole blocks, or
+    # llama-quantize stores that tensor in a fallback type (fourbit.quantizers.shapes)
+    bits: float  # about what its matrices take per weight on a model whose rows its blocks
+    # divide: the disk estimate's figure (fourbit.diskspace); the report counts the file
+    stores: str  # what, in words
+
+
+# Bits per weight of ggml's blocks: Q4_0 = 32 4-bit codes + an f16 scale (4.5), Q4_1 also
+# an f16 minimum (5.0), Q8_0 = 32 int8 + f16 (8.5), IQ4_NL = Q4_0's bytes with a
+# non-uniform code table (4.5), IQ4_XS = 256 of those codes with 6-bit scales per 32
+# (4.25); the K types' super-blocks of 256: Q4_K 4.5, Q5_K 5.5, Q6_K 6.5625. The _S and
+# _M mixes move some tensors (attn_v, ffn_down, the head) to a wider K type: the bits
+# given for them are what they average on the 135M-0.5B models studied here.
+GGUF_TYPES: dict[str, GgufType] = {
+    "Q4_0": GgufType(32, 4.5, "4-bit codes, one scale per 32"),
+    "Q4_1": GgufType(32, 5.0, "4-bit codes, a scale and a minimum per 32"),
+    "Q4_K_S": GgufType(256, 4.6, "Q4_K, a few tensors in Q5_K"),
+    "Q4_K_M": GgufType(256, 4.9, "Q4_K, half of attn_v and ffn_down in Q6_K"),
+    "Q5_K_S": GgufType(256, 5.5, "Q5_K"),
+    "Q5_K_M": GgufType(256, 5.7, "Q5_K, half of attn_v and ffn_down in Q6_K"),
+    "Q6_K": GgufType(256, 6.5625, "Q6_K"),
+    "Q8_0": GgufType(32, 8.5, "8-bit codes, one scale per 32"),
+    "IQ4_XS": GgufType(256, 4.25, "non-uniform 4-bit codes, 6-bit scales per 32 in 256"),
+    "IQ4_NL": GgufType(32, 4.5, "non-uniform 4-bit codes, one scale per 32"),
 }

@@ -8,6 +8,7 @@ from pathlib import Path
 from fourbit.config import ID_PATTERN, Study
 from fourbit.diskspace import StudyDisk, refuse_short_disk
 from fourbit.inputs.folder_state import check_as_planned, local_state
+from fourbit.llamacpp.installed import build_key
 
 # Snakemake builds the DAG where the workflow starts, and again for each job it runs
 # elsewhere (a cluster node: --mode remote). There, the model's local folders were checked
@@ -33,6 +34,7 @@ EVAL_DIR = f"{MODEL_DIR}/eval/{CORPUS}"
 GGUF_BASE = f"{MODEL_DIR}/gguf/f16.gguf"
 GGUF_BASE_STORAGE = f"{MODEL_DIR}/gguf/f16.storage.json"
 LLAMACPP_TOOLS = f"{RESULTS}/tools/llamacpp.json"
+LLAMACPP_BUILD = build_key()
 # The model's local folders as the study is planned on them (None: it has none), which
 # rule record_model_folder writes for the download job to compare with.
 LOCAL_STATE = local_state(STUDY.config["model"])
@@ -144,6 +146,23 @@ def get_quantize_input(wildcards):
     inputs = {"model": f"{MODEL_DIR}/untied"}
     if STUDY.arms[wildcards.arm].needs_calibration:
         inputs["calibration"] = f"{RESULTS}/corpus/{CORPUS}/calibration.txt"
+    return inputs
+
+
+def get_imatrix_calibration(wildcards):
+    return STUDY.imatrices[wildcards.imatrix]
+
+
+def get_quantize_gguf_input(wildcards):
+    """The f16 GGUF; for an arm of imatrix: calibration, its importance matrix too."""
+    inputs = {
+        "gguf": rules.convert_gguf.output.gguf,
+        "tools": rules.build_llamacpp.output.tools,
+    }
+    imatrix = STUDY.arms[wildcards.arm].imatrix
+    if imatrix:
+        inputs["imatrix"] = rules.imatrix.output.imatrix.format(imatrix=imatrix)
+        inputs["imatrix_record"] = rules.imatrix.output.record.format(imatrix=imatrix)
     return inputs
 
 
@@ -285,14 +304,15 @@ def baseline_storage_inputs():
 
 
 def disk_outputs():
-    """The outputs fourbit.diskspace counts, by kind: the rules' outputs, {model} and {arm}
-    left open."""
+    """The outputs fourbit.diskspace counts, by kind: the rules' outputs, {model}, {arm}
+    and {imatrix} left open."""
     return {
         "source": rules.download.output.model,
         "untied": rules.untie_head.output.model,
         "quantized": rules.quantize.output.checkpoint,
         "dense": rules.dequantize.output.checkpoint,
         "gguf_base": rules.convert_gguf.output.gguf,
+        "imatrix": rules.imatrix.output.imatrix,
         "gguf": rules.quantize_gguf.output.gguf,
         "gguf_dense": rules.dequantize_gguf.output.gguf,
     }

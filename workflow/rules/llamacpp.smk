@@ -1,6 +1,7 @@
 # llama.cpp: the tools (built once per machine, cached outside the work tree),
-# the f16 GGUF of the untied model, llama-quantize arms made from it, and each
-# arm expanded back to F32 by the same tool (the control).
+# the f16 GGUF of the untied model, the importance matrices its arms ask for,
+# llama-quantize arms made from it, and each arm expanded back to F32 by the same
+# tool (the control).
 
 
 rule build_llamacpp:
@@ -17,6 +18,10 @@ rule build_llamacpp:
         mem_mb=4000,
         runtime=per_attempt(60),
         disk_mb=disk_need("records"),
+    params:
+        # the cached build's name (fourbit.llamacpp.installed.build_key): when the recipe
+        # changes (a new program, say), this job runs again, and every llama.cpp job after it
+        build=LLAMACPP_BUILD,
     script:
         "../../scripts/build_llamacpp.py"
 
@@ -40,10 +45,39 @@ rule convert_gguf:
         "../../scripts/convert_gguf.py"
 
 
-rule quantize_gguf:
+# One per model and calibration block ({imatrix}: Arm.imatrix), shared by the arms
+# of imatrix: calibration that name the same block.
+rule imatrix:
     input:
         gguf=rules.convert_gguf.output.gguf,
+        model=f"{MODEL_DIR}/untied",
+        calibration=f"{RESULTS}/corpus/{CORPUS}/calibration.txt",
         tools=rules.build_llamacpp.output.tools,
+    output:
+        imatrix=f"{MODEL_DIR}/imatrix/{{imatrix}}/imatrix.gguf",
+        record=f"{MODEL_DIR}/imatrix/{{imatrix}}/imatrix.json",
+    log:
+        f"{RESULTS}/logs/imatrix/{MODEL}/{{imatrix}}.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/imatrix/{MODEL}/{{imatrix}}.tsv"
+    wildcard_constraints:
+        imatrix="|".join(STUDY.imatrices) or "(?!)",
+    conda:
+        "../../envs/fourbit.yaml"
+    threads: workflow.cores
+    resources:  # the f16 GGUF memory-mapped, the activations of one batch of chunks
+        mem_mb=held("gguf", 1, 2000),
+        runtime=per_attempt(120),
+        disk_mb=disk_need("imatrix"),
+    params:
+        calibration=get_imatrix_calibration,
+    script:
+        "../../scripts/imatrix.py"
+
+
+rule quantize_gguf:
+    input:
+        unpack(get_quantize_gguf_input),
     output:
         gguf=f"{MODEL_DIR}/arms/{{arm}}/gguf/model.gguf",
         arm=f"{MODEL_DIR}/arms/{{arm}}/arm.json",

@@ -8,7 +8,9 @@ llama-cpp-python's sdist vendors.
   - :mod:`.sdist`: fetch and verify llama-cpp-python's sdist; extract its llama.cpp.
   - :mod:`.cmake`: one build with CMake, recorded in build-info.json.
 - :mod:`.convert`: Hugging Face folder → GGUF with the same tree's converter.
-- :mod:`.quantize`: GGUF → Q4_K_M / Q4_0 / Q8_0, and the bits per weight a file really stores.
+- :mod:`.imatrix`: an importance matrix from given token windows (fourbit-imatrix).
+- :mod:`.quantize`: GGUF → a llama-quantize type (Q4_K_M, IQ4_XS ...), and the bits per
+  weight a file really stores.
 - :mod:`.perplexity`: teacher-forced scoring of exact token windows, and
   llama-perplexity's KL divergence.
 - :mod:`.throughput`: llama-bench pp512 / tg128.
@@ -77,14 +79,15 @@ def run_tool(
     on_stdout_line: Callable[[str], None] | None = None,
     env: dict[str, str] | None = None,
     merge_stderr: bool = False,
+    cwd: str | os.PathLike | None = None,
 ) -> ToolRun:
     """Run one llama.cpp program to completion and return what it printed.
 
     stdout is read as it comes (``on_stdout_line`` sees each line, e.g. to report
     progress); stderr, where the tools log, goes to a temporary file so neither
     stream can block the other, or into stdout with ``merge_stderr`` (for tools
-    whose progress is in their log). A non-zero exit raises ToolError with the
-    command and the end of both streams.
+    whose progress is in their log); ``cwd``, the folder it runs in. A non-zero exit
+    raises ToolError with the command and the end of both streams.
     """
     command = [str(part) for part in command]
     lines = []
@@ -96,6 +99,7 @@ def run_tool(
             text=True,
             errors="replace",
             env=env or tool_environment(),
+            cwd=cwd,
         ) as process:
             try:
                 for line in process.stdout:

@@ -1,5 +1,5 @@
-"""One build of llama.cpp's tools with CMake: the vendored tree and fourbit-score's project
-written into a folder, configured and built there as :mod:`fourbit.llamacpp.recipe` says,
+"""One build of llama.cpp's tools with CMake: the vendored tree and the project that adds
+fourbit-score and fourbit-imatrix written into a folder, configured and built there as :mod:`fourbit.llamacpp.recipe` says,
 the binaries kept, the objects dropped, and what was built recorded in build-info.json.
 """
 
@@ -21,12 +21,18 @@ from fourbit.atomic import write_json
 from fourbit.llamacpp import tail
 from fourbit.llamacpp.recipe import (
     CMAKE_OPTIONS,
+    IMATRIX_SOURCE,
+    IMATRIX_TARGET,
     LLAMA_CPP_COMMIT,
     LLAMA_CPP_PYTHON_VERSION,
+    PERPLEXITY_EDITS,
+    PERPLEXITY_SOURCE,
     SCORER_CMAKELISTS,
     SCORER_SOURCE,
     SCORER_TARGET,
     TOOL_TARGETS,
+    edited,
+    imatrix_source,
 )
 from fourbit.llamacpp.sdist import SDIST_SHA256, extract_tree
 from fourbit.progress import Progress
@@ -44,8 +50,13 @@ def compile_tools(sdist: Path, out: Path, jobs: int) -> None:
     scorer.mkdir()
     (scorer / "CMakeLists.txt").write_text(SCORER_CMAKELISTS)
     (scorer / f"{SCORER_TARGET}.cpp").write_text(SCORER_SOURCE)
+    imatrix = (out / "llama.cpp" / IMATRIX_SOURCE).read_text(encoding="utf-8")
+    (scorer / f"{IMATRIX_TARGET}.cpp").write_text(imatrix_source(imatrix), encoding="utf-8")
+    perplexity = out / "llama.cpp" / PERPLEXITY_SOURCE  # edited in place (recipe says why)
+    perplexity.write_text(edited(PERPLEXITY_SOURCE, perplexity.read_text(encoding="utf-8"),
+                                 PERPLEXITY_EDITS), encoding="utf-8")
     build_dir = out / "build"
-    targets = [*TOOL_TARGETS, SCORER_TARGET]
+    targets = [*TOOL_TARGETS, SCORER_TARGET, IMATRIX_TARGET]
     with open(out / "build.log", "w") as build_log:
         _run_cmake(
             ["cmake", "-S", str(scorer), "-B", str(build_dir), "-G", "Unix Makefiles",

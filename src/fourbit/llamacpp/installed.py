@@ -6,9 +6,11 @@ another CPU, so the key hashes the CPU's ISA flags as well as the version, the c
 the recipe (:mod:`fourbit.llamacpp.recipe`)::
 
     ~/.cache/fourbit/llama.cpp/<llama-cpp-python version>-<commit>-isa<hash>-recipe<hash>/
-        bin/         the four programs (static: the folder can move)
+        bin/         the programs (static: the folder can move): llama-quantize,
+                     llama-perplexity, llama-bench, llama-imatrix, fourbit-score, fourbit-imatrix
         llama.cpp/   the source tree (convert_hf_to_gguf.py, gguf-py/, conversion/ ...)
-        scorer/      the CMake project that adds fourbit-score to llama.cpp's build
+        scorer/      the CMake project that adds fourbit-score and fourbit-imatrix to
+                     llama.cpp's build
         build-info.json, build.log
 """
 
@@ -30,7 +32,9 @@ class LlamaCpp:
     quantize: Path
     perplexity: Path
     bench: Path
+    imatrix: Path  # llama-imatrix, as users run it (on text)
     scorer: Path
+    imatrix_ids: Path  # fourbit-imatrix: llama-imatrix on given token ids
     convert_script: Path
     gguf_py: Path
     commit: str
@@ -44,26 +48,23 @@ class LlamaCpp:
             quantize=bin_dir / "llama-quantize",
             perplexity=bin_dir / "llama-perplexity",
             bench=bin_dir / "llama-bench",
+            imatrix=bin_dir / "llama-imatrix",
             scorer=bin_dir / recipe.SCORER_TARGET,
+            imatrix_ids=bin_dir / recipe.IMATRIX_TARGET,
             convert_script=tree / "convert_hf_to_gguf.py",
             gguf_py=tree / "gguf-py",
             commit=recipe.LLAMA_CPP_COMMIT,
             llama_cpp_python_version=recipe.LLAMA_CPP_PYTHON_VERSION,
         )
 
+    @property
+    def programs(self) -> tuple[Path, ...]:
+        return (self.quantize, self.perplexity, self.bench, self.imatrix, self.scorer,
+                self.imatrix_ids)
+
     def check_complete(self) -> LlamaCpp:
-        missing = [
-            str(p)
-            for p in (
-                self.quantize,
-                self.perplexity,
-                self.bench,
-                self.scorer,
-                self.convert_script,
-                self.gguf_py,
-            )
-            if not p.exists()
-        ]
+        missing = [str(p) for p in (*self.programs, self.convert_script, self.gguf_py)
+                   if not p.exists()]
         if missing:
             raise FileNotFoundError(
                 f"the llama.cpp build in {self.root} lacks {missing}; delete that folder "
@@ -83,6 +84,8 @@ def build_key() -> str:
             "targets": recipe.TOOL_TARGETS,
             "scorer_cmake": recipe.SCORER_CMAKELISTS,
             "scorer": recipe.SCORER_SOURCE,
+            "imatrix_edits": recipe.IMATRIX_EDITS,
+            "perplexity_edits": recipe.PERPLEXITY_EDITS,
         },
         sort_keys=True,
     )

@@ -2,10 +2,11 @@
 really stores.
 
 A type's name is not its size: Q4_K_M mixes Q4_K with Q6_K (half of the
-attention V and FFN down projections, and the output head), and llama-quantize
-falls back to other types for rows it cannot cut into whole blocks (a k-quant
-block spans 256 weights, a legacy one 32): Q5_0, Q8_0 or F16. Norms and biases
-stay F32. ``gguf_bits_per_weight`` therefore counts the bytes of every tensor in
+attention V and FFN down projections, and the output head), every type but Q8_0
+keeps the head in Q6_K or wider, and llama-quantize falls back to other types for
+rows it cannot cut into whole blocks (a K-quant or IQ4_XS block spans 256 weights,
+a legacy or IQ4_NL one 32): Q5_0, Q5_1, Q8_0, IQ4_NL or F16. Norms and biases stay
+F32. ``gguf_bits_per_weight`` therefore counts the bytes of every tensor in
 the file as written.
 """
 
@@ -22,10 +23,13 @@ from fourbit.atomic import atomic_path
 from fourbit.llamacpp import run_tool
 from fourbit.llamacpp.installed import LlamaCpp
 from fourbit.progress import Progress
+from fourbit.schema import allowed
 
 log = logging.getLogger("fourbit")
 
-QTYPES = ("Q4_0", "Q4_K_M", "Q8_0")
+# The types a llama.cpp arm may name: the schema's list ($defs.llamacpp_type), the one
+# written anywhere (fourbit.layouts.GGUF_TYPES holds each one's block and bits).
+QTYPES = allowed("llamacpp_type")
 # llama-quantize logs one "[  12/ 291] blk.1.attn_q.weight - ..." line per tensor.
 _TENSOR_LINE = re.compile(r"^\[\s*(\d+)/\s*(\d+)\]")
 # The lookup table: a 2-D tensor, but no matrix multiplication reads it (unless the
@@ -50,7 +54,8 @@ def quantize_gguf(
 
     ``output_tensor_type`` / ``token_embedding_type`` (ggml type names such as
     "q8_0", "f16") override what the type's recipe picks for the head and the
-    embedding table; ``imatrix`` is an importance matrix from llama-imatrix.
+    embedding table; ``imatrix`` is an importance matrix from llama-imatrix
+    (fourbit.llamacpp.imatrix), which every type but Q8_0 weighs its rounding by.
     """
     f16_gguf, out_path = Path(f16_gguf), Path(out_path)
     if qtype not in QTYPES:

@@ -1,5 +1,5 @@
 """What fourbit builds of llama.cpp: the pinned source, the CMake options, the targets and
-fourbit-score's CMake project. All of it is hashed into the cached build's name
+the CMake project that adds fourbit-score and fourbit-imatrix. All of it is hashed into the cached build's name
 (:func:`fourbit.llamacpp.installed.build_key`), so a change here builds afresh.
 
 The code is compiled for this CPU (``GGML_NATIVE=ON``, i.e. ``-march=native``):
@@ -14,7 +14,7 @@ from importlib.resources import files
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 LLAMA_CPP_COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
 
-TOOL_TARGETS = ("llama-quantize", "llama-perplexity", "llama-bench")
+TOOL_TARGETS = ("llama-quantize", "llama-perplexity", "llama-bench", "llama-imatrix")
 CMAKE_OPTIONS = {
     "CMAKE_BUILD_TYPE": "Release",
     # Static binaries keep working after the folder is renamed into place.
@@ -54,7 +54,56 @@ if platform.machine().lower() in ("x86_64", "amd64"):
 # file and the next ensure_llamacpp() builds afresh.
 SCORER_TARGET = "fourbit-score"
 SCORER_SOURCE = files("fourbit.llamacpp").joinpath("scorer.cpp").read_text(encoding="utf-8")
-# Adds fourbit-score to llama.cpp's own build, against the same static libllama.
+# fourbit-imatrix: llama-imatrix reading token ids instead of text, so an importance matrix
+# is computed on exactly the windows a gptq arm calibrates on (imatrix_ids.cpp says how).
+# It is llama.cpp's own tools/imatrix/imatrix.cpp with IMATRIX_EDITS made, each (old, new)
+# found exactly once or the build stops (edited); the edits are part of the recipe.
+IMATRIX_TARGET = "fourbit-imatrix"
+IMATRIX_SOURCE = "tools/imatrix/imatrix.cpp"
+IMATRIX_EDITS = (
+    ("std::vector<llama_token> tokens = common_tokenize(ctx, params.prompt, true, params.parse_special);",
+     "std::vector<llama_token> tokens = fourbit_token_ids(ctx, params.prompt);"),
+    ("static bool compute_imatrix(",
+     files("fourbit.llamacpp").joinpath("imatrix_ids.cpp").read_text(encoding="utf-8")
+     + "\nstatic bool compute_imatrix("),
+)
+
+
+# llama-perplexity's logger prints from its own thread, and this commit leaks it at exit
+# (ggml-org/llama.cpp#22142): the lines still queued when main returns are lost, its
+# final statistics among them (8 of 20 runs of the tiny model's base-logits step on a
+# loaded 2-core host, 0 to 1 of 20 on a quieter moment). This edit flushes the log when
+# the program exits; it changes nothing llama-perplexity computes or prints.
+PERPLEXITY_SOURCE = "tools/perplexity/main.cpp"  # main() alone; perplexity.cpp does the work
+PERPLEXITY_EDITS = (
+    ("int main(int argc, char ** argv) {\n",
+     ("#include \"log.h\"\n#include <cstdlib>\n\n"
+      "// fourbit's edit (fourbit.llamacpp.recipe): print what the log still holds at exit\n"
+      "static void fourbit_flush_log() { common_log_flush(common_log_main()); }\n\n"
+      "int main(int argc, char ** argv) {\n"
+      "    std::atexit(fourbit_flush_log);\n")),
+)
+
+
+def edited(path: str, original: str, edits: tuple[tuple[str, str], ...]) -> str:
+    """``original`` (the text of ``path`` in the vendored tree) with ``edits`` made, each
+    (old, new) found exactly once, or RuntimeError naming the file and the text."""
+    for old, new in edits:
+        if original.count(old) != 1:
+            raise RuntimeError(
+                f"{path} holds {original.count(old)} copies of {old.splitlines()[0]!r}, not one: "
+                f"this llama.cpp is not the one fourbit's edits were written for")
+        original = original.replace(old, new)
+    return original
+
+
+def imatrix_source(original: str) -> str:
+    """fourbit-imatrix's source: llama-imatrix's ``original`` with IMATRIX_EDITS made."""
+    return edited(IMATRIX_SOURCE, original, IMATRIX_EDITS)
+
+
+# Adds fourbit-score and fourbit-imatrix to llama.cpp's own build, against the same static
+# libraries (fourbit-imatrix links what tools/imatrix/CMakeLists.txt links).
 SCORER_CMAKELISTS = f"""cmake_minimum_required(VERSION 3.14)
 project(fourbit_llamacpp C CXX)
 add_subdirectory(${{CMAKE_CURRENT_SOURCE_DIR}}/../llama.cpp llama.cpp)
@@ -62,4 +111,8 @@ add_executable({SCORER_TARGET} {SCORER_TARGET}.cpp)
 target_link_libraries({SCORER_TARGET} PRIVATE llama)
 target_compile_features({SCORER_TARGET} PRIVATE cxx_std_17)
 set_target_properties({SCORER_TARGET} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${{CMAKE_BINARY_DIR}}/bin)
+add_executable({IMATRIX_TARGET} {IMATRIX_TARGET}.cpp)
+target_link_libraries({IMATRIX_TARGET} PRIVATE llama-common llama ${{CMAKE_THREAD_LIBS_INIT}})
+target_compile_features({IMATRIX_TARGET} PRIVATE cxx_std_17)
+set_target_properties({IMATRIX_TARGET} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${{CMAKE_BINARY_DIR}}/bin)
 """

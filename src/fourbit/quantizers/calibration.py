@@ -7,6 +7,9 @@ not by a check that could be forgotten.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
 
 
@@ -34,3 +37,32 @@ def calibration_samples(
     windows = ids[offset : offset + n_windows * seq_len].view(n_windows, seq_len)  # [W, T]
     keep = torch.randperm(n_windows, generator=gen)[:n_samples].sort().values
     return windows[keep]
+
+
+def calibration_ids(model_dir: str | os.PathLike, text_path: str | os.PathLike) -> list[int]:
+    """The calibration split's token ids by the model's own tokenizer, no special tokens
+    added: the stream every calibrated arm draws its windows from."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return tokenizer(Path(text_path).read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+
+
+def draw_windows(token_ids: list[int] | torch.Tensor, spec: dict, heldout: int) -> torch.Tensor:
+    """Windows [S + heldout, T] as a calibration block ``spec`` says: S = its ``samples``
+    to fit (0 where the block has none: a method that fits nothing), then ``heldout`` more
+    to judge by.
+
+    All S + heldout windows are one draw (calibration_samples, so none overlap), split
+    by a permutation seeded like it; each part stays in stream order.
+    """
+    fitted = spec.get("samples", 0)
+    try:
+        windows = calibration_samples(token_ids, fitted + heldout, spec["seq_len"], spec["seed"])
+    except ValueError as error:
+        raise ValueError(f"{error} (calibration.samples {fitted} + {heldout} held out)") from None
+    if not heldout:
+        return windows
+    order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(spec["seed"]))
+    held, fit = order[:heldout].sort().values, order[heldout:].sort().values
+    return torch.cat([windows[fit], windows[held]])  # [S, T] + [heldout, T] -> [S + heldout, T]

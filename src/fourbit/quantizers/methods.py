@@ -68,35 +68,17 @@ def grid_of(quant: dict) -> Grid:
 
 def calibration_tokens(job: QuantizeJob, heldout: int = 0) -> torch.Tensor:
     """Token windows [S + heldout, T] from the corpus's calibration split, as the arm's
-    config says: S = calibration.samples windows to fit (0 where the block has none: a
-    method that fits nothing), then ``heldout`` more to judge by.
-
-    All S + heldout windows are one draw (calibration_samples, so none overlap), split
-    by a permutation seeded like it; each part stays in stream order.
-    """
-    from transformers import AutoTokenizer
-
-    from fourbit.quantizers.calibration import calibration_samples
+    config says (fourbit.quantizers.calibration.draw_windows): S windows to fit, then
+    ``heldout`` more to judge by."""
+    from fourbit.quantizers.calibration import calibration_ids, draw_windows
 
     if job.calibration_text is None:
         raise ValueError(
             f"method {job.quant['method']} with search {job.quant.get('search')!r} reads the corpus's "
             "calibration split (its windows fit the arm or check its search), and none was given; "
             "pass calibration_text, or use search minmax without importance, which reads no data")
-    spec = job.quant["calibration"]
-    fitted = spec.get("samples", 0)  # none for a search that only the held-out windows check
-    tokenizer = AutoTokenizer.from_pretrained(job.model_dir)
-    ids = tokenizer(job.calibration_text.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
-    try:
-        windows = calibration_samples(ids, fitted + heldout, spec["seq_len"], spec["seed"])
-    except ValueError as error:
-        held = f"calibration.samples {fitted} + {heldout} held out"
-        raise ValueError(f"{error} ({held})") from None
-    if not heldout:
-        return windows
-    order = torch.randperm(len(windows), generator=torch.Generator().manual_seed(spec["seed"]))
-    held, fit = order[:heldout].sort().values, order[heldout:].sort().values
-    return torch.cat([windows[fit], windows[held]])  # [S, T] + [heldout, T] -> [S + heldout, T]
+    ids = calibration_ids(job.model_dir, job.calibration_text)
+    return draw_windows(ids, job.quant["calibration"], heldout)
 
 
 def heldout_tokens(job: QuantizeJob) -> torch.Tensor:

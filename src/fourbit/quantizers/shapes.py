@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from fourbit.schema import allowed
-from fourbit.layouts import LAYOUTS
+from fourbit.layouts import GGUF_TYPES, LAYOUTS
 
 # Within a decoder layer, in forward order; each group's members share one input, and
 # vLLM merges q/k/v into qkv_proj and gate/up into gate_up_proj, whose members must be
@@ -37,15 +37,14 @@ LAYER_PREFIX = "model.layers"
 # step and the plugin's merged layers expect); others are refused before any job.
 LLAMA_LAYOUT = ("llama", "mistral", "qwen2", "qwen3")
 
-# llama-quantize's block width per base type of the study's llamacpp types: a tensor
-# whose row (K) is not a multiple is stored in a fallback type chosen by llama-quantize
-# itself (Q4_K -> Q5_0, Q6_K -> Q8_0, a 32-block type or a row not a multiple of 32 ->
-# F16; src/llama-quant.cpp tensor_type_fallback), never an error.
-LLAMACPP_BLOCK = {"Q4_K_M": 256, "Q4_0": 32, "Q8_0": 32}
+# A tensor whose row (K) is not a multiple of its llama.cpp type's block (GGUF_TYPES) is
+# stored in a fallback type chosen by llama-quantize itself (Q4_K -> Q5_0, Q5_K -> Q5_1,
+# Q6_K -> Q8_0, IQ4_XS -> IQ4_NL, a 32-block type or a row not a multiple of 32 -> F16;
+# src/llama-quant.cpp tensor_type_fallback), never an error.
 # Blocks of the types --output-tensor-type / --token-embedding-type may name (ggml's
-# QK_K = 256 for the K-quants, QK4_0 ... QK8_0 = 32, one element for plain floats).
-GGML_TYPE_BLOCK = {**{t: 256 for t in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")},
-                   **{t: 32 for t in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")},
+# QK_K = 256 for the K-quants and IQ4_XS, QK4_0 ... QK8_0 = 32, one element for floats).
+GGML_TYPE_BLOCK = {**{t: 256 for t in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")},
+                   **{t: 32 for t in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl")},
                    **{t: 1 for t in ("f32", "f16", "bf16")}}
 
 
@@ -201,7 +200,7 @@ def llamacpp_fallbacks(matrices: Matrices, quant: dict) -> dict[str, str]:
     fallbacks = {}
     for name, (_, k) in every.items():
         kind = chosen.get(name) or quant["type"]
-        block = GGML_TYPE_BLOCK.get(kind.lower(), LLAMACPP_BLOCK.get(kind, 1))
+        block = GGML_TYPE_BLOCK.get(kind.lower(), 1) if chosen.get(name) else GGUF_TYPES[kind].block
         if k % block:
             fallbacks[name] = f"K={k} is not a multiple of {block} ({kind}'s block)"
     return fallbacks
