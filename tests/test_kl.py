@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from fourbit.metrics.kl import kl_full, kl_topk_bounds, topk_window_bounds
+from fourbit.metrics.kl import (
+    KL_POSITIONS,
+    kl_from_logits,
+    kl_full,
+    kl_topk_bounds,
+    topk_window_bounds,
+)
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -31,6 +37,25 @@ def test_kl_full_matches_torch_and_is_zero_for_identical_rows():
                                       reduction="none").sum(-1)
     assert torch.allclose(kl_full(base, arm), want, atol=1e-12)
     assert kl_full(base, base).abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kl_from_logits_is_kl_full_of_float64_log_softmax_in_slices(dtype):
+    """More rows than one slice, either logits dtype: the float64 KL per row, the argmax
+    agreement, never negative, and 0 for the same logits."""
+    g = torch.Generator().manual_seed(1)
+    rows = KL_POSITIONS + 5
+    base = (4 * torch.randn(rows, 300, generator=g)).to(dtype)
+    arm = (base.float() + torch.randn(rows, 300, generator=g)).to(dtype)
+    kl, top1 = kl_from_logits(base, arm)
+    want = kl_full(base.double().log_softmax(-1), arm.double().log_softmax(-1))
+    assert kl == want.tolist()
+    assert top1 == (base.float().argmax(-1) == arm.float().argmax(-1)).tolist()
+    assert 0 < sum(top1) < rows and min(kl) >= 0
+    same, agree = kl_from_logits(base, base)
+    assert set(same) == {0.0} and all(agree)
+    with pytest.raises(ValueError, match=r"\[positions, V\]"):
+        kl_from_logits(base, arm[:, :299])
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -6,7 +6,8 @@ computed depends on what the engine returns (fourbit.steps.fidelity writes the
 method next to every number):
 
 ``full logits`` (FULL; the reference engine): log_softmax over the whole
-vocabulary, accumulated in float64 (kl_full). Exact.
+vocabulary, accumulated in float64 (kl_full; from two models' logits, kl_from_logits).
+Exact.
 
 ``top-k lower bound`` (TOPK; vLLM): vLLM returns, per position, the top-k ids
 and logprobs of the model that ran and the logprob of the actual next token,
@@ -60,12 +61,31 @@ from typing import Any
 FULL = "full logits"
 TOPK = "top-k lower bound"
 REST_FLOOR = 1e-6  # remainders below float32 resolution of a sum of k probabilities
+# positions per float64 log-softmax slice: [128, V] doubles stay small for a large V
+KL_POSITIONS = 128
 
 
 def kl_full(base_logprobs, arm_logprobs):
     """KL(P_b || P_a) per row of two [..., V] log-softmax tensors, in float64."""
     base, arm = base_logprobs.double(), arm_logprobs.double()
     return (base.exp() * (base - arm)).sum(-1)
+
+
+def kl_from_logits(base_logits, arm_logits) -> tuple[list[float], list[bool]]:
+    """Per row of two [positions, V] logit tensors (any float dtype), KL(P_b || P_a) by
+    kl_full of their float64 log_softmax, and whether both have the same argmax (top-1
+    agreement)."""
+    if base_logits.shape != arm_logits.shape or base_logits.dim() != 2:
+        raise ValueError(f"logits of shapes {tuple(base_logits.shape)} and "
+                         f"{tuple(arm_logits.shape)}; expected two equal [positions, V]")
+    kl: list[float] = []
+    top1: list[bool] = []
+    for start in range(0, base_logits.shape[0], KL_POSITIONS):
+        base = base_logits[start : start + KL_POSITIONS].double().log_softmax(-1)  # [n, V]
+        arm = arm_logits[start : start + KL_POSITIONS].double().log_softmax(-1)
+        kl.extend(kl_full(base, arm).tolist())
+        top1.extend((base.argmax(-1) == arm.argmax(-1)).tolist())
+    return kl, top1
 
 
 def _cell(p: float, q: float) -> float:
