@@ -155,6 +155,17 @@ def get_scored_checkpoints(wildcards):
     }
 
 
+def get_baseline_kept(wildcards):
+    """For an arm's ppl job on an engine that keeps fidelity sides: the side and the logits
+    that engine's baseline job kept, against which the job computes the arm's KL."""
+    ids = {"engine": wildcards.engine, "arm": "baseline"}
+    kept = rules.ppl_baseline_with_side.output
+    return {
+        "baseline_side": kept.dense_side.format(**ids),
+        "baseline_logits": kept.dense_logits.format(**ids),
+    }
+
+
 def arm_and_baseline(engine_id, arm):
     """The arm's checkpoint and the same engine's unquantized baseline."""
     return {

@@ -175,11 +175,10 @@ def compare_with_baseline(
     *,
     prompts: list[list[int]],
     new_tokens: int,
-    top_k: int | None = None,
 ) -> dict:
     """KL(P_base || P_arm) from full logits and top-1 agreement at positions 1..W-1 of each
     window, and both models' greedy continuations (see fourbit.metrics.fidelity). Both models are
-    held at once. ``top_k`` is unused: this engine has the full distributions."""
+    held at once."""
     dtype = DTYPES[settings["dtype"]]
     with torch_threads(settings["threads"]):
         baseline = load_model(Path(baseline_checkpoint), dtype)
