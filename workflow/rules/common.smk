@@ -276,6 +276,7 @@ def disk_outputs():
         "gguf_base": rules.convert_gguf.output.gguf,
         "gguf": rules.quantize_gguf.output.gguf,
         "gguf_dense": rules.dequantize_gguf.output.gguf,
+        "logits": rules.ppl_baseline_with_side.output.dense_logits,
     }
 
 

@@ -88,7 +88,7 @@ use rule ppl_baseline as ppl_baseline_with_side with:
     resources:
         mem_mb=held("dense", 3, 4000),
         runtime=per_attempt(240),
-        disk_mb=disk_need("records"),
+        disk_mb=disk_need("logits"),
     params:
         fidelity=STUDY.config["fidelity"],
 
