@@ -7,7 +7,7 @@ which cost many times the window's own forward in time and memory (docs/engines.
 instead (line numbers are vllm 0.32.0 in site-packages/vllm): for each request with
 prompt_logprobs set, the model runner computes the logits of its prompt positions
 (model.compute_logits of their hidden states, the quantized head included) and passes
-them to its sampler's compute_logprobs (v1/worker/gpu_model_runner.py:5375-5386,
+them to its sampler's compute_logprobs (v1/worker/gpu_model_runner.py:5375-5388,
 inherited by the CPU runner; v1/sample/sampler.py:308, log_softmax in float32).
 Nothing else calls that method unless a request asks for the logprobs of sampled
 tokens, which none here does. ``keeping_logits`` wraps it on the worker's sampler
