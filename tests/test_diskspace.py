@@ -23,7 +23,7 @@ from fourbit.diskspace import (
 )
 from tiny_study import ROOT, TINY
 
-# The rules' outputs (workflow/rules/*.smk), {model} and {arm} open, under results/.
+# The rules' outputs (workflow/rules/*.smk), {model}, {arm} and {engine} open, under results/.
 PATTERNS = {
     "source": "{results}/{{model}}/source", "untied": "{results}/{{model}}/untied",
     "quantized": "{results}/{{model}}/arms/{{arm}}/quantized",
@@ -32,6 +32,7 @@ PATTERNS = {
     "imatrix": "{results}/{{model}}/imatrix/{{imatrix}}/imatrix.gguf",
     "gguf": "{results}/{{model}}/arms/{{arm}}/gguf/model.gguf",
     "gguf_dense": "{results}/{{model}}/arms/{{arm}}/gguf/dense.gguf",
+    "logits": "{results}/{{model}}/eval/c/{{engine}}/{{arm}}/dense.logits.npy",
 }
 
 
@@ -78,6 +79,24 @@ def test_each_output_of_the_tiny_study(tmp_path):
         # squares per input column (K: 4 x 256, 2 x 256, 512) and a count, 160 bytes of names
         ("imatrix", None): 4 * (2048 + 7) + 160 * (7 + 1),
     }
+
+
+def test_each_engine_keeping_fidelity_sides_keeps_its_baselines_logits(tmp_path):
+    """vLLM's baseline job writes its logits of the compared windows (fidelity.windows, at
+    most evaluation.max_windows, of 128 tokens) over the tiny model's 512 ids, float32;
+    the reference engine keeps none."""
+    config = yaml.safe_load(TINY.read_text())
+    config["engines"]["vllm"] = {"dtype": "float32"}
+    config["fidelity"] = {"windows": 3}
+    path = tmp_path / "vllm.yaml"
+    path.write_text(yaml.safe_dump(config))
+    disk = study_disk(path, tmp_path / "results")
+    kept = [o for o in outputs(disk, tmp_path / "results") if o.kind == "logits"]
+    assert [(o.path.parts[-3].split("-")[0], o.path.parts[-2], o.bytes) for o in kept] == [
+        ("vllm", "baseline", 3 * 127 * 512 * 4)]
+    config["fidelity"] = {"windows": 20}  # only 8 windows are scored
+    path.write_text(yaml.safe_dump(config))
+    assert study_disk(path, tmp_path / "results").bytes("logits") == 8 * 127 * 512 * 4
 
 
 def arm_name(path: Path) -> str | None:

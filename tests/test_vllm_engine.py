@@ -64,8 +64,7 @@ def test_score_windows_matches_transformers(model_dir, reference, cache_root):
 
     stats = {}
     before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    out = prompt_logprobs(model_dir, WINDOWS, top_k=4, cache_root=cache_root, stats=stats,
-                          **OPTIONS)
+    out = prompt_logprobs(model_dir, WINDOWS, cache_root=cache_root, stats=stats, **OPTIONS)
     assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == before  # environment restored
     # vLLM's own caches in the checkpoint's folder; inductor's in the one every engine shares
     assert (cache_root / "vllm").is_dir() and not (cache_root / "inductor").exists()
@@ -73,7 +72,7 @@ def test_score_windows_matches_transformers(model_dir, reference, cache_root):
     assert stats["engine_init_s"] > 0
     assert stats["tokens"] == sum(len(w) for w in WINDOWS if len(w) > 1)
     assert len(out) == len(WINDOWS)
-    empty = {"nll_sum": 0.0, "tokens": 0, "token_logprobs": [], "top_ids": [], "top_logprobs": []}
+    empty = {"nll_sum": 0.0, "tokens": 0, "token_logprobs": []}
     assert out[2] == empty
     for w, r in zip(WINDOWS, out, strict=True):
         if len(w) < 2:
@@ -84,11 +83,32 @@ def test_score_windows_matches_transformers(model_dir, reference, cache_root):
         assert r["tokens"] == len(w) - 1
         assert (got - want).abs().max() <= 1e-4
         assert r["nll_sum"] == pytest.approx(-want.double().sum().item(), abs=1e-3)
-        top_lp, top_id = ref[: len(w) - 1].topk(4, dim=-1)
-        assert (torch.tensor(r["top_logprobs"]) - top_lp).abs().max() <= 1e-4
-        assert [ids[0] for ids in r["top_ids"]] == top_id[:, 0].tolist()
     # the reference is far from uniform, so an off-by-one position would show
     assert max(max(r["token_logprobs"], default=-99) for r in out) > -3.0
+
+
+@pytest.mark.slow
+def test_kept_logits_are_the_whole_distributions_vllm_scored(model_dir, reference, cache_root):
+    """fourbit.engines.vllm.distributions: a window's logits kept from inside vLLM give the
+    reference's log-softmax over the whole vocabulary at every position, the engine's own
+    logprobs at the actual tokens, and leave the engine as it was."""
+    from fourbit.engines.vllm import open_llm
+    from fourbit.engines.vllm.distributions import keeping_logits, window_logits
+    from fourbit.engines.vllm.score import logprobs_on
+
+    window = WINDOWS[0]
+    with open_llm(model_dir, max_model_len=len(window) + 1, cache_root=cache_root,
+                  **OPTIONS) as llm:
+        with keeping_logits(llm) as kept:
+            scored, logits = window_logits(llm, kept, window)
+            assert kept == []  # each window's chunks are taken, none left for the next
+        (plain,) = logprobs_on(llm, [window], token_logprobs=True)
+        sampler = llm.collective_rpc(lambda worker: vars(worker.model_runner.sampler))[0]
+    assert "compute_logprobs" not in sampler  # the wrapper is gone
+    assert plain["token_logprobs"] == scored["token_logprobs"]
+    assert logits.shape == (len(window) - 1, DIMS["vocab_size"]) and logits.dtype == torch.float32
+    ref = _reference_logprobs(reference, window)[:-1]  # [L-1, V]
+    assert (logits.log_softmax(-1) - ref).abs().max() <= 1e-4
 
 
 @pytest.mark.slow

@@ -140,8 +140,8 @@ def cache_root(tmp_path_factory):
 def _score(folder, cache_root, **kw):
     from fourbit.engines.vllm import prompt_logprobs
 
-    return prompt_logprobs(folder, WINDOWS, dtype="float32", kv_cache_bytes=32 << 20, top_k=5,
-                         cache_root=cache_root, **kw)
+    return prompt_logprobs(folder, WINDOWS, dtype="float32", kv_cache_bytes=32 << 20,
+                           cache_root=cache_root, **kw)
 
 
 def _max_diff(a, b):

@@ -107,13 +107,34 @@ def test_vllm_engine_runs_the_study_end_to_end(vllm_study):
         if row["arm_id"] != "baseline":
             assert row["control"] == "faithful", row
             assert "fourbit" in row["runtime"], row  # the plugin ran the 4-bit weights
-            assert float(row["kl_mean"]) >= 0 and 0 < float(row["top1_agreement"]) <= 1, row
+            assert float(row["kl_mean"]) > 0 and 0 < float(row["top1_agreement"]) <= 1, row
+            assert row["kl_bound"] == "full logits (exact)", row
+
+
+def test_vllm_exact_kl_equals_the_reference_engines_on_every_arm(vllm_study):
+    """On the builtin tiny model in float32, each arm's KL as vLLM computes it (fourbit's
+    plugin running the 4-bit weights) is the reference engine's within 1e-6 nats per
+    position: one measure whichever engine ran the arm."""
+    workdir, _ = vllm_study
+    kl = {}
+    for path in (workdir / "results").glob("*/eval/*/*/*/fidelity.json"):
+        record = json.loads(path.read_text())
+        kl.setdefault(path.parent.name, {})[record["engine"]["name"]] = record
+    compared = {arm: by for arm, by in kl.items() if {"vllm", "reference"} <= set(by)}
+    assert len(compared) == len(yaml.safe_load(TINY.read_text())["arms"]) - 1  # the GGUF's aside
+    for arm, by in compared.items():
+        vllm, reference = by["vllm"], by["reference"]
+        assert vllm["method"] == reference["method"] == "full logits", arm
+        assert vllm["positions"] == reference["positions"], arm
+        assert abs(vllm["kl_mean"] - reference["kl_mean"]) <= 1e-6, (arm, vllm["kl_mean"],
+                                                                     reference["kl_mean"])
 
 
 def test_the_fidelity_job_reads_the_sides_the_ppl_jobs_declare(tmp_path):
     """vLLM's ppl jobs write the fidelity sides of the arm (as quantized) and of the
     baseline as declared outputs, and its fidelity job reads them: forcing those two jobs
-    again reschedules the arm's fidelity job because both sides changed. The reference
+    again reschedules the arm's fidelity job because both sides changed, and forcing the
+    baseline's alone reschedules the arm's ppl job, which reads its logits. The reference
     engine keeps no side, so forcing its ppl jobs reschedules no fidelity job. Dry runs
     only, on a study whose every output is stood in for by an empty file or folder."""
     config = yaml.safe_load(TINY.read_text())
@@ -141,6 +162,8 @@ def test_the_fidelity_job_reads_the_sides_the_ppl_jobs_declare(tmp_path):
 
     jobs, reasons = forced("ppl_with_side", "ppl_baseline_with_side")
     assert jobs == {"ppl_with_side": 1, "ppl_baseline_with_side": 1, "fidelity": 1}
+    # the arm's side holds its KL against the baseline's kept logits: it is made again too
+    assert forced("ppl_baseline_with_side")[0] == jobs
     updated = [Path(f) for f in reasons[0].removeprefix(
         "Input files updated by another job: ").split(", ")]
     assert sorted((f.parents[1].name.split("-")[0], f.parent.name == "baseline", f.name)

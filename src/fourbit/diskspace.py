@@ -14,6 +14,7 @@ the parameters of each matrix) and each arm's bits per weight:
 | ``imatrix/<imatrix>/imatrix.gguf`` (imatrix) | per decoder linear, a float32 sum of squares per input column and a float32 count, plus 160 bytes (its tensors' names and alignment); 160 more for the header |
 | ``arms/<arm>/gguf/model.gguf`` (quantize_gguf) | every matrix at the type's bits (fourbit.layouts.GGUF_TYPES: Q4_0 4.5, Q4_K_M 4.9, Q8_0 8.5 ...), the head and the table at 8.5 unless the arm names their type; a model whose rows the type's blocks do not divide, every matrix at 8.5 (llama-quantize's fallbacks) |
 | ``arms/<arm>/gguf/dense.gguf`` (dequantize_gguf) | every parameter in float32 |
+| ``eval/<corpus>/<engine>/baseline/dense.logits.npy`` (ppl_baseline_with_side) | for each engine that keeps fidelity sides (vLLM's), the baseline's logits of the compared windows: ``fidelity.windows`` (at most ``evaluation.max_windows``) x (window - 1) positions x the vocabulary, in float32 |
 | everything else | records, windows, logs: ``SMALL`` per job |
 
 The margin: the sum plus 10% (norms, biases, file headers and tokenizer files are each
@@ -55,7 +56,7 @@ DTYPE_BITS = {"float32": 32, "float16": 16, "bfloat16": 16}
 WHAT = {"source": "the model as fetched or trained", "untied": "the untied model",
         "quantized": "quantized checkpoints", "dense": "float32 dense expansions",
         "gguf_base": "the f16 GGUF", "imatrix": "imatrix files", "gguf": "quantized GGUFs",
-        "gguf_dense": "float32 GGUFs"}
+        "gguf_dense": "float32 GGUFs", "logits": "the baselines' kept logits"}
 PER_ARM = {"quantized": "hf", "dense": "hf", "gguf": "gguf", "gguf_dense": "gguf"}
 COUNTED = (*PER_ARM, "imatrix")  # kinds the refusal counts ("6 quantized checkpoints")
 
@@ -119,6 +120,11 @@ class StudyDisk:
             return quantized_bytes(p, self.study.arms[arm_id])
         if kind == "gguf":
             return gguf_bytes(p, self.study.arms[arm_id].quant, self.gguf_fallbacks)
+        if kind == "logits":
+            config = self.study.config
+            windows = min(config["fidelity"]["windows"], config["evaluation"]["max_windows"])
+            positions = windows * (config["evaluation"]["window"] - 1)
+            return positions * self.study.model_config["vocab_size"] * 4
         if kind == "records":
             return SMALL
         raise KeyError(f"no estimate for outputs of kind {kind!r}")
@@ -129,12 +135,20 @@ class StudyDisk:
 
     def outputs(self, patterns: dict[str, str]) -> list[Output]:
         """Every output of a kind in ``patterns`` (kind -> the rule's output, with {model}
-        and {arm} or {imatrix} unfilled) that this study makes, with its bytes."""
+        and {arm} or {imatrix} unfilled, and {engine} for "logits") that this study makes,
+        with its bytes."""
         study = self.study
         reads_gguf = bool(study.arms_of_kind("gguf")) or any(
             e.reads == "gguf" for e in study.runnable_engines)
         found = []
         for kind, pattern in patterns.items():
+            if kind == "logits":  # the baseline's, per engine: {engine} open too
+                for engine in study.runnable_engines:
+                    if engine.keeps_fidelity_side:
+                        path = Path(pattern.format(model=study.model_id, engine=engine.id,
+                                                   arm="baseline"))
+                        found.append(Output(kind, path, self.bytes(kind)))
+                continue
             if kind in PER_ARM:
                 ids = study.arms_of_kind(PER_ARM[kind])
             elif kind == "imatrix":

@@ -204,6 +204,17 @@ def get_scored_checkpoints(wildcards):
     }
 
 
+def get_baseline_kept(wildcards):
+    """For an arm's ppl job on an engine that keeps fidelity sides: the side and the logits
+    that engine's baseline job kept, against which the job computes the arm's KL."""
+    ids = {"engine": wildcards.engine, "arm": "baseline"}
+    kept = rules.ppl_baseline_with_side.output
+    return {
+        "baseline_side": kept.dense_side.format(**ids),
+        "baseline_logits": kept.dense_logits.format(**ids),
+    }
+
+
 def arm_and_baseline(engine_id, arm):
     """The arm's checkpoint and the same engine's unquantized baseline."""
     return {
@@ -304,8 +315,8 @@ def baseline_storage_inputs():
 
 
 def disk_outputs():
-    """The outputs fourbit.diskspace counts, by kind: the rules' outputs, {model}, {arm}
-    and {imatrix} left open."""
+    """The outputs fourbit.diskspace counts, by kind: the rules' outputs, {model}, {arm},
+    {imatrix} and {engine} left open."""
     return {
         "source": rules.download.output.model,
         "untied": rules.untie_head.output.model,
@@ -315,6 +326,7 @@ def disk_outputs():
         "imatrix": rules.imatrix.output.imatrix,
         "gguf": rules.quantize_gguf.output.gguf,
         "gguf_dense": rules.dequantize_gguf.output.gguf,
+        "logits": rules.ppl_baseline_with_side.output.dense_logits,
     }
 
 

@@ -25,10 +25,11 @@ rule tokenize_evaluation:
 # model on a 2-core Intel Xeon), and vLLM's import costs ~4 s more, so one process per
 # checkpoint paid both twice per arm. The baseline has a job of its own (ppl_baseline).
 # Engines that keep fidelity sides (vLLM) also write, in the same engine pass, the side
-# of each checkpoint the fidelity job compares (the arm as quantized, the baseline): the
-# fidelity job reads the two and starts no engine. A rule's outputs are fixed, so those
-# engines' jobs come from the variants ppl_with_side and ppl_baseline_with_side, each
-# engine id matching exactly one rule of a pair (engine_pattern in common.smk).
+# of each checkpoint the fidelity job compares (the baseline, then the arm as quantized,
+# whose KL is computed against the baseline's kept logits): the fidelity job reads the two
+# and starts no engine. A rule's outputs are fixed, so those engines' jobs come from the
+# variants ppl_with_side and ppl_baseline_with_side, each engine id matching exactly one
+# rule of a pair (engine_pattern in common.smk).
 rule ppl:
     input:
         unpack(get_scored_checkpoints),
@@ -59,20 +60,6 @@ rule ppl:
         "../../scripts/ppl.py"
 
 
-# a `use rule` block replaces the parent's outputs and wildcard_constraints whole (only
-# params merge), so each variant states them all again
-use rule ppl as ppl_with_side with:
-    output:
-        quantized=f"{EVAL_DIR}/{{engine}}/{{arm}}/quantized.ppl.json",
-        dense=f"{EVAL_DIR}/{{engine}}/{{arm}}/dense.ppl.json",
-        quantized_side=f"{EVAL_DIR}/{{engine}}/{{arm}}/quantized.side.json",
-    wildcard_constraints:
-        arm=ID_PATTERN,
-        engine=engine_pattern(keeps_side=True),
-    params:
-        fidelity=STUDY.config["fidelity"],
-
-
 use rule ppl as ppl_baseline with:
     output:
         dense=f"{EVAL_DIR}/{{engine}}/{{arm}}/dense.ppl.json",
@@ -87,12 +74,39 @@ use rule ppl as ppl_baseline with:
         disk_mb=disk_need("records"),
 
 
+# The baseline's job also writes its logits of the compared windows (fourbit.engines.vllm
+# .distributions), which every arm's job below reads to compute the arm's exact KL in its
+# own engine pass; the fidelity job then starts no engine.
 use rule ppl_baseline as ppl_baseline_with_side with:
     output:
         dense=f"{EVAL_DIR}/{{engine}}/{{arm}}/dense.ppl.json",
         dense_side=f"{EVAL_DIR}/{{engine}}/{{arm}}/dense.side.json",
+        dense_logits=f"{EVAL_DIR}/{{engine}}/{{arm}}/dense.logits.npy",
     wildcard_constraints:
         arm="baseline",
+        engine=engine_pattern(keeps_side=True),
+    resources:
+        mem_mb=held("dense", 3, 4000),
+        runtime=per_attempt(240),
+        disk_mb=disk_need("logits"),
+    params:
+        fidelity=STUDY.config["fidelity"],
+
+
+# a `use rule` block replaces the parent's inputs, outputs and wildcard_constraints whole
+# (only params merge), so each variant states them all again
+use rule ppl as ppl_with_side with:
+    input:
+        unpack(get_scored_checkpoints),
+        unpack(get_baseline_kept),
+        windows=f"{EVAL_DIR}/windows.json",
+        source=f"{MODEL_DIR}/source",
+    output:
+        quantized=f"{EVAL_DIR}/{{engine}}/{{arm}}/quantized.ppl.json",
+        dense=f"{EVAL_DIR}/{{engine}}/{{arm}}/dense.ppl.json",
+        quantized_side=f"{EVAL_DIR}/{{engine}}/{{arm}}/quantized.side.json",
+    wildcard_constraints:
+        arm=ID_PATTERN,
         engine=engine_pattern(keeps_side=True),
     params:
         fidelity=STUDY.config["fidelity"],

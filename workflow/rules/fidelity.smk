@@ -1,12 +1,13 @@
 # How closely each arm follows the same engine's unquantized baseline, on the same
 # token ids (fourbit.steps.fidelity): next-token KL and top-1 agreement over the first
 # windows of windows.json, and how many fixed prompts keep the baseline's greedy
-# continuation exactly. Engines with full logits (the reference) give the KL exactly;
-# vLLM gives top-k logprobs, so its KL is a lower bound and labelled so; engines with
-# neither write a record saying it was not computed; llama.cpp uses its own KL mode. vLLM's
-# ppl jobs of the two checkpoints compared write each one's side (top-k logprobs, greedy
-# continuations) in the same engine pass, as declared outputs (rules ppl_with_side and
-# ppl_baseline_with_side): this job reads both (get_fidelity_input) and starts no engine.
+# continuation exactly. The KL is exact, from both models' full logits, on the reference
+# engine and on vLLM; llama.cpp uses its own KL mode; an engine with neither writes a
+# record saying it was not computed. vLLM's ppl jobs of the two checkpoints compared write
+# each one's side in the same engine pass, as declared outputs (rules
+# ppl_baseline_with_side: its logits and greedy continuations; ppl_with_side: the arm's
+# per-position KL against those logits, and its greedy continuations): this job reads
+# both sides (get_fidelity_input) and starts no engine.
 
 
 rule fidelity:

@@ -15,8 +15,9 @@ the capability each way its EngineSpec says it takes part asks of it (CAPABILITY
         Fidelity.PER_POSITION   ComparesPositions: compare_with_baseline, per-position
                                 results on the study's windows
         Fidelity.KEPT_SIDES     KeepsSides: score_keeping_side in the ppl step of each
-                                checkpoint the fidelity step compares (the baseline, an
-                                arm as quantized), then compare_sides, without an engine
+                                checkpoint the fidelity step compares (the baseline's
+                                first, then each arm as quantized against what the
+                                baseline's kept), then compare_sides, without an engine
         Fidelity.OWN_KL_MODE    HasOwnKlMode: divergence_from_baseline, the engine's own
                                 aggregate KL statistics on the evaluation text, and
                                 greedy_continuations

@@ -12,7 +12,8 @@ engine narrowed to it (``capable``) keeps score_windows, runtime and numerics:
                        for the whole bench job
     ComparesPositions  Fidelity.PER_POSITION: compare_with_baseline
     KeepsSides         Fidelity.KEPT_SIDES: score_keeping_side (in the ppl step of each
-                       compared checkpoint), then compare_sides, which starts no engine
+                       compared checkpoint, the baseline's first), then compare_sides,
+                       which starts no engine
     HasOwnKlMode       Fidelity.OWN_KL_MODE: divergence_from_baseline, greedy_continuations
 
 The steps that call them define the numbers: fourbit.steps.evaluate (scores),
@@ -94,22 +95,26 @@ class ComparesPositions(Engine):
     @abc.abstractmethod
     def compare_with_baseline(self, arm_checkpoint: Path, baseline_checkpoint: Path,
                               windows: TokenIds, settings: Settings, threads: int, *,
-                              prompts: TokenIds, new_tokens: int,
-                              top_k: int | None = None) -> PerPosition:
+                              prompts: TokenIds, new_tokens: int) -> PerPosition:
         """Per-position results on ``windows``, greedy continuations of ``prompts``, and
         "runtime" and "baseline_runtime"."""
 
 
 class KeepsSides(Engine):
     """Fidelity.KEPT_SIDES: the ppl job of each compared checkpoint keeps its side in the
-    same engine pass; the fidelity step compares two sides without an engine."""
+    same engine pass, the baseline's first, since an arm's side is computed against what
+    the baseline's kept; the fidelity step compares two sides without an engine."""
 
     @abc.abstractmethod
     def score_keeping_side(self, checkpoint: Path, windows: TokenIds, settings: Settings,
                            threads: int, *, compared: int, prompts: TokenIds, new_tokens: int,
-                           top_k: int) -> tuple[list[WindowScore], dict[str, Any]]:
-        """What score_windows returns, and the checkpoint's side: its first ``compared``
-        windows' top ``top_k`` logprobs and the greedy continuations of ``prompts``."""
+                           baseline_logits: Path, baseline: Side | None,
+                           ) -> tuple[list[WindowScore], dict[str, Any]]:
+        """What score_windows returns, and the checkpoint's side: the greedy continuations
+        of ``prompts`` and, over its first ``compared`` windows, with ``baseline`` None
+        (the checkpoint is the baseline) its logits written to ``baseline_logits``, else
+        (an arm, ``baseline`` the baseline's side) its per-position results against the
+        baseline's logits read from there."""
 
     @abc.abstractmethod
     def compare_sides(self, arm: Side, baseline: Side, windows: TokenIds) -> PerPosition:

@@ -18,7 +18,7 @@ from fourbit.checkpoints.hf import skeleton
 from fourbit.checkpoints.quantized import is_quantized, read_quantized
 from fourbit.engines.base import ComparesPositions, Numerics, WindowScore
 from fourbit.kernels import tinygemm
-from fourbit.metrics.kl import FULL, kl_full
+from fourbit.metrics.kl import FULL, kl_from_logits
 from fourbit.progress import Progress
 from fourbit.quant.int8 import Int8Weight
 from fourbit.quant.qweight import QuantizedWeight
@@ -146,9 +146,6 @@ def _score(model: torch.nn.Module, checkpoint: Path, windows: list[list[int]]) -
     return results
 
 
-KL_POSITIONS = 128  # positions per float64 log-softmax slice in compare_with_baseline
-
-
 def _greedy(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     """Exactly ``new_tokens`` argmax tokens after each prompt (EOS does not stop), with a KV
     cache; prompts of one length run as one batch, so decode steps are few-row (int4 kernel)."""
@@ -178,11 +175,10 @@ def compare_with_baseline(
     *,
     prompts: list[list[int]],
     new_tokens: int,
-    top_k: int | None = None,
 ) -> dict:
     """KL(P_base || P_arm) from full logits and top-1 agreement at positions 1..W-1 of each
     window, and both models' greedy continuations (see fourbit.metrics.fidelity). Both models are
-    held at once. ``top_k`` is unused: this engine has the full distributions."""
+    held at once."""
     dtype = DTYPES[settings["dtype"]]
     with torch_threads(settings["threads"]):
         baseline = load_model(Path(baseline_checkpoint), dtype)
@@ -206,21 +202,14 @@ def compare_with_baseline(
 
 def _full_kl(baseline: torch.nn.Module, arm: torch.nn.Module, windows: list[list[int]],
              progress: Progress) -> tuple[list[list[float]], list[list[bool]]]:
-    """Per window, kl_full and top-1 agreement at positions 1..W-1."""
+    """Per window, KL and top-1 agreement at positions 1..W-1 (kl_from_logits)."""
     window_kl, window_top1 = [], []
     for start in range(0, len(windows), BATCH_WINDOWS):
         batch = torch.tensor(windows[start : start + BATCH_WINDOWS])  # [B, W]
         base_logits = baseline(batch).logits[:, :-1]  # [B, W-1, V]: row t-1 predicts token t
         arm_logits = arm(batch).logits[:, :-1]
         for row in range(len(batch)):
-            kl, top1 = [], []
-            # float64 in slices of positions: [positions, V] doubles stay small for a large V
-            for s in range(0, base_logits.shape[1], KL_POSITIONS):
-                span = slice(s, s + KL_POSITIONS)
-                base_lp = torch.log_softmax(base_logits[row, span].double(), dim=-1)
-                arm_lp = torch.log_softmax(arm_logits[row, span].double(), dim=-1)
-                kl.extend(kl_full(base_lp, arm_lp).tolist())
-                top1.extend((base_lp.argmax(-1) == arm_lp.argmax(-1)).tolist())
+            kl, top1 = kl_from_logits(base_logits[row], arm_logits[row])
             window_kl.append(kl)
             window_top1.append(top1)
         progress.update(len(batch))

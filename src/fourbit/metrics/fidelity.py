@@ -20,12 +20,8 @@ Definition (written next to every number these functions produce):
   prompts whose two continuations are equal token for token, and
   ``matching_prefix`` gives, per prompt, how many leading tokens agree.
 
-How KL is computed depends on what the engine gives: exactly from full logits
-(the reference engine), or as a lower bound from top-k logprobs (vLLM), with
-``kl_merged`` and ``kl_substituted`` the means of its two estimates and
-``baseline_mass_topk`` the mean baseline mass of its top k (how much of the
-distribution was compared id by id); fourbit.metrics.kl derives both and proves
-the bounds.
+KL is computed exactly from both models' full logits, the same way on every engine
+that compares positions (fourbit.metrics.kl).
 """
 
 from __future__ import annotations
@@ -74,7 +70,7 @@ def summarize(compared: Mapping) -> dict:
     top1 = [x for window in compared["window_top1"] for x in window]
     if not kl or len(kl) != len(top1):
         raise ValueError(f"{len(kl)} KL values and {len(top1)} top-1 values; expected equal, > 0")
-    result = {
+    return {
         "positions": len(kl),
         "kl_mean": math.fsum(kl) / len(kl),
         "kl_p99": _percentile(kl, 99),
@@ -85,13 +81,6 @@ def summarize(compared: Mapping) -> dict:
         "window_top1": [sum(bool(x) for x in w) for w in compared["window_top1"]],
         "window_positions": [len(w) for w in compared["window_kl"]],
     }
-    if "window_mass_topk" in compared:
-        mass = [x for window in compared["window_mass_topk"] for x in window]
-        result["baseline_mass_topk"] = math.fsum(mass) / len(mass)
-        for name in ("merged", "substituted"):
-            values = [x for window in compared[f"window_kl_{name}"] for x in window]
-            result[f"kl_mean_{name}"] = math.fsum(values) / len(values)
-    return result
 
 
 def greedy_summary(

@@ -90,6 +90,8 @@ def score_checkpoint(
     cache_root: str | os.PathLike,
     side_path: str | os.PathLike | None = None,
     fidelity_settings: Mapping | None = None,
+    baseline_logits: str | os.PathLike | None = None,
+    baseline_side: str | os.PathLike | None = None,
 ) -> dict:
     """Score ``checkpoint`` on the windows; write the record to ``out_path``
     (fourbit.records.write). ``model_weights_sha256``: the source model's weights this
@@ -100,7 +102,9 @@ def score_checkpoint(
     ``side_path``: for a checkpoint the fidelity step compares, on an engine that keeps its
     side (EngineSpec.keeps_fidelity_side), where to write that side, computed in the same
     engine pass with ``fidelity_settings`` (the config's fidelity block); the scores are
-    the same either way."""
+    the same either way. With it, ``baseline_logits``: the baseline's logits of the
+    compared windows, which the baseline's job (``baseline_side`` None) writes there and an
+    arm's job (``baseline_side``, the side the baseline's job wrote) compares with."""
     require_sha256(model_weights_sha256)
     windows_file = json.loads(Path(windows_path).read_text())
     windows = windows_file["windows"]
@@ -110,7 +114,8 @@ def score_checkpoint(
         per_window = engine.score_windows(Path(checkpoint), windows, settings, threads)
     else:
         per_window = _score_keeping_side(engine, checkpoint, windows_file, settings, threads,
-                                         side_path, block("fidelity", fidelity_settings))
+                                         block("fidelity", fidelity_settings), side_path,
+                                         baseline_logits, baseline_side)
     nll = [w["nll_sum"] for w in per_window]
     tokens = [w["tokens"] for w in per_window]
     total_nll, total_tokens = math.fsum(nll), sum(tokens)
@@ -137,17 +142,35 @@ def score_checkpoint(
 
 
 def _score_keeping_side(engine: Engine, checkpoint, windows_file: dict, settings: dict,
-                        threads: int, side_path, fidelity: dict) -> list[WindowScore]:
+                        threads: int, fidelity: dict, side_path, baseline_logits,
+                        baseline_side) -> list[WindowScore]:
     """The engine's score_keeping_side: the per-window scores, and the side written to
     ``side_path`` (JSON, atomically) with the fidelity settings and token ids it was
-    computed for, which the fidelity step checks before comparing."""
+    computed for, which every reader of a side checks (read_side)."""
     if not engine_spec(settings["name"]).keeps_fidelity_side:
         raise ValueError(f"engine {settings['name']} keeps no fidelity side; pass no side_path")
+    if baseline_logits is None:
+        raise ValueError("a fidelity side needs baseline_logits: where the baseline's job writes "
+                         "its logits, and an arm's job reads them")
+    token_ids = windows_file["token_ids_sha256"]
+    baseline = None if baseline_side is None else read_side(baseline_side, fidelity, token_ids)
     compared, prompts = select(windows_file["windows"], fidelity)
     per_window, side = capable(engine, KeepsSides).score_keeping_side(
         Path(checkpoint), windows_file["windows"], settings, threads, compared=len(compared),
-        prompts=prompts, new_tokens=fidelity["new_tokens"], top_k=fidelity["top_k"])
-    write_json(side_path, {**side, "fidelity": fidelity,
-                           "token_ids_sha256": windows_file["token_ids_sha256"]})
+        prompts=prompts, new_tokens=fidelity["new_tokens"], baseline_logits=Path(baseline_logits),
+        baseline=baseline)
+    write_json(side_path, {**side, "fidelity": fidelity, "token_ids_sha256": token_ids})
     log.info("%s: fidelity side kept in %s", checkpoint, side_path)
     return per_window
+
+
+def read_side(path: str | os.PathLike, fidelity: Mapping, token_ids_sha256: str) -> dict:
+    """The side in ``path`` if its ppl job kept it for these fidelity settings (the
+    config's block, its defaults filled) and token ids; else an error naming what differs."""
+    side = json.loads(Path(path).read_text())
+    kept_for = {"settings": side["fidelity"], "token_ids_sha256": side["token_ids_sha256"]}
+    wanted = {"settings": dict(fidelity), "token_ids_sha256": token_ids_sha256}
+    if kept_for != wanted:
+        raise ValueError(f"{path} was kept for {kept_for}, not {wanted}; rerun the ppl job that "
+                         "writes it")
+    return side

@@ -9,15 +9,15 @@ and its class implements the capability that asks for (fourbit.engines.base).
 Fidelity.PER_POSITION, a ComparesPositions:
 
     compare_with_baseline(arm_checkpoint, baseline_checkpoint, windows, settings, threads,
-                          *, prompts, new_tokens, top_k) -> dict
+                          *, prompts, new_tokens) -> dict
 
-returning {"method", "window_kl": [[float] per position] per window,
-"window_top1": [[bool]...], "greedy_baseline": [[ids]], "greedy_arm": [[ids]],
-"runtime": str, "baseline_runtime": str} and, for a top-k bound,
-"window_kl_merged", "window_kl_substituted" and "window_mass_topk" like
-window_kl. Fidelity.KEPT_SIDES, a KeepsSides: the same from the two sides the ppl jobs
-of the arm (as quantized) and of the baseline kept (fourbit.steps.evaluate), which the
-workflow declares as their outputs and passes here, through
+returning {"method": fourbit.metrics.kl.FULL, "window_kl": [[float] per position] per
+window, "window_top1": [[bool]...], "greedy_baseline": [[ids]], "greedy_arm": [[ids]],
+"runtime": str, "baseline_runtime": str}: the KL exact, from both models' full logits.
+Fidelity.KEPT_SIDES, a KeepsSides: the same from the two sides the ppl jobs of the
+baseline and of the arm (as quantized, against the logits the baseline's job kept) kept
+(fourbit.steps.evaluate), which the workflow declares as their outputs and passes here,
+through
 
     compare_sides(arm_side, baseline_side, windows) -> dict
 
@@ -52,7 +52,7 @@ from fourbit.engines import Fidelity, engine_spec, get_engine
 from fourbit.engines.base import ComparesPositions, HasOwnKlMode, KeepsSides, capable
 from fourbit.hashing import require_sha256
 from fourbit.metrics.fidelity import DEFINITION, greedy_summary, select, summarize
-from fourbit.metrics.kl import FULL
+from fourbit.steps.evaluate import read_side
 
 log = logging.getLogger("fourbit")
 
@@ -66,8 +66,8 @@ OWN_KL_DEFINITION = (
     "ignored), identical = equal token for token"
 )
 NOT_COMPARED = (
-    "not computed for this engine: it returns neither full logits nor top-k logprobs of "
-    "chosen token ids, and has no KL mode of its own"
+    "not computed for this engine: it gives no whole next-token distributions and has no KL "
+    "mode of its own"
 )
 
 
@@ -128,8 +128,7 @@ def compare_arm(
     else:
         compared = capable(engine, ComparesPositions).compare_with_baseline(
             Path(arm_checkpoint), Path(baseline_checkpoint), compared_windows,
-            dict(engine_settings), threads, prompts=prompts, new_tokens=settings["new_tokens"],
-            top_k=settings["top_k"])
+            dict(engine_settings), threads, prompts=prompts, new_tokens=settings["new_tokens"])
     return _per_position(compared, record, out_path, start)
 
 
@@ -140,24 +139,13 @@ def _from_sides(engine: KeepsSides, sides: Mapping[str, str | os.PathLike] | Non
     if sides is None:
         raise ValueError(f"engine {record['engine']['name']} compares the sides its ppl jobs "
                          "kept; pass sides")
-    kept = {which: _kept_side(sides[which], record) for which in ("arm", "baseline")}
+    kept = {which: read_side(sides[which], record["settings"], record["token_ids_sha256"])
+            for which in ("arm", "baseline")}
     return {
         **engine.compare_sides(kept["arm"], kept["baseline"], windows),
         "runtime": engine.runtime(Path(record["checkpoint"]), record["engine"]),
         "baseline_runtime": engine.runtime(Path(record["baseline"]), record["engine"]),
     }
-
-
-def _kept_side(path: str | os.PathLike, record: dict) -> dict:
-    """The side in ``path`` if its ppl job kept it for these fidelity settings and windows;
-    else an error naming what differs."""
-    side = json.loads(Path(path).read_text())
-    kept_for = {"settings": side["fidelity"], "token_ids_sha256": side["token_ids_sha256"]}
-    wanted = {"settings": record["settings"], "token_ids_sha256": record["token_ids_sha256"]}
-    if kept_for != wanted:
-        raise ValueError(f"{path} was kept for {kept_for}, not {wanted}; rerun the ppl job that "
-                         "writes it")
-    return side
 
 
 def _per_position(compared: dict, record: dict, out_path, start: float) -> dict:
@@ -168,7 +156,7 @@ def _per_position(compared: dict, record: dict, out_path, start: float) -> dict:
         {
             "computed": True,
             "method": compared["method"],
-            "bound": "exact" if compared["method"] == FULL else "lower bound",
+            "bound": "exact",
             **summarize(compared),
             "greedy": greedy_summary(compared["greedy_baseline"], compared["greedy_arm"],
                                      new_tokens),

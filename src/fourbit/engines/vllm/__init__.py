@@ -10,6 +10,7 @@ One module per job:
                   the process throughput_session runs one engine in (python -m)
     fidelity      score_keeping_side (the ppl step of a checkpoint the fidelity step
                   compares), compare_sides (the fidelity step)
+    distributions the whole next-token distributions, from inside vLLM (for fidelity)
 
 Below are the engine's class, VllmEngine (the engine table's "vllm", fourbit.engines.ENGINES),
 and the names tests and benchmarks call directly. Nothing here imports vllm or torch: they
@@ -101,10 +102,12 @@ class VllmEngine(TimesInSession, KeepsSides):
 
     def score_keeping_side(self, checkpoint: Path, windows: TokenIds, settings: Settings,
                            threads: int, *, compared: int, prompts: TokenIds, new_tokens: int,
-                           top_k: int) -> tuple[list[WindowScore], dict[str, Any]]:
+                           baseline_logits: Path, baseline: Side | None,
+                           ) -> tuple[list[WindowScore], dict[str, Any]]:
         return score_keeping_side(checkpoint, windows, self.settings_to_run(settings, checkpoint),
                                   threads, compared=compared, prompts=prompts,
-                                  new_tokens=new_tokens, top_k=top_k)
+                                  new_tokens=new_tokens, baseline_logits=baseline_logits,
+                                  baseline=baseline)
 
     def compare_sides(self, arm: Side, baseline: Side, windows: TokenIds) -> PerPosition:
         return compare_sides(arm, baseline, windows)

@@ -3,19 +3,18 @@
 What this relies on (line numbers are vllm 0.32.0 in site-packages/vllm; the engine's
 lifecycle, fourbit.engines.vllm.lifecycle, says how the LLM is opened):
 
-Prompt logprobs. SamplingParams(prompt_logprobs=k, max_tokens=1) with
+Prompt logprobs. SamplingParams(prompt_logprobs=0, max_tokens=1) with
 TokensPrompt(prompt_token_ids=ids). For every prompt position t >= 1 the model runner
 computes log_softmax(logits[t-1], dtype=float32) (v1/sample/sampler.py:308-309; logits
 in the model dtype, as a transformers reference computing log_softmax(logits.float()))
-and gathers k top entries *plus the actual token* (sampler.py:312-341, runner
+and gathers the actual token (sampler.py:312-341, runner
 v1/worker/gpu_model_runner.py:5306-5413). With flat_logprobs=True the result is a
-FlatLogprobs (logprobs.py:32-145) whose position 0 is empty and whose position t holds,
-in order, the actual token ids[t] (with its rank) and then the top-k by rank
-(logprobs.py:184-205): entry 0 is log p(ids[t] | ids[<t]) whether or not it is in the
-top k. k=0 gives the actual token only; k=-1 the full vocabulary (needs max_logprobs=-1,
-sampling_params.py:970-978, gpu_model_runner.py:1292-1297), i.e. vocab-size Python floats
-per position: fine for a toy vocabulary, not for 150k. Prompts with prompt logprobs are
-not served from the prefix cache, and enable_prefix_caching=False makes sure.
+FlatLogprobs (logprobs.py:32-145) whose position 0 is empty and whose position t holds
+the actual token ids[t] and its logprob (logprobs.py:184-205). A k > 0 would add the
+top k by rank as Python floats; the fidelity step needs whole distributions, which
+fourbit.engines.vllm.distributions takes from inside that computation instead. Prompts
+with prompt logprobs are not served from the prefix cache, and
+enable_prefix_caching=False makes sure.
 
 Greedy generation: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) on
 TokensPrompt; output.outputs[0].token_ids.
@@ -59,7 +58,6 @@ def prompt_logprobs(
     model_dir: str | os.PathLike,
     windows: Sequence[Sequence[int]],
     *,
-    top_k: int = 0,
     token_logprobs: bool = True,
     stats: dict[str, Any] | None = None,
     **options: Any,
@@ -67,50 +65,33 @@ def prompt_logprobs(
     """Score each window of token ids: log p(w[t] | w[:t]) for t = 1 .. len-1.
 
     ``options``: open_llm's keywords (dtype and kv_cache_bytes at least) except
-    max_model_len and max_logprobs, which follow from the windows and top_k.
+    max_model_len, which follows from the windows.
     Returns one dict per window, in order:
         nll_sum         -sum of those logprobs (float)
         tokens          how many positions were scored (len - 1)
         token_logprobs  the per-position logprobs (if ``token_logprobs``)
-        top_ids, top_logprobs   per position, the top_k ids and logprobs by rank (if top_k != 0;
-                        top_k=-1 is the whole vocabulary: vocab-size floats per position)
     Logprobs are float32 log_softmax of the model-dtype logits, like a transformers
     reference doing ``logits.float().log_softmax(-1)``.
     """
     wins = _check_windows(windows)
-    k = _checked_k(top_k)
-    with open_llm(model_dir, max_model_len=max(len(w) for w in wins) + 1,
-                  max_logprobs=max_logprobs(k), stats=stats, **options) as llm:
-        return logprobs_on(llm, wins, [k] * len(wins), token_logprobs=token_logprobs, stats=stats)
+    with open_llm(model_dir, max_model_len=max(len(w) for w in wins) + 1, stats=stats,
+                  **options) as llm:
+        return logprobs_on(llm, wins, token_logprobs=token_logprobs, stats=stats)
 
 
-def _checked_k(top_k: int) -> int:
-    k = int(top_k)
-    if k < -1:
-        raise ValueError(f"top_k must be >= 0, or -1 for the whole vocabulary; got {k}")
-    return k
-
-
-def max_logprobs(k: int) -> int:
-    """open_llm's max_logprobs for top-k requests of at most ``k`` (-1: the vocabulary)."""
-    return -1 if k == -1 else max(k, 20)
-
-
-def logprobs_on(llm: Any, windows: list[list[int]], top_ks: Sequence[int], *,
-                token_logprobs: bool, stats: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """prompt_logprobs on an open LLM, window i with its own top_ks[i] (0: the actual token
-    only), all in one generate call; the results as prompt_logprobs returns them (top_ids
-    and top_logprobs only for windows with a top k)."""
+def logprobs_on(llm: Any, windows: list[list[int]], *, token_logprobs: bool,
+                stats: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """prompt_logprobs on an open LLM, all windows in one generate call; the results as
+    prompt_logprobs returns them."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    ks = [_checked_k(k) for k in top_ks]
-    results = [_empty_result(k, token_logprobs) for k in ks]
+    results = [_empty_result(token_logprobs) for _ in windows]
     scored = [i for i, w in enumerate(windows) if len(w) >= 2]
     if not scored:
         return results
-    params = [SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=ks[i],
-                             flat_logprobs=True, detokenize=False) for i in scored]
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0,
+                            flat_logprobs=True, detokenize=False)
     t0 = time.perf_counter()
     prompts = [TokensPrompt(prompt_token_ids=windows[i]) for i in scored]
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -118,45 +99,38 @@ def logprobs_on(llm: Any, windows: list[list[int]], top_ks: Sequence[int], *,
         stats["run_s"] = time.perf_counter() - t0
         stats["tokens"] = sum(len(windows[i]) for i in scored)
     for i, out in zip(scored, outs, strict=True):
-        lps, top_ids, top_lps = _read_window(i, windows[i], out.prompt_logprobs, ks[i])
+        lps = _read_window(i, windows[i], out.prompt_logprobs)
         r = results[i]
         r["nll_sum"] = -math.fsum(lps)
         r["tokens"] = len(lps)
         if token_logprobs:
             r["token_logprobs"] = lps
-        if ks[i] != 0:
-            r["top_ids"], r["top_logprobs"] = top_ids, top_lps
     return results
 
 
-def _empty_result(k: int, token_logprobs: bool) -> dict[str, Any]:
+def _empty_result(token_logprobs: bool) -> dict[str, Any]:
     """A window's result before scoring; what a window of fewer than 2 tokens keeps."""
     r: dict[str, Any] = {"nll_sum": 0.0, "tokens": 0}
     if token_logprobs:
         r["token_logprobs"] = []
-    if k != 0:
-        r["top_ids"], r["top_logprobs"] = [], []
     return r
 
 
-def _read_window(i: int, w: list[int], plp: Any, k: int) -> tuple[list, list, list]:
-    """Window ``i``'s FlatLogprobs -> (logprob of each actual token, top-k ids, top-k
-    logprobs), positions 1..len-1; checks that entry 0 of each position is the actual token."""
+def _read_window(i: int, w: list[int], plp: Any) -> list[float]:
+    """Window ``i``'s FlatLogprobs -> the logprob of each actual token, positions
+    1..len-1; checks that the entry of each position is the actual token."""
     if plp is None or len(plp) != len(w):
         got = None if plp is None else len(plp)
         raise RuntimeError(f"window {i}: {got} prompt positions back, expected {len(w)}")
-    lps, top_ids, top_lps = [], [], []
+    lps = []
     for t in range(1, len(w)):
-        s, e = plp.start_indices[t], plp.end_indices[t]
+        s = plp.start_indices[t]
         if plp.token_ids[s] != w[t]:
             raise RuntimeError(
                 f"window {i} position {t}: first entry is token {plp.token_ids[s]}, not {w[t]}"
             )
         lps.append(float(plp.logprobs[s]))
-        if k != 0:
-            top_ids.append([int(x) for x in plp.token_ids[s + 1 : e]])
-            top_lps.append([float(x) for x in plp.logprobs[s + 1 : e]])
-    return lps, top_ids, top_lps
+    return lps
 
 
 def greedy(
