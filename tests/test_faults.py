@@ -84,9 +84,9 @@ FAULTS = [
     Fault("fidelity", (f"{SCORES}/fidelity.json",), "os.rename", r"/\.fidelity\.json\.tmp-\d+$",
           "the record whole under its temporary name"),
     Fault("bench", ("results/*/eval/*/*/*/bench.json",), "os.rename", r"/\.bench\.json\.tmp-\d+$",
-          "every pass timed, the first of three records published, the second whole under its "
-          "temporary name",
-          published=("results/*/eval/*/llamacpp-*/*/bench.json",), nth=2),
+          "every pass timed, the first record (llama.cpp's first arm, q4_k_m) published, the "
+          "second whole under its temporary name",
+          published=("results/*/eval/*/llamacpp-*/q4_k_m-*/bench.json",), nth=2),
     Fault("report", ("results/report.md", "results/report.tsv", "results/report-quality-vs-bits.png",
                      "results/report-quality-vs-decode.png", "results/report-frontier.png"), "os.rename",
           r"/\.report\.md\.tmp-\d+$",

@@ -41,7 +41,7 @@ CONF_MARKER = "# written by fourbit tests/slurm/start.sh"
 FAST_POLL = ["--slurm-init-seconds-before-status-checks", "1"]
 STUDY_RULES = {"prepare_corpus", "download", "untie_head", "tokenize_evaluation", "quantize",
                "dequantize", "ppl", "ppl_baseline", "bench", "fidelity", "report", "build_llamacpp",
-               "convert_gguf", "quantize_gguf", "dequantize_gguf"}
+               "convert_gguf", "imatrix", "quantize_gguf", "dequantize_gguf"}
 
 @dataclass
 class Run:
