@@ -104,11 +104,11 @@ def fidelity_table(rows: list[dict]) -> list[str]:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for r in (r for r in rows if r["arm_id"] != "baseline"):
         if r["kl_mean"] is None:
-            cells = [r["engine"], f"`{r['arm_id']}`", "—", "—", "—", "—", r["kl_bound"] or "not computed"]
+            cells = [r["engine"], f"`{r['arm_id']}`", "—", "—", "—", "—", r["kl_from"] or "not computed"]
         else:
             cells = [r["engine"], f"`{r['arm_id']}`", f"{r['kl_mean']:.4g}", f"{r['kl_p99']:.4g}",
                      f"{r['top1_agreement']:.1%}", f"{r['greedy_identical']}/{r['greedy_prompts']}",
-                     r["kl_bound"]]
+                     r["kl_from"]]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return lines
 

@@ -182,7 +182,7 @@ def below_baseline(r: dict) -> bool:
 def _why_not_judged(r: dict) -> str:
     if r["control"] == "NOT faithful":
         return "control NOT faithful"
-    return f"fidelity not computed: {r['kl_bound'] or 'no reason recorded'}"
+    return f"fidelity not computed: {r['kl_from'] or 'no reason recorded'}"
 
 
 def fidelity_verdict(rows: list[dict]) -> str:
