@@ -298,6 +298,19 @@ def test_a_record_missing_a_field_readers_need_is_named_before_any_output(
     assert not (tmp_path / "report.md").exists()
 
 
+def test_a_kl_lower_bound_from_an_older_run_is_named_for_remaking(tmp_path, tiny_untied, results):
+    """vLLM's KL was a top-k lower bound before it became exact; the report orders every KL as
+    exact, so such a record stops it, named with the rerun, before any output."""
+    records, manifest = results
+    path = records[ENGINE][ARM]["fidelity"]
+    path.write_text(json.dumps({**json.loads(path.read_text()), "method": "top-k lower bound",
+                                "bound": "lower bound"}))
+    with pytest.raises(ReportInputError, match=rf"{path}: not a valid fidelity record \(bound: 'lower "
+                                               r"bound' does not match .*--forcerun fidelity, "):
+        report(tmp_path, tiny_untied, records, manifest)
+    assert not (tmp_path / "report.md").exists()
+
+
 # --- the verdicts ------------------------------------------------------------------------------
 #
 # A study of one vLLM-like engine (KL exact, from full logits, per window) whose records are
