@@ -26,11 +26,25 @@ def test_each_outcome_of_fidelity_and_bench_has_its_own_fields():
     weights = {"model_weights_sha256": "ab" * 32}
     records.check("fidelity", {"computed": False, "reason": "no logits", **weights}, "f")
     with pytest.raises(records.RecordError, match="'kl_mean' is a required property"):
-        records.check("fidelity", {"computed": True, "definition": "d", "method": "m", "bound": "b",
+        records.check("fidelity", {"computed": True, "definition": "d", "method": "m", "bound": "exact",
                                    "kl_p99": 0.1, "top1_agreement": 0.9,
                                    "greedy": {"identical": 1, "prompts": 2}, **weights}, "f")
     with pytest.raises(records.RecordError, match="'reason' is a required property"):
         records.check("bench", {"measured": False, **weights}, "b")
+
+
+def test_a_kl_that_is_not_exact_is_refused():
+    """Every engine's KL is exact, and the report reads it as such: a record of vLLM's old
+    top-k lower bound is named for remaking, not ranked as if exact."""
+    computed = {"computed": True, "definition": "d", "kl_mean": 0.01, "kl_p99": 0.1,
+                "top1_agreement": 0.9, "greedy": {"identical": 1, "prompts": 2},
+                "model_weights_sha256": "ab" * 32}
+    records.check("fidelity", {**computed, "method": "full logits", "bound": "exact"}, "f")
+    records.check("fidelity", {**computed, "method": "llama-perplexity KL mode",
+                               "bound": "exact, its own chunking: 8 chunks of 512 tokens"}, "f")
+    with pytest.raises(records.RecordError, match=r"f: not a valid fidelity record \(bound: "
+                                                  r"'lower bound' does not match '\^exact'\)"):
+        records.check("fidelity", {**computed, "method": "top-k lower bound", "bound": "lower bound"}, "f")
 
 
 def test_an_unknown_kind_is_named():

@@ -9,7 +9,6 @@ import pytest
 from fourbit import records as records_schema
 from fourbit.schema import block, load_schema
 from fourbit.report.loading import RECORD_KINDS, ReportInputError, record_paths
-from fourbit.report.verdicts import Measure, compare_measure
 from fourbit.steps.report import write_report
 
 ENGINE = "reference-0000000000"
@@ -299,10 +298,24 @@ def test_a_record_missing_a_field_readers_need_is_named_before_any_output(
     assert not (tmp_path / "report.md").exists()
 
 
+def test_a_kl_lower_bound_from_an_older_run_is_named_for_remaking(tmp_path, tiny_untied, results):
+    """vLLM's KL was a top-k lower bound before it became exact; the report orders every KL as
+    exact, so such a record stops it, named with the rerun, before any output."""
+    records, manifest = results
+    path = records[ENGINE][ARM]["fidelity"]
+    path.write_text(json.dumps({**json.loads(path.read_text()), "method": "top-k lower bound",
+                                "bound": "lower bound"}))
+    with pytest.raises(ReportInputError, match=rf"{path}: not a valid fidelity record \(bound: 'lower "
+                                               r"bound' does not match .*--forcerun fidelity, "):
+        report(tmp_path, tiny_untied, records, manifest)
+    assert not (tmp_path / "report.md").exists()
+
+
 # --- the verdicts ------------------------------------------------------------------------------
 #
-# A study of one vLLM-like engine (KL a top-k lower bound) whose records are built from the
-# figures the issue measured; every verdict below is computed by the report from them.
+# A study of one vLLM-like engine (KL exact, from full logits, per window) whose records are
+# built from the figures the issue measured; every verdict below is computed by the report
+# from them.
 
 VLLM = "vllm-0000000000"
 BASE_PPL = 31.3269
@@ -333,7 +346,7 @@ def ppl_windows(ppl, scatter, phase=0.4, numerics="exact"):
 
 
 def fidelity_record(kl, top1, identical_prompts, phase):
-    """A top-k lower bound record: per-window KL sums scattered ±40% around kl (a phase per
+    """A full-logits record (exact KL): per-window KL sums scattered ±40% around kl (a phase per
     arm, so two arms' windows disagree in both directions), top-1 counts scattered by a
     few positions, and the greedy prompts listed identical."""
     scatter = _centred([math.sin(1.3 * i + phase) for i in range(KL_WINDOWS)])
@@ -343,10 +356,10 @@ def fidelity_record(kl, top1, identical_prompts, phase):
     counts[0] += agree - sum(counts)
     prefix = [NEW_TOKENS if p in identical_prompts else 5 for p in range(PROMPTS)]
     return {
-        "computed": True, "method": "top-k lower bound", "bound": "lower bound",
+        "computed": True, "method": "full logits", "bound": "exact",
         "definition": "KL over the first windows", "token_ids_sha256": TOKENS,
         "settings": {"windows": KL_WINDOWS, "prompts": PROMPTS, "prompt_tokens": 32,
-                     "new_tokens": NEW_TOKENS, "top_k": 20},
+                     "new_tokens": NEW_TOKENS},
         "positions": KL_WINDOWS * KL_POSITIONS, "kl_mean": kl, "kl_p99": 10 * kl,
         "top1_agreement": sum(counts) / (KL_WINDOWS * KL_POSITIONS),
         "window_kl_sum": kl_sums, "window_top1": counts, "window_positions": [KL_POSITIONS] * KL_WINDOWS,
@@ -360,7 +373,7 @@ def first(n):
     return set(range(n))
 
 
-# name: (Δppl, its window scatter, KL bound, top-1, identical greedy prompts)
+# name: (Δppl, its window scatter, KL, top-1, identical greedy prompts)
 ISSUE_ARMS = {
     "rtn_sym_g128": (-0.0851, 0.004, 0.000998, 0.951, first(8)),
     "gptq_asym_g128": (0.0038, 0.0015, 4.2e-5, 0.993, first(14)),
@@ -381,7 +394,7 @@ def own_kl_record(kl, kl_se, top1, top1_se, identical_prompts):
         "bound": "exact, its own chunking: 8 chunks of 512 tokens", "token_ids_sha256": TOKENS,
         "definition": "llama-perplexity --kl-divergence over its own chunks",
         "settings": {"windows": KL_WINDOWS, "prompts": PROMPTS, "prompt_tokens": 32,
-                     "new_tokens": NEW_TOKENS, "top_k": 20},
+                     "new_tokens": NEW_TOKENS},
         "kl_mean": kl, "kl_mean_uncertainty": kl_se, "kl_p99": 10 * kl, "top1_agreement": top1,
         "llama_perplexity": {"same_top_p_percent_uncertainty": 100 * top1_se},
         "greedy": {"prompts": PROMPTS, "new_tokens": NEW_TOKENS, "identical": len(identical_prompts),
@@ -482,11 +495,11 @@ def test_fidelity_names_the_faithful_arm_and_flags_the_one_below_its_baseline(tm
 
     fidelity = verdict(markdown, "- **For fidelity: ")
     assert fidelity.startswith(f"- **For fidelity: `{arm_id('gptq_asym_g128')}` on {VLLM}**")
-    assert "KL ≥ 4.2e-05 nats (a lower bound), top-1 99.3%, greedy 14/16 identical" in fidelity
+    assert "KL 4.2e-05 nats, top-1 99.3%, greedy 14/16 identical" in fidelity
     assert "Δppl 0.0038 [" in fidelity and "0 inside its interval" in fidelity  # the support
     # gptq_sym_g128's windows disagree with it both ways: named as a tie, with the reason
     tie = fidelity.split("Not separable from it: ", 1)[1]
-    assert tie.startswith(f"`{arm_id('gptq_sym_g128')}` on {VLLM} (KL ≥ 4.2e-05 vs ≥ 4.5e-05: the "
+    assert tie.startswith(f"`{arm_id('gptq_sym_g128')}` on {VLLM} (KL 4.2e-05 vs 4.5e-05: the "
                           "paired 95% interval of the difference over 8 windows, [")
     assert "includes 0" in tie
     assert "2 other arm(s) are separably farther" in fidelity
@@ -507,41 +520,25 @@ def test_an_unfaithful_arm_is_not_judged_for_fidelity(tmp_path, tiny_untied):
     assert fidelity.endswith(f"Not judged: `{arm_id('gptq_asym_g128')}` on {VLLM} (control NOT faithful).")
 
 
-def test_a_lower_bound_never_proves_an_arm_closer():
-    """KL: an exact value below a bound is closer (the bound's KL is at least the bound); a bound
-    below an exact value decides nothing; the same data as exact values would decide."""
-    def kl(value, bound):
-        return Measure("KL", value, False, lower_bound=bound,
-                       bound_method=("top-k lower bound", 20) if bound else (), se=value / 100)
-
-    assert compare_measure(kl(1e-4, False), kl(1e-3, True))[0] == 1
-    assert compare_measure(kl(1e-3, True), kl(1e-4, False))[0] == -1
-    sign, reason = compare_measure(kl(1e-4, True), kl(1e-3, False))
-    assert sign == 0 and "a lower bound below an exact value does not show which is closer" in reason
-    assert compare_measure(kl(1e-4, False), kl(1e-3, False))[0] == 1
-    assert compare_measure(kl(1e-4, True), kl(1e-3, True))[0] == 1  # bounds computed alike
-    other_k = Measure("KL", 1e-3, False, lower_bound=True, bound_method=("top-k lower bound", 5), se=1e-5)
-    sign, reason = compare_measure(kl(1e-4, True), other_k)
-    assert sign == 0 and "lower bounds computed differently" in reason
-
-
 def test_arms_of_two_engines_compare_each_against_its_own_baseline(tmp_path, tiny_untied):
-    """A llama.cpp arm (exact KL over its own chunks, ± values only) against vLLM arms (bounds
-    over the study's windows): its exact KL above gptq_asym's bound decides nothing, its top-1
-    and greedy do not differ separably, so the two are named as not separable, with why."""
-    q4_k_m = (0.0324, 0.002, 0.000531, 2e-5, 0.992, 0.003, first(14))
+    """A llama.cpp arm (KL over its own chunks, ± values only) against vLLM arms (KL per window
+    of the study's windows): other positions, so the two compare unpaired, from standard
+    errors; its KL and top-1 do not differ separably from gptq_asym's, nor its greedy, so the
+    two are named as not separable, with why."""
+    q4_k_m = (0.0324, 0.002, 4.6e-5, 2e-5, 0.992, 0.003, first(14))
     fidelity = verdict(vllm_study(tmp_path, tiny_untied, ISSUE_ARMS, gguf_arms={"q4_k_m": q4_k_m}),
                        "- **For fidelity: ")
     assert fidelity.startswith(f"- **For fidelity: `{arm_id('gptq_asym_g128')}` on {VLLM}**")
     tie = fidelity.split("Not separable from it: ", 1)[1]
-    assert (f"`{arm_id('q4_k_m')}` on {LLAMACPP} (KL ≥ 4.2e-05 vs 0.000531: a lower bound below an "
-            "exact value does not show which is closer; top-1 99.3% vs 99.2%: the unpaired 95% "
-            "interval of the difference (other positions)") in tie
+    assert (f"`{arm_id('q4_k_m')}` on {LLAMACPP} (KL 4.2e-05 vs 4.6e-05: the unpaired 95% interval "
+            "of the difference (other positions), [") in tie
+    assert ("top-1 99.3% vs 99.2%: the unpaired 95% interval of the difference (other positions)"
+            in tie)
 
 
-def test_an_exact_kl_below_a_bound_is_closer(tmp_path, tiny_untied):
-    """A llama.cpp arm with an exact KL separably below every vLLM bound (whose true KL is at
-    least the bound), and top-1 and greedy not separably worse: it is the closest arm."""
+def test_an_arm_of_another_engine_separably_lower_on_kl_is_the_closest(tmp_path, tiny_untied):
+    """A llama.cpp arm whose KL is separably below every vLLM arm's (compared unpaired, across
+    engines), and top-1 and greedy not separably worse: it is the closest arm."""
     close = (0.001, 0.002, 1e-5, 1e-6, 0.995, 0.001, first(15))
     fidelity = verdict(vllm_study(tmp_path, tiny_untied, ISSUE_ARMS, gguf_arms={"q8_0": close}),
                        "- **For fidelity: ")
@@ -632,11 +629,11 @@ def test_a_mixed_precision_arm_says_what_moved_and_what_costs_most():
                          "layers.1.mlp.down_proj 1e-08.")
 
 
-def test_the_frontier_places_each_family_and_a_bound_below_an_exact_value_decides_nothing(
+def test_the_frontier_places_each_family_and_picks_the_best_arm_by_kl_across_engines(
         tmp_path, tiny_untied):
-    """The issue's vLLM arms (KL lower bounds) and a llama.cpp Q4_K_M (exact KL) by bits over all
-    matrices: at Q4_K_M's bits, gptq_asym_g128's bound lies below Q4_K_M's exact KL, so KL decides
-    nothing there; the TSV names each row's family and the frontier plot is written."""
+    """The issue's vLLM arms and a llama.cpp Q4_K_M by bits over all matrices: at Q4_K_M's bits,
+    gptq_asym_g128's KL (and |Δppl|) is the lowest, separably below Q4_K_M's, so it is the best
+    arm there, with no tie; the TSV names each row's family and the frontier plot is written."""
     q4_k_m = (0.0324, 0.002, 0.000531, 2e-5, 0.992, 0.003, first(14))
     bits = {"gptq_asym_g128": 4.95, "gptq_sym_g128": 9.78, "rtn_sym_g128": 9.78, "cpu_int4_g128": 9.75,
             "q4_k_m": 5.09}
@@ -645,12 +642,14 @@ def test_the_frontier_places_each_family_and_a_bound_below_an_exact_value_decide
     assert "by family: fourbit on vllm (4 arms), llama.cpp, no imatrix (1 arm)." in section
     assert (f"| llama.cpp, no imatrix | `{arm_id('q4_k_m')}` on {LLAMACPP} | llamacpp | 5.09 | "
             "0.000531 [0.000492, 0.00057] |") in section
-    # cpu_int4_g128 (9.75 bits, KL ≥ 0.00069) lies above gptq_asym_g128 (4.95 bits, ≥ 4.2e-05)
+    assert (f"| fourbit on vllm | `{arm_id('gptq_asym_g128')}` on {VLLM} | gptq | 4.95 | "
+            "4.2e-05 [3.32e-05, 5.08e-05] |") in section  # its interval from the 8 windows
+    # cpu_int4_g128 (9.75 bits, KL 0.00069) lies above gptq_asym_g128 (4.95 bits, 4.2e-05)
     assert f"On no front (dominated within its family on KL and on |Δppl|): `{arm_id('cpu_int4_g128')}`" in section
     budget = next(line for line in section.splitlines() if line.startswith("- **at ≤ 5.09 bits**"))
-    assert (f"by KL **undecided**: `{arm_id('q4_k_m')}` on {LLAMACPP} has the lowest exact KL, 0.000531 "
-            "[0.000492, 0.00057], but a lower bound lies below it") in budget
-    assert f"`{arm_id('gptq_asym_g128')}` on {VLLM} (KL ≥ 4.2e-05 (a lower bound))" in budget
+    assert budget == (f"- **at ≤ 5.09 bits** (`{arm_id('q4_k_m')}` on {LLAMACPP}): best arm "
+                      f"**`{arm_id('gptq_asym_g128')}` on {VLLM}** by KL and by |Δppl| (KL 4.2e-05 "
+                      "[3.32e-05, 5.08e-05]; Δppl +0.0121% [-0.0239, +0.0507, 0 inside]).")
     rows = {r["arm_id"]: r for r in csv.DictReader((tmp_path / "report.tsv").open(), delimiter="\t")}
     assert rows[arm_id("q4_k_m")]["family"] == "llama.cpp, no imatrix"
     assert rows[arm_id("gptq_sym_g128")]["family"] == "fourbit on vllm"

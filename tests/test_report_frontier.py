@@ -1,5 +1,5 @@
 """The quality-per-bit frontier (fourbit.report.frontier), on small hand-made rows: families,
-fronts (dominated points out, ties kept), a bound against an exact KL, the budget lines, the plot."""
+fronts (dominated points out, ties kept), the best arm by KL, the budget lines, the plot."""
 
 import pytest
 
@@ -8,23 +8,17 @@ from fourbit.report.frontier import (
     family,
     frontier_of,
     frontier_section,
-    kl_at_most,
 )
 from fourbit.report.plots import plot
 from fourbit.report.verdicts import Measure
 
 BASE_PPL = 10.0
-TOP_K = ("top-k lower bound", 20)
 
 
-def kl(value, *, bound=False, se=None, method=TOP_K):
-    return Measure("KL", value, False, lower_bound=bound, bound_method=method if bound else (), se=se)
-
-
-def row(name, fam, bits, kl_value=None, delta_pct=1.0, *, bound=False, se=None, width=0.2,
-        engine="vllm-0000000000", control="faithful", method=TOP_K):
+def row(name, fam, bits, kl_value=None, delta_pct=1.0, *, se=None, width=0.2,
+        engine="vllm-0000000000", control="faithful"):
     """A report row with what the frontier reads: Δppl in % of a baseline of 10 with an
-    interval ± ``width`` points, a KL (exact, or a bound) or none."""
+    interval ± ``width`` points, a KL (with its standard error ``se``, if given) or none."""
     return {
         "arm_id": f"{name}-0000000000", "engine": engine, "method": "gptq", "family": fam,
         "control": control, "matrix_bits_per_weight": bits, "baseline_ppl": BASE_PPL,
@@ -32,7 +26,7 @@ def row(name, fam, bits, kl_value=None, delta_pct=1.0, *, bound=False, se=None, 
         "delta_ppl_ci_low": BASE_PPL * (delta_pct - width) / 100,
         "delta_ppl_ci_high": BASE_PPL * (delta_pct + width) / 100,
         "tg128_median": None,
-        "_measures": None if kl_value is None else {"KL": kl(kl_value, bound=bound, se=se, method=method)},
+        "_measures": None if kl_value is None else {"KL": Measure("KL", kl_value, False, se=se)},
     }
 
 
@@ -75,34 +69,18 @@ def test_families_have_their_own_fronts():
         "fourbit on vllm": ["a"], "llama.cpp + imatrix": ["qi"], "llama.cpp, no imatrix": ["q"]}
 
 
-def test_a_bound_pushes_no_exact_value_off_a_front():
-    """In one family: a bound below an exact value at fewer bits does not dominate it (the true
-    KL behind the bound may be larger); an exact value below a bound at fewer bits does."""
-    frontier = frontier_of([row("bound", "F", 4.5, 0.001, bound=True), row("exact", "F", 5.0, 0.01),
-                            row("far_bound", "F", 6.0, 0.02, bound=True)])
-    assert names(frontier.kl_front["F"]) == ["bound", "exact"]
-    assert kl_at_most(kl(0.01), kl(0.02, bound=True))
-    assert not kl_at_most(kl(0.001, bound=True), kl(0.01))
-    assert kl_at_most(kl(0.001, bound=True), kl(0.002, bound=True))
-    assert not kl_at_most(kl(0.001, bound=True), kl(0.002, bound=True, method=("top-k lower bound", 5)))
-
-
-def test_best_by_kl_a_bound_below_an_exact_value_decides_nothing():
-    points = frontier_of([row("bound", "A", 4.5, 0.001, bound=True), row("exact", "B", 5.0, 0.01)]).points
-    candidates = [p for members in points.values() for p in members]
-    best, contenders = best_by_kl(candidates)
-    assert best is None and names(contenders) == ["exact", "bound"]
-    # the exact value below the bound: proven lower (the bound's KL is at least 0.02)
-    points = frontier_of([row("bound", "A", 4.5, 0.02, bound=True), row("exact", "B", 5.0, 0.01)]).points
-    best, contenders = best_by_kl([p for members in points.values() for p in members])
-    assert names([best]) == ["exact"] and contenders == []
-    # bounds alone compare when computed alike, not otherwise
-    alike = frontier_of([row("x", "A", 4.5, 0.02, bound=True), row("y", "A", 5.0, 0.01, bound=True)]).points["A"]
-    assert names([best_by_kl(alike)[0]]) == ["y"]
-    unlike = frontier_of([row("x", "A", 4.5, 0.02, bound=True),
-                          row("y", "B", 5.0, 0.01, bound=True, method=("top-k lower bound", 5))]).points
-    best, contenders = best_by_kl([p for members in unlike.values() for p in members])
-    assert best is None and names(contenders) == ["y", "x"]
+def test_best_by_kl_is_the_lowest_kl_whichever_engine_ran_it():
+    """Every KL is exact: the lowest wins across families and engines, a tie goes to fewer
+    bits, and an arm without a KL is never the best by KL."""
+    rows = [row("v", "fourbit on vllm", 4.5, 0.02), row("q", "llama.cpp, no imatrix", 5.0, 0.01,
+                                                         engine="llamacpp-0000000000"),
+            row("none", "fourbit on vllm", 4.0)]
+    points = [p for members in frontier_of(rows).points.values() for p in members]
+    assert names([best_by_kl(points)]) == ["q"]
+    tied = [p for members in frontier_of([row("b", "F", 5.0, 0.01), row("a", "F", 4.5, 0.01)]).points.values()
+            for p in members]
+    assert names([best_by_kl(tied)]) == ["a"]
+    assert best_by_kl([p for p in points if p.kl is None]) is None
 
 
 def budget_lines(rows):
@@ -110,23 +88,21 @@ def budget_lines(rows):
 
 
 def test_a_budget_line_per_front_bits_with_its_intervals():
-    """fourbit's arm (a bound) at 4.5 bits, llama.cpp's at 5 and 6 (exact, with standard
-    errors): at ≤ 4.5 fourbit's is the only arm; at ≤ 5 its bound lies below llama.cpp's exact
-    KL, so KL is undecided and |Δppl| names the best; at ≤ 6 the exact 0.0001 lies below the
-    bound, so it is best by KL and by |Δppl|, its KL and Δppl intervals stated."""
-    rows = [row("g", "fourbit on vllm", 4.5, 0.004, 3.0, bound=True, se=0.0004),
+    """fourbit's arm at 4.5 bits, llama.cpp's at 5 and 6 (with standard errors): at ≤ 4.5
+    fourbit's is the only arm; at ≤ 5 its KL is the lowest, separably, but llama.cpp's |Δppl|
+    is smaller, so each measure names its own best; at ≤ 6 llama.cpp's 0.0001 is best by KL and
+    by |Δppl|, its KL and Δppl intervals stated."""
+    rows = [row("g", "fourbit on vllm", 4.5, 0.004, 3.0, se=0.0004),
             row("q4", "llama.cpp, no imatrix", 5.0, 0.01, 2.0, se=0.001, engine="llamacpp-0000000000"),
             row("q6", "llama.cpp, no imatrix", 6.0, 0.0001, 0.5, se=0.00001, engine="llamacpp-0000000000")]
     first, second, third = budget_lines(rows)
     assert first == ("- **at ≤ 4.5 bits** (`g-0000000000` on vllm-0000000000): the only arm, `g-0000000000` "
-                     "on vllm-0000000000 (KL ≥ 0.004 (a lower bound); Δppl +3% [+2.8, +3.2]).")
-    assert second.startswith("- **at ≤ 5 bits** (`q4-0000000000` on llamacpp-0000000000): by KL "
-                             "**undecided**: `q4-0000000000` on llamacpp-0000000000 has the lowest exact "
-                             "KL, 0.01 [0.00804, 0.012], but a lower bound lies below it, and a bound below "
-                             "an exact value decides nothing: `g-0000000000` on vllm-0000000000 (KL ≥ 0.004")
-    assert second.endswith("By |Δppl|: **`q4-0000000000` on llamacpp-0000000000** (Δppl +2% [+1.8, +2.2]; "
-                           "KL 0.01 [0.00804, 0.012]).")
-    # separably below both other KLs, and its Δppl interval overlaps neither: no tie named
+                     "on vllm-0000000000 (KL 0.004 [0.00322, 0.00478]; Δppl +3% [+2.8, +3.2]).")
+    # separably apart on KL and on Δppl: no tie named on either
+    assert second == ("- **at ≤ 5 bits** (`q4-0000000000` on llamacpp-0000000000): best arm by KL "
+                      "**`g-0000000000` on vllm-0000000000** (KL 0.004 [0.00322, 0.00478]; Δppl +3% "
+                      "[+2.8, +3.2]). By |Δppl|: **`q4-0000000000` on llamacpp-0000000000** (Δppl +2% "
+                      "[+1.8, +2.2]; KL 0.01 [0.00804, 0.012]).")
     assert third == ("- **at ≤ 6 bits** (`q6-0000000000` on llamacpp-0000000000): best arm "
                      "**`q6-0000000000` on llamacpp-0000000000** by KL and by |Δppl| (KL 0.0001 "
                      "[8.04e-05, 0.00012]; Δppl +0.5% [+0.3, +0.7]).")
@@ -156,7 +132,7 @@ def test_arms_the_frontier_cannot_place_are_named():
 
 
 def test_the_frontier_plot_is_written(tmp_path):
-    rows = [row("g", "fourbit on vllm", 4.5, 0.004, 3.0, bound=True),
+    rows = [row("g", "fourbit on vllm", 4.5, 0.004, 3.0),
             row("q4", "llama.cpp, no imatrix", 5.0, 0.01, 2.0, se=0.001),
             row("x", "llama.cpp + imatrix", 5.0, None, 1.0)]
     paths = {name: tmp_path / f"{name}.png" for name in ("quality_vs_bits", "quality_vs_decode", "frontier")}

@@ -108,7 +108,7 @@ def test_vllm_engine_runs_the_study_end_to_end(vllm_study):
             assert row["control"] == "faithful", row
             assert "fourbit" in row["runtime"], row  # the plugin ran the 4-bit weights
             assert float(row["kl_mean"]) > 0 and 0 < float(row["top1_agreement"]) <= 1, row
-            assert row["kl_bound"] == "full logits (exact)", row
+            assert row["kl_from"] == "full logits (exact)", row
 
 
 def test_vllm_exact_kl_equals_the_reference_engines_on_every_arm(vllm_study):

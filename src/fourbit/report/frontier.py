@@ -9,10 +9,10 @@ an embedding wider than 4 bits. Δppl is taken in percent of the arm's own engin
 and ranked by its absolute value, as the speed verdict does: a drop below the baseline is a
 change of the model, not a gain.
 
-A KL marked ≥ (vLLM's top-k) is a lower bound. Here, as in the fidelity verdict, a bound is
-at most another KL only when that one is a bound computed the same way: a bound below an
-exact value decides nothing, so it neither pushes that arm off a front nor wins a budget.
-Rows are fourbit.report.rows.build_rows' dicts; this module only reads them.
+Every engine's KL is exact, so the fronts and each budget's best arm order KLs as numbers;
+the arms a budget's best cannot be told from are named with it, by the fidelity verdict's
+comparison (fourbit.report.verdicts.compare_measure) for KL and by overlapping intervals
+for Δppl. Rows are fourbit.report.rows.build_rows' dicts; this module only reads them.
 """
 
 from __future__ import annotations
@@ -102,16 +102,10 @@ def points_of(rows: list[dict]) -> tuple[list[Point], list[str]]:
     return sorted(points, key=lambda p: p.key), left_out
 
 
-def kl_at_most(a: Measure, b: Measure, *, strict: bool = False) -> bool:
-    """Whether a's KL is shown to be at most (below, if ``strict``) b's: a exact, or both lower
-    bounds computed the same way. A bound only says the true KL is at least its value."""
-    if a.lower_bound and not (b.lower_bound and a.bound_method == b.bound_method):
-        return False
-    return a.value < b.value if strict else a.value <= b.value
-
-
 def _kl_order(a: Point, b: Point, strict: bool) -> bool:
-    return a.kl is not None and b.kl is not None and kl_at_most(a.kl, b.kl, strict=strict)
+    if a.kl is None or b.kl is None:
+        return False
+    return a.kl.value < b.kl.value if strict else a.kl.value <= b.kl.value
 
 
 def _delta_order(a: Point, b: Point, strict: bool) -> bool:
@@ -143,20 +137,10 @@ def frontier_of(rows: list[dict]) -> Frontier:
     )
 
 
-def best_by_kl(candidates: list[Point]) -> tuple[Point | None, list[Point]]:
-    """(the arm whose KL is shown lowest, []) or, when bounds leave it open, (None, the arms
-    that could be lowest). The lowest exact KL wins unless a lower bound lies below it; among
-    bounds alone, the lowest wins when every bound was computed the same way."""
-    scored = sorted((p for p in candidates if p.kl is not None), key=lambda p: (p.kl.value, p.key))
-    if not scored:
-        return None, []
-    exact = [p for p in scored if not p.kl.lower_bound]
-    if exact:
-        below = [p for p in scored if p.kl.lower_bound and p.kl.value < exact[0].kl.value]
-        return (exact[0], []) if not below else (None, [exact[0], *below])
-    if len({p.kl.bound_method for p in scored}) == 1:
-        return scored[0], []
-    return None, scored
+def best_by_kl(candidates: list[Point]) -> Point | None:
+    """The arm with the lowest KL (None when no arm has one)."""
+    scored = [p for p in candidates if p.kl is not None]
+    return min(scored, key=lambda p: (p.kl.value, p.key), default=None)
 
 
 def best_by_delta(candidates: list[Point]) -> Point | None:
@@ -169,8 +153,6 @@ def best_by_delta(candidates: list[Point]) -> Point | None:
 def _kl_text(p: Point) -> str:
     if p.kl is None:
         return "KL not computed"
-    if p.kl.lower_bound:
-        return f"KL ≥ {p.kl.value:.4g} (a lower bound)"
     se = p.kl.standard_error()
     spread = f" [{p.kl.value - _Z * se:.3g}, {p.kl.value + _Z * se:.3g}]" if se is not None else ""
     return f"KL {p.kl.value:.4g}{spread}"
@@ -182,7 +164,7 @@ def _delta_text(p: Point) -> str:
 
 
 def _kl_cell(p: Point) -> str:
-    return "—" if p.kl is None else _kl_text(p).removeprefix("KL ").replace(" (a lower bound)", "")
+    return "—" if p.kl is None else _kl_text(p).removeprefix("KL ")
 
 
 def front_table(frontier: Frontier) -> list[str]:
@@ -226,11 +208,10 @@ def _not_separable_delta(best: Point, candidates: list[Point]) -> str:
 
 
 def budget_line(bits: float, at: list[Point], candidates: list[Point]) -> str:
-    """"at ≤ B bits: best arm X (KL …, Δppl …)", by KL (undecided where a bound below an exact
-    value would decide it) and by |Δppl|, each with its interval and the arms it cannot be
-    told from."""
+    """"at ≤ B bits: best arm X (KL …, Δppl …)", by KL and by |Δppl|, each with its interval
+    and the arms it cannot be told from."""
     line = f"- **at ≤ {fmt_value(bits)} bits** ({', '.join(p.label for p in at)}): "
-    kl_best, contenders = best_by_kl(candidates)
+    kl_best = best_by_kl(candidates)
     delta_best = best_by_delta(candidates)
     if len(candidates) == 1:
         return line + f"the only arm, {delta_best.label} ({_kl_text(delta_best)}; {_delta_text(delta_best)})."
@@ -241,16 +222,6 @@ def budget_line(bits: float, at: list[Point], candidates: list[Point]) -> str:
     if kl_best is not None:
         line += (f"best arm by KL **{kl_best.label}** ({_kl_text(kl_best)}; {_delta_text(kl_best)})"
                  f"{_not_separable_kl(kl_best, candidates)}")
-    elif contenders:
-        exact = [p for p in contenders if not p.kl.lower_bound]
-        if exact:
-            lowest = _kl_text(exact[0]).removeprefix("KL ")
-            line += (f"by KL **undecided**: {exact[0].label} has the lowest exact KL, {lowest}, but a "
-                     "lower bound lies below it, and a bound below an exact value decides nothing: "
-                     + ", ".join(f"{p.label} ({_kl_text(p)})" for p in contenders[1:]))
-        else:
-            line += ("by KL **undecided**: only lower bounds computed differently, which do not compare: "
-                     + ", ".join(f"{p.label} ({_kl_text(p)})" for p in contenders))
     else:
         line += "no arm here has a KL"
     return (line + f". By |Δppl|: **{delta_best.label}** ({_delta_text(delta_best)}; {_kl_text(delta_best)})"
@@ -269,9 +240,7 @@ def frontier_section(rows: list[dict]) -> list[str]:
                     for name, members in frontier.points.items())
         + ". An arm is on its family's front when no arm of the family has no more bits and a KL "
         "(or |Δppl|) no larger, one of the two strictly smaller. Δppl is in percent of the arm's "
-        "own engine's baseline and ranked by its absolute value. A KL marked ≥ is a lower bound: it "
-        "is shown smaller than another KL only if that one is a bound computed the same way, so "
-        "a bound below an exact value decides nothing. The plot is under Plots.",
+        "own engine's baseline and ranked by its absolute value. The plot is under Plots.",
         "",
         *front_table(frontier),
     ]

@@ -69,8 +69,7 @@ def _save(plt, figure, path: Path) -> None:
 
 def plot_frontier(plt, frontier: Frontier, title: str):
     """Two panels, KL and Δppl against bits over all matrices: each family its own marker and
-    colour, its front a step line (the best at ≤ x bits), each point labelled by arm name. A KL
-    lower bound is drawn hollow."""
+    colour, its front a step line (the best at ≤ x bits), each point labelled by arm name."""
     figure, (kl_axes, delta_axes) = plt.subplots(1, 2, figsize=(13, 5))
     # Each front's last step runs on to the widest arm: the best at ≤ x bits holds from there on.
     widest = max((p.bits for members in frontier.points.values() for p in members), default=0)
@@ -80,11 +79,9 @@ def plot_frontier(plt, frontier: Frontier, title: str):
                                    (delta_axes, frontier.delta_front[name], lambda p: p.delta_pct)):
             placed = [p for p in members if axes is delta_axes or p.kl is not None]
             for p in placed:
-                hollow = axes is kl_axes and p.kl.lower_bound
                 error = ([[p.delta_pct - p.delta_low], [p.delta_high - p.delta_pct]]
                          if axes is delta_axes else None)
-                axes.errorbar(p.bits, value(p), yerr=error, linestyle="none", capsize=2,
-                              markerfacecolor="none" if hollow else style["color"], **style)
+                axes.errorbar(p.bits, value(p), yerr=error, linestyle="none", capsize=2, **style)
                 axes.annotate(p.row["arm_id"].rsplit("-", 1)[0], (p.bits, value(p)), fontsize=6,
                               xytext=(3, 3), textcoords="offset points")
             if front:
@@ -95,7 +92,7 @@ def plot_frontier(plt, frontier: Frontier, title: str):
     kls = [p.kl.value for members in frontier.points.values() for p in members if p.kl is not None]
     if kls and min(kls) > 0:
         kl_axes.set_yscale("log")
-    kl_axes.set_ylabel("KL from own baseline, nats/token (hollow: a lower bound, ≥)")
+    kl_axes.set_ylabel("KL from own baseline, nats/token")
     delta_axes.set_ylabel("Δppl, % of own baseline (95% CI); front by |Δppl|")
     delta_axes.axhline(0, color="grey", linewidth=0.5)
     for axes in (kl_axes, delta_axes):

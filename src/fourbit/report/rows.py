@@ -27,7 +27,7 @@ COLUMNS = [
     "pp512_median", "pp512_min", "pp512_max", "pp512_ratio",
     "tg128_median", "tg128_min", "tg128_max", "tg128_ratio",
     "decode_bandwidth_fraction", "max_busy_before_pass", "min_resident_fraction", "throughput_note",
-    "kl_mean", "kl_p99", "kl_bound", "top1_agreement", "greedy_identical", "greedy_prompts",
+    "kl_mean", "kl_p99", "kl_from", "top1_agreement", "greedy_identical", "greedy_prompts",
     "ppl_below_baseline",
 ]
 METRICS = {"pp512": "pp512_tok_s", "tg128": "tg128_tok_s"}
@@ -145,14 +145,14 @@ def _throughput(benches: list[dict], side: str) -> dict:
 
 def _fidelity(record: dict | None) -> dict:
     """KL and top-1 agreement against the baseline's next-token distribution; greedy matches.
-    ``kl_bound`` says where they came from, or why they were not computed."""
+    ``kl_from`` says where they came from, or why they were not computed."""
     if record is None or not record.get("computed", True):
-        return {"kl_mean": None, "kl_p99": None, "kl_bound": record.get("reason") if record else None,
+        return {"kl_mean": None, "kl_p99": None, "kl_from": record.get("reason") if record else None,
                 "top1_agreement": None, "greedy_identical": None, "greedy_prompts": None}
     return {
         "kl_mean": record["kl_mean"],
         "kl_p99": record["kl_p99"],
-        "kl_bound": f"{record['method']} ({record['bound']})",
+        "kl_from": f"{record['method']} ({record['bound']})",
         "top1_agreement": record["top1_agreement"],
         "greedy_identical": record["greedy"]["identical"],
         "greedy_prompts": record["greedy"]["prompts"],

@@ -51,10 +51,6 @@ class Measure:
     name: str  # "KL", "top-1", "greedy"
     value: float
     higher_is_better: bool
-    # KL from vLLM's top-k logprobs is a proven lower bound: the true KL is at least value.
-    lower_bound: bool = False
-    # Bounds compare as numbers only when computed the same way (same logprobs per position).
-    bound_method: tuple = ()
     # Per window (KL, top-1) or per prompt (greedy): (sum, count), in a fixed order ...
     units: tuple[tuple[float, float], ...] | None = None
     # ... which pairs with another arm's units only when these keys are equal.
@@ -76,7 +72,7 @@ class Measure:
 
     def shown(self) -> str:
         if self.name == "KL":
-            return f"{'≥ ' if self.lower_bound else ''}{self.value:.4g}"
+            return f"{self.value:.4g}"
         if self.name == "top-1":
             return f"{self.value:.1%}"
         identical = sum(s for s, _ in self.units) if self.units else self.value
@@ -87,8 +83,6 @@ def distribution_measures(record: dict | None) -> dict[str, Measure] | None:
     """KL, top-1 and greedy of a fidelity record, or None when none was computed."""
     if record is None or not record.get("computed", True) or "kl_mean" not in record:
         return None
-    bound = record.get("bound") == "lower bound"
-    top_k = record.get("settings", {}).get("top_k")
     windows = record.get("window_positions")
     window_key = (record.get("token_ids_sha256"), tuple(windows)) if windows else None
     kl_units = top1_units = None
@@ -104,9 +98,8 @@ def distribution_measures(record: dict | None) -> dict[str, Measure] | None:
     greedy_units = (tuple((float(p == greedy["new_tokens"]), 1.0) for p in prefix)
                     if prefix and "new_tokens" in greedy else None)
     return {
-        "KL": Measure("KL", record["kl_mean"], False, lower_bound=bound,
-                      bound_method=(record.get("method"), top_k) if bound else (),
-                      units=kl_units, pairing=window_key, se=record.get("kl_mean_uncertainty")),
+        "KL": Measure("KL", record["kl_mean"], False, units=kl_units, pairing=window_key,
+                      se=record.get("kl_mean_uncertainty")),
         "top-1": Measure("top-1", record["top1_agreement"], True, units=top1_units,
                          pairing=window_key, se=top1_se / 100 if top1_se is not None else None),
         "greedy": Measure(
@@ -138,12 +131,7 @@ def compare_measure(a: Measure, b: Measure) -> tuple[int, str]:
 
     Paired (a bootstrap over the windows or prompts both scored) when both recorded the
     same units, else unpaired from standard errors; a difference counts when its
-    CONFIDENCE interval excludes 0. A lower bound can prove an arm farther, never closer:
-    exact a below bound b proves a closer (b's KL is at least its bound), bound a below
-    exact b proves nothing."""
-    if a.lower_bound and b.lower_bound and a.bound_method != b.bound_method:
-        return 0, (f"{a.name} {a.shown()} vs {b.shown()}: lower bounds computed differently "
-                   f"({a.bound_method} vs {b.bound_method})")
+    CONFIDENCE interval excludes 0."""
     if a.units and b.units and a.pairing is not None and a.pairing == b.pairing \
             and len(a.units) == len(b.units):
         low, high = _paired_difference_interval(a, b)
@@ -160,10 +148,6 @@ def compare_measure(a: Measure, b: Measure) -> tuple[int, str]:
     if low <= 0 <= high:
         return 0, f"{pair}: {where}, [{low:.3g}, {high:.3g}], includes 0"
     a_better = (low > 0) == a.higher_is_better
-    # The arm that looks closer must not rest on a bound alone: its true KL may be larger.
-    if (a_better and a.lower_bound and not b.lower_bound) or (
-            not a_better and b.lower_bound and not a.lower_bound):
-        return 0, f"{pair}: a lower bound below an exact value does not show which is closer"
     return (1 if a_better else -1), f"{pair}: separably {'better' if a_better else 'worse'}"
 
 
@@ -198,7 +182,7 @@ def below_baseline(r: dict) -> bool:
 def _why_not_judged(r: dict) -> str:
     if r["control"] == "NOT faithful":
         return "control NOT faithful"
-    return f"fidelity not computed: {r['kl_bound'] or 'no reason recorded'}"
+    return f"fidelity not computed: {r['kl_from'] or 'no reason recorded'}"
 
 
 def fidelity_verdict(rows: list[dict]) -> str:
@@ -233,8 +217,7 @@ def fidelity_verdict(rows: list[dict]) -> str:
     tied = [(judged[j], compare_arms(best, judged[j])[1]) for j in range(len(judged))
             if j != chosen and sign[(chosen, j)] != 1]
     line = (f"- **For fidelity: {_label(best)}**: the closest to its engine's baseline by the "
-            f"distribution measures: KL {m['KL'].shown()} nats"
-            f"{' (a lower bound)' if m['KL'].lower_bound else ''}, top-1 {m['top-1'].shown()}, "
+            f"distribution measures: KL {m['KL'].shown()} nats, top-1 {m['top-1'].shown()}, "
             f"greedy {m['greedy'].shown()} identical; in support, {support}.")
     farther = len(judged) - 1 - len(tied)
     if farther:
@@ -308,18 +291,15 @@ def recommendation_rules(settings: Mapping) -> list[str]:
         "worse on none. Separably: the difference's "
         f"{CONFIDENCE:.0%} interval excludes 0 (a paired bootstrap over the windows or prompts "
         "both scored; across engines that scored other positions, from each measure's standard "
-        "error). A lower bound (≥, vLLM) can show an arm farther, never closer: an exact KL "
-        "below a bound is closer (the bound's true KL is at least the bound), a bound below an "
-        "exact KL decides nothing, and two bounds compare as numbers only when computed the "
-        "same way (same engine method and top-k). The arm named is the one no other arm is "
+        "error). The arm named is the one no other arm is "
         "closer than (the lowest KL of them when several); every arm it is not closer than is "
         "named with the reason. Δppl is support, never the criterion: an arm can lower "
         "perplexity by changing the model.",
         "- **For speed**: the fastest decode (tg128 median, absolute tok/s, comparable across "
         "engines because one bench job timed every row) among arms whose control passed and "
         "whose |Δppl| (in percent of its own engine's baseline: the quality number every engine "
-        "measures alike, on the same token ids; KL is not, being exact on some engines and a "
-        "bound on others) is at most the smallest such |Δppl| of any faithful arm plus "
+        "measures alike, on the same token ids; KL is not, since llama.cpp's covers its own "
+        "chunks of the text) is at most the smallest such |Δppl| of any faithful arm plus "
         f"{settings['speed_quality_bound_pct']:g} percentage points "
         "(report.speed_quality_bound_pct); arms whose tg128 [min–max] overlaps the chosen "
         "one's are named as not separable from it.",
