@@ -48,8 +48,7 @@ def served(arm, engine_id, levels, *, arm_name=None):
 
 def refused(arm, engine_id, reason):
     return {"engine_id": engine_id, "engine": engine_id.partition("-")[0], "arm": arm,
-            "arm_name": arm.partition("-")[0], "status": "refused", "reason": reason,
-            "command": ["llama-server", "-m", arm], "runtime": "llama.cpp"}
+            "arm_name": arm.partition("-")[0], "status": "refused", "reason": reason}
 
 
 def serve_record(path, entries, *, concurrency=(1, 8), weights=WEIGHTS):
@@ -89,7 +88,7 @@ def test_the_serving_section_states_the_workload_and_a_table_per_level(tmp_path,
     assert ("One load generator, vllm.benchmarks.serve (vllm 0.32.0), drove every server with the same "
             "workload: 32 requests per concurrency level, each a 256-token prompt (evaluation split token "
             "ids) and exactly 128 output tokens (EOS ignored), after 4 warm-up requests; 3 passes") in section
-    assert f"- `int4-aaaaaaaaaa` on {VLLM} (vllm): vllm runtime; ready in 12.5 s; " \
+    assert f"- `int4-aaaaaaaaaa` on {VLLM} (vllm): vllm runtime; answering after 12.5 s; " \
            "`vllm-server --model int4-aaaaaaaaaa`" in section
     assert (f"- **Not served: `iq4_xs-cccccccccc` on {LLAMACPP}** (llamacpp): llama-server cannot load "
             "this GGUF: unknown type.") in section
@@ -129,11 +128,14 @@ def test_without_a_serve_record_the_report_has_no_serving_part(tmp_path, tiny_un
     (lambda path: path.unlink(), "serve.json: result file is missing"),
     (lambda path: path.write_text('{"served": ['), "serve.json: result file is corrupt"),
     (lambda path: path.write_text(json.dumps({**json.loads(path.read_text()), "tpot_bound_ms": None})),
-     r"serve.json: not a serve record the report can read \(a field has the wrong type: float\(\) .*\); "
+     r"serve.json: not a serve record the report can read \(a field has the wrong type or value: float\(\) .*\); "
      "remake it: snakemake --forcerun serve"),
     (lambda path: path.write_text(json.dumps({
         k: v for k, v in json.loads(path.read_text()).items() if k != "workload"})),
      r"serve.json: not a serve record the report can read \(it lacks the field 'workload'\)"),
+    (lambda path: path.write_text(path.read_text().replace('"over_capacity"', '"queued"')),
+     r"serve.json: not a serve record the report can read \(a field has the wrong type or value: "
+     r"concurrency 8 has status 'queued', not one of measured, over_capacity\)"),
     (lambda path: path.write_text(json.dumps({"measured": False, "reason": "no engine could serve"})),
      r"serve.json: the serve step did not measure \(no engine could serve\); rerun it: snakemake "
      "--forcerun serve"),

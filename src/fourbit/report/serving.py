@@ -9,6 +9,7 @@ written, so a record the report cannot render is named with the field it lacks.
 from __future__ import annotations
 
 import os
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NoReturn
@@ -60,8 +61,8 @@ class Served:
     arm_name: str
     status: str  # "measured" or "refused"
     reason: str | None  # refused only
-    runtime: str | None
-    command: list[str]
+    runtime: str | None  # measured only, like the three below: what ran, and how it was started
+    command: list[str] | None
     startup_s: float | None
     levels: dict[int, Level]  # by concurrency
 
@@ -112,7 +113,7 @@ def read_serving(path: str | os.PathLike) -> tuple[Record, Serving]:
     except KeyError as error:
         _unreadable(path, f"it lacks the field {error}")
     except (TypeError, ValueError) as error:
-        _unreadable(path, f"a field has the wrong type: {error}")
+        _unreadable(path, f"a field has the wrong type or value: {error}")
     _check_levels(serving)
     return Record(str(path), data), serving
 
@@ -123,15 +124,25 @@ def _unreadable(path: str | os.PathLike, problem: str) -> NoReturn:
 
 
 def _served(entry: dict) -> Served:
+    _known_status(entry["status"], ("measured", "refused"), f"{entry['arm']} on {entry['engine_id']}")
     refused = entry["status"] == "refused"
-    return Served(
-        engine_id=entry["engine_id"], engine=entry["engine"], arm=entry["arm"], arm_name=entry["arm_name"],
-        status=entry["status"], reason=entry["reason"] if refused else None, runtime=entry.get("runtime"),
-        command=entry.get("command", []), startup_s=entry.get("startup_s"),
-        levels={} if refused else {int(level["concurrency"]): _level(level) for level in entry["levels"]})
+    identity = {"engine_id": entry["engine_id"], "engine": entry["engine"], "arm": entry["arm"],
+                "arm_name": entry["arm_name"], "status": entry["status"]}
+    if refused:
+        return Served(**identity, reason=entry["reason"], runtime=None, command=None, startup_s=None,
+                      levels={})
+    return Served(**identity, reason=None, runtime=entry["runtime"], command=list(entry["command"]),
+                  startup_s=float(entry["startup_s"]),
+                  levels={int(level["concurrency"]): _level(level) for level in entry["levels"]})
+
+
+def _known_status(status: str, known: tuple[str, ...], what: str) -> None:
+    if status not in known:
+        raise ValueError(f"{what} has status {status!r}, not one of {', '.join(known)}")
 
 
 def _level(level: dict) -> Level:
+    _known_status(level["status"], ("measured", "over_capacity"), f"concurrency {level['concurrency']}")
     if level["status"] == "over_capacity":
         return Level(int(level["concurrency"]), "over_capacity", level["reason"], None, 0, 0)
     summary = {key: Spread(float(s["median"]), float(s["min"]), float(s["max"]))
@@ -173,16 +184,15 @@ def serving_section(serving: Serving | None) -> list[str]:
         f"a {w.prompt_tokens}-token prompt ({w.source}) and exactly {w.output_tokens} output tokens "
         f"(EOS ignored), after {w.warmup_requests} warm-up requests; {w.passes} passes, interleaved "
         "across the builds. Each figure is the median [min–max] over the passes. TPOT bound for the "
-        f"recommendation: {serving.tpot_bound_ms:g} ms (TPOT p99).",
+        f"recommendation: {serving.tpot_bound_ms:g} ms (TPOT p99, serve.tpot_bound_ms).",
         "",
     ]
     for s in serving.served:
         if s.status == "refused":
             lines.append(f"- **Not served: {s.label}** ({s.engine}): {s.reason}.")
         else:
-            startup = f"; ready in {s.startup_s:.1f} s" if s.startup_s is not None else ""
-            lines.append(f"- {s.label} ({s.engine}): {s.runtime or 'runtime not recorded'}{startup}; "
-                         f"`{' '.join(s.command)}`")
+            lines.append(f"- {s.label} ({s.engine}): {s.runtime}; answering after {s.startup_s:.1f} s; "
+                         f"`{shlex.join(s.command)}`")
     for n in serving.concurrency:
         lines += ["", f"### {_users(n)}", ""] + level_table(serving, n)
     return lines
@@ -277,7 +287,7 @@ def serving_rules(serving: Serving | None) -> list[str]:
         "- **For N concurrent users**: among the served 4-bit arms (a baseline is served as a "
         "reference, not a candidate) that the server accepted, whose control did not fail and "
         "whose level was not over capacity, those whose TPOT p99 (median over passes) is within "
-        f"{serving.tpot_bound_ms:g} ms (the serve step's bound, from the config); the one with "
+        f"{serving.tpot_bound_ms:g} ms (serve.tpot_bound_ms); the one with "
         "the most output tok/s (median) is named, unless another's output tok/s [min–max] "
         "overlaps its: then they are named together as not separable.",
     ]
