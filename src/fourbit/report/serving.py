@@ -17,8 +17,7 @@ from typing import NoReturn
 from fourbit.metrics.stats import overlapping
 from fourbit.report.loading import WRITTEN_BY, Record, ReportInputError, read_result
 
-# A level's summary keys as the table shows them, in its column order; the higher the
-# better only for the two rates.
+# A level's summary keys (the serve record's) as the table heads them, in column order.
 MEASURES = {"output_tok_s": "output tok/s", "requests_per_s": "requests/s",
             "ttft_ms_p50": "TTFT p50 ms", "ttft_ms_p99": "TTFT p99 ms",
             "tpot_ms_p50": "TPOT p50 ms", "tpot_ms_p99": "TPOT p99 ms"}
@@ -145,21 +144,19 @@ def _level(level: dict) -> Level:
     _known_status(level["status"], ("measured", "over_capacity"), f"concurrency {level['concurrency']}")
     if level["status"] == "over_capacity":
         return Level(int(level["concurrency"]), "over_capacity", level["reason"], None, 0, 0)
-    summary = {key: Spread(float(s["median"]), float(s["min"]), float(s["max"]))
-               for key, s in ((key, level["summary"][key]) for key in MEASURES)}
+    summary = {key: Spread(*(float(level["summary"][key][stat]) for stat in ("median", "min", "max")))
+               for key in MEASURES}
     return Level(int(level["concurrency"]), "measured", None, summary, len(level["passes"]),
                  sum(int(p["failed"]) for p in level["passes"]))
 
 
 def _check_levels(serving: Serving) -> None:
     """Every served entry has an entry at every level of the record (timed or over capacity)."""
-    for s in serving.served:
-        missing = [n for n in serving.concurrency if s.status == "measured" and n not in s.levels]
+    for s in (s for s in serving.served if s.status == "measured"):
+        missing = [n for n in serving.concurrency if n not in s.levels]
         if missing:
-            raise ReportInputError(
-                f"{serving.path}: {s.arm} on {s.engine_id} has no entry at concurrency "
-                f"{', '.join(map(str, missing))} of the record's {serving.concurrency}; remake it: "
-                f"snakemake --forcerun {WRITTEN_BY['serve']}")
+            _unreadable(serving.path, f"{s.arm} on {s.engine_id} has no entry at concurrency "
+                                      f"{', '.join(map(str, missing))} of its {serving.concurrency}")
 
 
 # --- the section ----------------------------------------------------------------------------
@@ -178,7 +175,7 @@ def serving_section(serving: Serving | None) -> list[str]:
     started = f" (started {serving.started})" if serving.started else ""
     lines = [
         "", "## Serving", "",
-        f"Each build below ran on its engine's own OpenAI-compatible server, started and stopped "
+        f"Each served build ran on its engine's own OpenAI-compatible server, started and stopped "
         f"by one serve job{started}. One load generator, {serving.load_generator}, drove every "
         f"server with the same workload: {w.requests_per_level} requests per concurrency level, each "
         f"a {w.prompt_tokens}-token prompt ({w.source}) and exactly {w.output_tokens} output tokens "
