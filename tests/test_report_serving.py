@@ -10,7 +10,8 @@ import pytest
 from test_report import WEIGHTS, results, run_report, study  # noqa: F401  (a fixture)
 
 from fourbit.report.loading import ReportInputError
-from fourbit.report.serving import Point, pareto_front, read_serving, serving_verdicts
+from fourbit.report.plots import plot_serving
+from fourbit.report.serving import Point, pareto_front, read_serving, serving_section, serving_verdicts
 
 VLLM = "vllm-1111111111"
 LLAMACPP = "llamacpp-2222222222"
@@ -232,3 +233,15 @@ def test_the_pareto_front_keeps_the_points_nothing_beats_on_both_axes():
     fast_slow, slow_fast, beaten, tie_a, tie_b = (point(100, 80), point(30, 20), point(50, 90),
                                                   point(60, 40), point(60, 40))
     assert pareto_front([fast_slow, beaten, slow_fast, tie_a, tie_b]) == [slow_fast, tie_a, tie_b, fast_slow]
+
+
+def test_a_record_that_served_nothing_says_so_and_names_no_arm(tmp_path):
+    _, serving = read_serving(serve_record(tmp_path / "serve.json", []))
+    assert serving_section(serving)[-1] == ("- No build was served: the serve step's selection (the "
+                                            "config's serve.arms) chose none.")
+    assert serving_verdicts(serving, []) == [
+        f"- For {users} within a TPOT p99 of 100 ms: no served 4-bit arm was timed at this level, so "
+        "none is recommended." for users in ("1 concurrent user", "8 concurrent users")]
+    paths = {name: tmp_path / file for name, file in SERVING_PLOTS.items()}
+    plot_serving(serving, paths)  # each figure says it has nothing to show, rather than being absent
+    assert all(path.read_bytes().startswith(b"\x89PNG") for path in paths.values())

@@ -184,6 +184,9 @@ def serving_section(serving: Serving | None) -> list[str]:
         f"recommendation: {serving.tpot_bound_ms:g} ms (TPOT p99, serve.tpot_bound_ms).",
         "",
     ]
+    if not serving.served:  # e.g. no arm's fidelity was judged, so none was the best faithful one
+        return lines + ["- No build was served: the serve step's selection (the config's serve.arms) "
+                        "chose none."]
     for s in serving.served:
         if s.status == "refused":
             lines.append(f"- **Not served: {s.label}** ({s.engine}): {s.reason}.")
