@@ -144,6 +144,7 @@ def _run_in(work: Path, uid: int, limits: Limits) -> Outcome:
                 seconds = time.monotonic() - start
             finally:
                 _kill(process)
+                _wait_gone(uid)
             messages += [json.loads(line) for line in report.read().splitlines()]
         errors.seek(0)
         said = errors.read().decode(errors="replace")
@@ -175,6 +176,31 @@ def _kill(process: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     process.wait()
+
+
+def _wait_gone(uid: int, seconds: float = 30) -> None:
+    """Return once no process of the run's user is left. The namespace's end kills them
+    all, but after a SIGKILL of the group that end runs after unshare has been reaped
+    (its PID 1 is no child of ours to wait for)."""
+    deadline = time.monotonic() + seconds
+    while _processes_of(uid):
+        if time.monotonic() > deadline:
+            raise SandboxError(f"processes of sandbox user {uid} outlived their run by {seconds} s: "
+                               f"{_processes_of(uid)}")
+        time.sleep(0.01)
+
+
+def _processes_of(uid: int) -> list[int]:
+    """Host pids of processes running as ``uid`` (/proc/<pid> belongs to the process's user)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.stat(f"/proc/{entry}").st_uid == uid:
+                    found.append(int(entry))
+            except FileNotFoundError:
+                pass
+    return found
 
 
 def _outcome(messages: list[dict], timed_out: bool, seconds: float, output: Path, errors: str,
