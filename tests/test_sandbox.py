@@ -121,6 +121,17 @@ def test_a_write_outside_the_work_folder_fails_and_the_file_does_not_appear(tmp_
         open_to_all.rmdir()
 
 
+def test_a_user_namespace_of_its_own_does_not_unlock_the_mounts():
+    target = Path(__file__).parent / "escaped.txt"
+    outcome = _run(f"""
+        import subprocess
+        subprocess.run(['unshare', '--user', '--mount', 'sh', '-c', 'mount -o remount,rw /'])
+        open({str(target)!r}, 'w').write('out')
+    """)
+    assert outcome.status == "failed" and "Read-only file system" in outcome.detail
+    assert not target.exists()
+
+
 def test_a_network_connection_fails_and_reaches_nothing():
     with socket.create_server(("127.0.0.1", 0)) as server:
         server.setblocking(False)

@@ -9,6 +9,7 @@ import pytest
 from fourbit.tasks import registry, sandbox, scoring
 from fourbit.tasks.registry import TaskError
 
+ESCAPED = Path(__file__).parent / "escaped.txt"
 HANDFUL = [f"HumanEval/{i}" for i in (0, 2, 11, 53, 100, 162)]  # 162 imports hashlib
 
 
@@ -35,7 +36,7 @@ def test_bad_completions_fail_each_with_its_reason(humaneval, canonical):
         "HumanEval/0": "    return None\n",  # wrong answer
         "HumanEval/2": "    while True:\n        pass\n",  # hangs
         "HumanEval/11": "    import ctypes\n    ctypes.string_at(0)\n",  # crashes
-        "HumanEval/53": "    open('/work/escaped.txt', 'w').write('x')\n    return x + y\n",  # writes elsewhere
+        "HumanEval/53": f"    open({str(ESCAPED)!r}, 'w').write('x')\n    return x + y\n",  # writes elsewhere
         "HumanEval/100": canonical["HumanEval/100"],
     }
     scores = scoring.score(humaneval, completions, parallel=2, limits=sandbox.Limits(wall_seconds=3))
@@ -44,7 +45,7 @@ def test_bad_completions_fail_each_with_its_reason(humaneval, canonical):
                         "HumanEval/53": "failed", "HumanEval/100": "passed"}
     assert scores.outcomes["HumanEval/0"].detail == "AssertionError"
     assert "Read-only file system" in scores.outcomes["HumanEval/53"].detail
-    assert not Path("/work/escaped.txt").exists()
+    assert not ESCAPED.exists()
 
 
 def test_a_completion_for_a_problem_the_task_lacks_is_refused(humaneval):

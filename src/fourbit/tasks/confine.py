@@ -66,22 +66,28 @@ def _reachable(path: str) -> bool:
     return all(os.stat(os.sep + os.path.join(*parts[:i + 1])).st_mode & 0o001 for i in range(len(parts)))
 
 
+def _under(path: str, places: list[str]) -> bool:
+    path = os.path.abspath(path)
+    return any(path == place or path.startswith(place.rstrip(os.sep) + os.sep) for place in places)
+
+
 def _narrow_view(settings: dict) -> None:
     """The file system as the program sees it: the host's, read-only, with empty
     folders over the shared scratch places, the work folder at ``settings["cwd"]`` the
     only writable place, and the interpreter's install reachable where it lies."""
     work = os.open(settings["work"], os.O_PATH)
     prefix = os.open(settings["prefix"], os.O_PATH)
+    reachable = _reachable(settings["prefix"])
     for place in settings["masked"]:  # e.g. /tmp: other jobs' files, sockets of services
         if os.path.isdir(place):
             _mount("tmpfs", place, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
-    if not _reachable(settings["prefix"]):
+    if not reachable:
         # The interpreter lies under a folder others cannot enter (pyenv in /root): an
-        # empty folder over that home, then the install alone at its own path (its
-        # libpython is found by an absolute path, so it cannot move).
-        home = os.sep + os.path.abspath(settings["prefix"]).split(os.sep)[1]
-        _mount("tmpfs", home, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
-        _bind(prefix, settings["prefix"])
+        # empty folder over that top-level folder, so the install can be put back alone.
+        top = os.sep + os.path.abspath(settings["prefix"]).split(os.sep)[1]
+        _mount("tmpfs", top, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+    if not reachable or _under(settings["prefix"], settings["masked"]):
+        _bind(prefix, settings["prefix"])  # at its own path: its libpython is found by an absolute one
     _bind(work, settings["cwd"])
     _read_only_everywhere()
     _mount(None, settings["cwd"], None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV)  # writable again

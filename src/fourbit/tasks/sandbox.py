@@ -87,7 +87,8 @@ class SandboxError(RuntimeError):
 def check_available() -> None:
     """SandboxError saying what is missing unless this machine can run the sandbox: the
     `unshare` tool, root (to make namespaces and switch users), and namespaces the kernel
-    allows. Cheap (one `true` in fresh namespaces); call it before any job needs it."""
+    allows, and a right program passing in it. Takes well under a second idle; call it before
+    any job needs the sandbox."""
     if shutil.which("unshare") is None:
         raise SandboxError("the task sandbox needs util-linux's `unshare` on PATH (apt-get install util-linux)")
     if os.geteuid() != 0:
@@ -100,6 +101,9 @@ def check_available() -> None:
     if probe.returncode != 0:
         raise SandboxError(f"this kernel refuses new namespaces (`unshare --net --mount --pid "
                            f"--fork true`: {probe.stderr.strip()}); tasks cannot run here safely")
+    trial = run("assert 1 + 1 == 2\n")  # the rest (mounts, limits, the user switch) end to end
+    if trial.status != "passed":
+        raise SandboxError(f"the sandbox fails a program that is right: {trial.status} ({trial.detail})")
 
 
 def run(program: str, *, slot: int = 0, limits: Limits = Limits()) -> Outcome:

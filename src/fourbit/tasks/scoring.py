@@ -51,6 +51,9 @@ def score(task: Task, completions: dict[str, str], *, parallel: int,
             slots.put(slot)
 
     start = time.monotonic()
-    with ThreadPoolExecutor(max_workers=parallel) as pool:
+    pool = ThreadPoolExecutor(max_workers=parallel)
+    try:
         outcomes = dict(zip(ids, pool.map(check, ids)))
+    finally:
+        pool.shutdown(cancel_futures=True)  # a SandboxError stops the rest instead of waiting on them
     return Scores(outcomes, time.monotonic() - start)
