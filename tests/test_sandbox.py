@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import tempfile
 import textwrap
 import time
@@ -32,22 +33,18 @@ def _run(source: str, limits: sandbox.Limits = FAST, slot: int = 0) -> sandbox.O
     return sandbox.run(textwrap.dedent(source), slot=slot, limits=limits)
 
 
-def _processes_of(uid: int) -> list[int]:
-    """Host pids whose real user is ``uid``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            status = Path(f"/proc/{entry}/status").read_text()
-        except (FileNotFoundError, ProcessLookupError, NotADirectoryError, PermissionError):
-            continue
-        uids = next(line for line in status.splitlines() if line.startswith("Uid:")).split()
-        if int(uids[1]) == uid:
-            found.append(int(entry))
-    return found
-
-
 def _uid(slot: int) -> int:
     return sandbox.UID_BASE + (os.getpid() % 1000) * sandbox.UIDS_PER_PROCESS + slot
+
+
+def test_processes_of_a_user_are_found_and_only_theirs():
+    uid = _uid(63)
+    with subprocess.Popen(["sleep", "30"], user=uid, group=uid) as sleeper:
+        try:
+            assert sandbox.processes_of(uid) == [sleeper.pid]
+        finally:
+            sleeper.kill()
+    assert sandbox.processes_of(uid) == []
 
 
 def test_a_correct_program_passes_and_a_wrong_one_fails_with_its_assertion():
@@ -78,7 +75,7 @@ def test_a_hanging_program_times_out_within_the_wall_limit():
     outcome = _run("while True:\n    pass\n", sandbox.Limits(wall_seconds=2, cpu_seconds=60))
     assert outcome.status == "timed out" and "wall-time" in outcome.detail
     assert 2 <= outcome.seconds < 4 and time.monotonic() - start < 60
-    assert _processes_of(_uid(0)) == []
+    assert sandbox.processes_of(_uid(0)) == []
 
 
 @pytest.mark.slow
@@ -88,10 +85,17 @@ def test_a_spinning_program_is_stopped_by_its_cpu_limit():
 
 
 @pytest.mark.slow
+def test_a_program_that_ignores_the_cpu_signal_is_killed_a_second_later():
+    outcome = _run("import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass\n",
+                   sandbox.Limits(wall_seconds=60, cpu_seconds=1))
+    assert outcome.status == "timed out" and "SIGKILL" in outcome.detail
+
+
+@pytest.mark.slow
 def test_a_fork_bomb_is_contained_and_leaves_no_process():
     outcome = _run("import os\nwhile True:\n    os.fork()\n", slot=3)
     assert outcome.status != "passed"
-    assert _processes_of(_uid(3)) == []
+    assert sandbox.processes_of(_uid(3)) == []
 
 
 def test_a_process_left_running_is_killed_with_the_run():
@@ -100,7 +104,7 @@ def test_a_process_left_running_is_killed_with_the_run():
         subprocess.Popen(['sleep', '300'], start_new_session=True)
     """, slot=1)
     assert outcome.status == "passed", outcome.detail
-    assert _processes_of(_uid(1)) == []
+    assert sandbox.processes_of(_uid(1)) == []
 
 
 def test_a_write_outside_the_work_folder_fails_and_the_file_does_not_appear(tmp_path):

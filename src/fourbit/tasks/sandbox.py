@@ -187,23 +187,26 @@ def _wait_gone(uid: int, seconds: float = 30) -> None:
     all, but after a SIGKILL of the group that end runs after unshare has been reaped
     (its PID 1 is no child of ours to wait for)."""
     deadline = time.monotonic() + seconds
-    while _processes_of(uid):
+    while processes_of(uid):
         if time.monotonic() > deadline:
             raise SandboxError(f"processes of sandbox user {uid} outlived their run by {seconds} s: "
-                               f"{_processes_of(uid)}")
+                               f"{processes_of(uid)}")
         time.sleep(0.01)
 
 
-def _processes_of(uid: int) -> list[int]:
-    """Host pids of processes running as ``uid`` (/proc/<pid> belongs to the process's user)."""
+def processes_of(uid: int) -> list[int]:
+    """Host pids of processes whose real user is ``uid`` (from /proc/<pid>/status: the
+    owner of /proc/<pid> would be root for a process that made itself undumpable)."""
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                if os.stat(f"/proc/{entry}").st_uid == uid:
-                    found.append(int(entry))
-            except FileNotFoundError:
-                pass
+                status = Path(f"/proc/{entry}/status").read_text()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            real = next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1]
+            if int(real) == uid:
+                found.append(int(entry))
     return found
 
 
@@ -218,10 +221,14 @@ def _outcome(messages: list[dict], timed_out: bool, seconds: float, output: Path
         return Outcome("timed out", f"over the wall-time limit of {limits.wall_seconds} s", seconds)
     if "signal" in said:
         number = said["signal"]
-        if number in (signal.SIGXCPU, signal.SIGKILL):  # the CPU limit's soft and hard ends
-            return Outcome("timed out", f"over the CPU limit of {limits.cpu_seconds} s "
-                           f"({signal.Signals(number).name})", seconds)
+        if number == signal.SIGXCPU:
+            return Outcome("timed out", f"over the CPU limit of {limits.cpu_seconds} s (SIGXCPU)", seconds)
+        if number == signal.SIGKILL:  # the CPU limit's hard end (a program that catches SIGXCPU), or the OOM killer
+            return Outcome("timed out", f"killed by SIGKILL: past the CPU limit of {limits.cpu_seconds} s "
+                           "(or by the kernel's out-of-memory killer)", seconds)
         return Outcome("crashed", f"killed by {signal.Signals(number).name}", seconds)
+    if "exit" not in said:
+        raise SandboxError(f"the sandbox ended without the program's status: {errors.strip() or 'no message'}")
     if said["exit"] == 0:
         return Outcome("passed", "", seconds)
     return Outcome("failed", _last_line(output) or f"exit code {said['exit']}", seconds)
