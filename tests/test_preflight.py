@@ -12,6 +12,7 @@ def test_no_enabled_task_checks_nothing(tmp_path):
     assert preflight.check_tasks({"humaneval": False}, tmp_path / "absent") == []
 
 
+@pytest.mark.usefixtures("task_sandbox")
 def test_an_enabled_task_is_returned_once_it_can_run(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{}")
     assert preflight.check_tasks({"humaneval": True}, tmp_path) == [humaneval.HUMANEVAL]

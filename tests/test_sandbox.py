@@ -15,21 +15,13 @@ import pytest
 
 from fourbit.tasks import sandbox
 
-FAST = sandbox.Limits(wall_seconds=20, cpu_seconds=10)
+ROOMY = sandbox.Limits(wall_seconds=20, cpu_seconds=10)  # room for a loaded machine; tests of a limit set it tight
 
 
-def _unavailable() -> str:
-    try:
-        sandbox.check_available()
-    except sandbox.SandboxError as error:
-        return str(error)
-    return ""
+pytestmark = pytest.mark.usefixtures("task_sandbox")
 
 
-pytestmark = pytest.mark.skipif(bool(_unavailable()), reason=_unavailable() or "available")
-
-
-def _run(source: str, limits: sandbox.Limits = FAST, slot: int = 0) -> sandbox.Outcome:
+def _run(source: str, limits: sandbox.Limits = ROOMY, slot: int = 0) -> sandbox.Outcome:
     return sandbox.run(textwrap.dedent(source), slot=slot, limits=limits)
 
 

@@ -23,6 +23,7 @@ def canonical(humaneval):
     return {p.id: p.fields["canonical_solution"] for p in humaneval.load() if p.id in HANDFUL}
 
 
+@pytest.mark.usefixtures("task_sandbox")
 def test_canonical_solutions_all_pass(humaneval, canonical):
     scores = scoring.score(humaneval, canonical, parallel=2)
     assert list(scores.outcomes) == HANDFUL
@@ -31,6 +32,7 @@ def test_canonical_solutions_all_pass(humaneval, canonical):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("task_sandbox")
 def test_bad_completions_fail_each_with_its_reason(humaneval, canonical):
     completions = {
         "HumanEval/0": "    return None\n",  # wrong answer
