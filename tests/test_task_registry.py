@@ -50,3 +50,13 @@ def test_a_chat_task_on_a_model_without_a_template_is_refused_and_accepted_with_
         registry.check_model(chat, tmp_path)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
     registry.check_model(chat, tmp_path)
+
+
+def test_a_prompt_becomes_the_same_request_for_every_engine():
+    form = registry.get("humaneval").prompt_format
+    assert form.request("def f():\n") == ("/v1/completions", {
+        "prompt": "def f():\n", "max_tokens": 384, "temperature": 0.0,
+        "stop": ["\nclass", "\ndef", "\n#", "\nif", "\nprint"]})
+    chat = replace(form, chat_template=True)
+    path, body = chat.request("Write f.")
+    assert path == "/v1/chat/completions" and body["messages"] == [{"role": "user", "content": "Write f."}]

@@ -28,6 +28,14 @@ class PromptFormat:
     max_tokens: int  # new tokens at most per completion
     temperature: float = 0.0  # greedy: one completion per problem, so pass@1 needs no sampling estimate
 
+    def request(self, prompt: str) -> tuple[str, dict]:
+        """(path, body) of the OpenAI-compatible request vLLM's and llama.cpp's servers both
+        answer for ``prompt``; the caller adds the served model's name."""
+        common = {"max_tokens": self.max_tokens, "temperature": self.temperature, "stop": list(self.stop)}
+        if self.chat_template:
+            return "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}], **common}
+        return "/v1/completions", {"prompt": prompt, **common}
+
 
 @dataclass(frozen=True)
 class Problem:
