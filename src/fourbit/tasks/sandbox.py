@@ -51,7 +51,9 @@ STARTUP_SECONDS = 120  # unshare, mounts and a fresh interpreter: ~0.1 s idle, s
 MASKED = ("/tmp", "/var/tmp", "/dev/shm", "/run")
 # Sandbox users are 160000 + (this process's pid mod 1000) * 64 + slot: users no
 # account on the host has (system and login accounts sit below 65536), one per parallel
-# run, so a fork bomb exhausts only its own RLIMIT_NPROC.
+# run, so a fork bomb exhausts only its own RLIMIT_NPROC. Two scoring processes whose pids
+# agree mod 1000 would share users (the tasks step runs one scorer per job; a clash costs
+# a spurious failure or a wait, never a leak).
 UID_BASE, UIDS_PER_PROCESS = 160_000, 64
 # Runs the program's text as __main__; a program that exits early (sys.exit, exit())
 # has not passed its tests, so SystemExit counts as a failure.
