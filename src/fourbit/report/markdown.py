@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 from fourbit.metrics.stats import CONFIDENCE, overlapping
 from fourbit.report.frontier import frontier_section
+from fourbit.report.runtimes import compile_note, runtime_line
 from fourbit.report.verdicts import (
     below_baseline,
     fmt_value,
@@ -33,7 +34,7 @@ def render_markdown(study: dict, rows: list[dict], facts: dict, settings: Mappin
     lines += ["", "## Throughput", ""] + throughput_table(rows)
     timing = bench_job(facts["benches"])
     if timing:
-        lines += [""] + timing
+        lines += [""] + timing + compile_note(facts["benches"])
     if facts["quantization"]:
         lines += ["", "## How each arm was quantized", ""] + quantization_table(facts["quantization"])
     lines += ["", "## Recommendation for this host", ""] + recommend(rows, settings)
@@ -42,7 +43,7 @@ def render_markdown(study: dict, rows: list[dict], facts: dict, settings: Mappin
         lines += ["", "## Plots", ""] + [f"![{title}]({link})" for title, link in plots]
     lines += ["", "## Host", ""] + host_block(study, facts, rows)
     lines += ["", "## Definitions", ""] + definitions(study, facts, settings)
-    lines += ["", "## Runtimes", ""] + [f"- `{r['arm_id']}` on {r['engine']}: {r['runtime']}" for r in rows]
+    lines += ["", "## Runtimes", ""] + [runtime_line(r) for r in rows]
     return "\n".join(lines) + "\n"
 
 

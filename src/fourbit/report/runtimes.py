@@ -1,0 +1,42 @@
+"""The report's lines on what ran: each row's runtime as scored and, where the bench ran
+it otherwise, as timed (vLLM timed compiled after scoring eager); and what compiling
+cost the bench's engine starts."""
+
+from __future__ import annotations
+
+
+def runtime_line(row: dict) -> str:
+    """What scored the row and, where the bench ran it otherwise, what was timed and how
+    long compiling took at its untimed start."""
+    line = f"- `{row['arm_id']}` on {row['engine']}: {row['runtime']}"
+    timed = row.get("timed_runtime")
+    if timed is None or timed == row["runtime"]:
+        return line + (" (scored and timed)" if timed else "")
+    compiled = (f"; compiling took {row['compile_s']:.1f} s of its untimed start"
+                if row.get("compile_s") else "")
+    return f"{line} (scored); timed: {timed}{compiled}"
+
+
+def compile_note(benches: dict[str, list[dict]]) -> list[str]:
+    """How the engines that compile were timed, and what compiling cost their starts: a
+    paragraph of its own, or nothing when no engine was held open for the job."""
+    starts = {}  # one per checkpoint opened: each arm, and each engine's baseline once
+    for engine_id, records in benches.items():
+        for b in records:
+            if b.get("measured"):
+                for side in ("arm", "baseline"):
+                    starts[(engine_id, b[side].get("checkpoint"))] = b[side].get("start")
+    compiled = [s for s in starts.values() if s and s["mode"] == "compiled"]
+    eager = [s for s in starts.values() if s and s["mode"] == "eager"]
+    lines = []
+    if compiled:
+        seconds = [s["compile_s"] for s in compiled]
+        lines.append(
+            f"{len(compiled)} vLLM engine(s) were timed compiled, as vLLM runs by default "
+            "(bench.vllm_compiled; what scored is under Runtimes). Compiling took "
+            f"{sum(seconds) / 60:.1f} min over their starts ({min(seconds):.1f}-"
+            f"{max(seconds):.1f} s each), which no timed pass includes."
+        )
+    if eager:
+        lines.append(f"{len(eager)} vLLM engine(s) were timed eager (bench.vllm_compiled: false).")
+    return ["", " ".join(lines)] if lines else []
