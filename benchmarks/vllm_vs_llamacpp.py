@@ -17,7 +17,8 @@ Two models, each on the same cores with the same thread count for both engines:
 vLLM variants: the plugin's arm with the study's float32 engine (eager, and compiled),
 with bfloat16 activations (tinygemm keeps bf16 scales then), the same weights with the
 arm's kernel knob at w4a8 or w4a8_group (Qwen-shaped model only: a checkpoint of its
-own each; eager and compiled), and,
+own each; eager and compiled), a bfloat16 engine compiled (dense bfloat16 GEMM for
+prefills, fourbit's kernel for single rows, W4A16 or W4A8), and,
 where the host has it (AVX-512), the GPTQ checkpoint on vLLM's own cpu_gemm_wna16 in
 bfloat16; ``--variants`` picks a subset. The best
 of them by median decode is "the best vLLM 4-bit arm". Each pass runs every
@@ -65,6 +66,12 @@ VLLM_VARIANTS = {
     "plugin fp32 w4a8_group": ("vllm_w4a8_group", "vllm", {"dtype": "float32"}),
     "plugin fp32 w4a8_group compiled": ("vllm_w4a8_group", "vllm",
                                         {"dtype": "float32", "enforce_eager": False}),
+    # bfloat16 compiled (issue 36's candidate for one build fast at both): a prefill's
+    # multi-row batches through the dense bfloat16 GEMM (oneDNN; AMX where the host has it),
+    # single rows through fourbit's own kernel (the arm's kernel knob; bfloat16 in, float32
+    # inside, bfloat16 out)
+    "plugin bf16 compiled": ("vllm", "vllm", {"dtype": "bfloat16", "enforce_eager": False}),
+    "plugin bf16 w4a8 compiled": ("vllm_w4a8", "vllm", {"dtype": "bfloat16", "enforce_eager": False}),
     "native bf16": ("gptq", "vllm_native", {"dtype": "bfloat16"}),
 }
 LLAMA = "llama.cpp Q4_K_M"

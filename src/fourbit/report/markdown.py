@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 from fourbit.metrics.stats import CONFIDENCE, overlapping
 from fourbit.report.frontier import frontier_section
-from fourbit.report.runtimes import compile_note, runtime_line
+from fourbit.report.runtimes import compile_note, runtime_candidates, runtime_line
 from fourbit.report.verdicts import (
     below_baseline,
     fmt_value,
@@ -208,6 +208,7 @@ def host_block(study: dict, facts: dict, rows: list[dict]) -> list[str]:
     versions = ", ".join(f"{k} {v}" for k, v in sorted(host["versions"].items()))
     return lines + [
         f"- CPU: {host['cpu_model']}; ISA: {isa}",
+        *runtime_candidates(host, facts.get("benches", {})),
         f"- Cores used: {host['cores']} ({host['threads']} threads); load average {' '.join(f'{x:.2f}' for x in host['load_average'])}",
         f"- Memory bandwidth (STREAM-like triad at the start of the bench job, on its cores): "
         f"{_bandwidth_measured(facts['bandwidth'])}",

@@ -40,3 +40,24 @@ def compile_note(benches: dict[str, list[dict]]) -> list[str]:
     if eager:
         lines.append(f"{len(eager)} vLLM engine(s) were timed eager (bench.vllm_compiled: false).")
     return ["", " ".join(lines)] if lines else []
+
+
+def runtime_candidates(provenance: dict, benches: dict[str, list[dict]]) -> list[str]:
+    """The host's vLLM runtime candidates (the bench's provenance: fourbit.bench.hostprobe's
+    vllm_runtimes), each marked timed in this study, runnable here but not in it, or refused
+    here with the reason; nothing for a record from before the candidates were recorded."""
+    table = provenance.get("vllm_runtimes")
+    if not table:
+        return []
+    timed = {b[side].get("variant") for records in benches.values() for b in records
+             if b.get("measured") for side in ("arm", "baseline")}
+
+    def named(r: dict) -> str:
+        return f"`{r['name']}`" + (" (AMX)" if r["amx"] else "")
+
+    ran = [named(r) for r in table if r["name"] in timed]
+    idle = [named(r) for r in table if r["available"] and r["name"] not in timed]
+    refused = [f"`{r['name']}` ({r['reason']})" for r in table if not r["available"]]
+    return [f"- vLLM 4-bit runtimes this host was probed for (fourbit.bench.hostprobe): timed in "
+            f"this study: {', '.join(ran) or 'none'}; runnable here, not in this study: "
+            f"{', '.join(idle) or 'none'}; refused here: {'; '.join(refused) or 'none'}"]

@@ -299,6 +299,8 @@ def _record(pair: BenchPair, sides: dict[str, _Side], result: dict, settings: di
             "checkpoint": str(opened.checkpoint),
             # What ran in the timed passes, which may differ from what scored (timed_settings).
             "runtime": opened.engine.runtime(opened.checkpoint, opened.settings),
+            # Its name among the host's candidates (provenance's vllm_runtimes), if it has one.
+            "variant": opened.engine.runtime_variant(opened.checkpoint, opened.settings),
             # An engine held open for the job: its untimed start (mode, seconds compiling).
             "start": starts.get(key),
             "stats": result[side],

@@ -348,6 +348,21 @@ def runtime(checkpoint: str | os.PathLike, settings: Mapping[str, Any] | VllmSet
             f"({describe(_plugin_knobs(qc, settings), dtype)}{held})")
 
 
+def runtime_variant(checkpoint: str | os.PathLike,
+                    settings: Mapping[str, Any] | VllmSettings) -> str | None:
+    """The host probe's name (fourbit.bench.hostprobe.VLLM_RUNTIMES) of how this engine runs
+    ``checkpoint``'s 4-bit linears: engine, dtype, and what runs single rows (the plugin's
+    kernel knob; vLLM's own cpu_gemm_wna16, since _engine_env sets VLLM_CPU_INT4_W4A8=0).
+    None for a dense checkpoint."""
+    settings = resolve(settings)
+    qc = checkpoint_quant_config(checkpoint)
+    if qc is None or qc.get("quant_method") not in PLUGIN_READS:
+        return None
+    if settings.quantization is None:
+        return f"vllm_native {dtype_name(settings.dtype)} cpu_gemm_wna16"
+    return f"vllm {dtype_name(settings.dtype)} {_plugin_knobs(qc, settings)['kernel']}"
+
+
 def numerics(checkpoint: str | os.PathLike, settings: Mapping[str, Any] | VllmSettings,
              rows: int) -> str:
     """What a forward of ``rows`` rows rounds beyond the dense expansion (the control's

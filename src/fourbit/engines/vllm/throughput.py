@@ -148,14 +148,20 @@ def start_record(settings: VllmSettings, engine_init_s: float, compile_s: float,
             "first_run_s": round(first_run_s, 3)}
 
 
-def compile_seconds() -> float:
-    """Seconds this process has spent in torch.compile so far (Dynamo and Inductor, every
-    frame; torch._dynamo's own count). vLLM's count (CompilationConfig.compilation_time)
-    stays 0 on the CPU: it counts VLLM_COMPILE only, and the CPU platform compiles with
-    DYNAMO_TRACE_ONCE (lifecycle's docstring)."""
-    from torch._dynamo.utils import calculate_time_spent
+# torch._dynamo's timers of a whole compile, capture and backend: vLLM's DYNAMO_TRACE_ONCE
+# compiles ahead of time (fullgraph_capture), a torch.compile'd function on first call
+# (entire_frame_compile). Neither runs inside the other.
+WHOLE_COMPILE_TIMERS = ("fullgraph_capture", "entire_frame_compile")
 
-    return float(calculate_time_spent().get("entire_frame_compile", 0.0))
+
+def compile_seconds() -> float:
+    """Seconds this process has spent in torch.compile so far, by torch._dynamo's own
+    timers. vLLM's count (CompilationConfig.compilation_time) stays 0 on the CPU: it counts
+    VLLM_COMPILE only, and the CPU platform compiles with DYNAMO_TRACE_ONCE (lifecycle's
+    docstring)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return float(sum(sum(compilation_time_metrics.get(timer, ())) for timer in WHOLE_COMPILE_TIMERS))
 
 
 def _rates(prompt_tokens: int, decode_tokens: int, prefills: list, decodes: list, *,
