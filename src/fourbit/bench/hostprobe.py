@@ -96,7 +96,7 @@ class VllmRuntime:
     named for rather than a fallback. Compiled or eager is not a variant here: both run on
     every host, and the bench times compiled (fourbit.steps.bench.timed_settings)."""
 
-    engine: str  # fourbit.engines.ENGINES: vllm (fourbit's plugin) or vllm_native (vLLM's kernel)
+    engine: str  # fourbit.engines.ENGINES: vllm (fourbit's plugin), vllm_native(_w4a8) (vLLM's)
     dtype: str  # the engine's dtype: activations, and the dense GEMM of multi-row batches
     kernel: str  # what runs single rows: the arm's kernel knob, or vLLM's own op
     needs: tuple[str, ...]  # /proc/cpuinfo flags, every one required
@@ -120,7 +120,7 @@ VLLM_RUNTIMES = (
       for kernel in ("w4a16", "w4a8")),
     VllmRuntime("vllm_native", "bfloat16", "cpu_gemm_wna16", ("avx512f",),
                 "vLLM's own W4A16 op (cpu_gemm_wna16), in its AVX-512 ops libraries only"),
-    VllmRuntime("vllm_native", "bfloat16", "int4_scaled_mm_cpu",
+    VllmRuntime("vllm_native_w4a8", "bfloat16", "int4_scaled_mm_cpu",
                 ("amx_tile", "amx_int8", "avx512f", "avx512_bf16"),
                 "vLLM's own W4A8 AMX op (int4_scaled_mm_cpu): activations rounded to int8, "
                 "AMX int8 tiles, in its _C (AVX-512 BF16) ops library only"),

@@ -159,6 +159,18 @@ def _symmetric_gptq(quant: dict) -> bool:
             and "quantize_embedding" not in quant and "mixed_precision" not in quant)
 
 
+def _gptq_either_grid(quant: dict) -> bool:
+    # Symmetric arms are written as standard GPTQ checkpoints, asymmetric ones as
+    # compressed-tensors with zero points (fourbit.quantizers.methods); vLLM reads both.
+    return _symmetric_gptq({**quant, "sym": True})
+
+
+def _vllm_native_w4a8_kernel_missing() -> str | None:
+    from fourbit.engines.vllm_native_w4a8 import kernel_missing  # when asked, not with the table
+
+    return kernel_missing()
+
+
 def _vllm_native_kernel_missing() -> str | None:
     from fourbit.engines.vllm_native import kernel_missing  # when asked, not with the table
 
@@ -182,6 +194,13 @@ ENGINES: dict[str, EngineSpec] = {
                               runs_arm=_symmetric_gptq, host_check=_vllm_native_kernel_missing,
                               bench_refusal=prompt_exceeds_positions, needs_vllm_registry=True,
                               needs_every_linear_quantized=True, compiles=True),
+    "vllm_native_w4a8": EngineSpec("fourbit.engines.vllm_native_w4a8:VllmNativeW4a8Engine",
+                                   reads="hf", bench=Bench.SESSION, fidelity=Fidelity.KEPT_SIDES,
+                                   runs_arm=_gptq_either_grid,
+                                   host_check=_vllm_native_w4a8_kernel_missing,
+                                   bench_refusal=prompt_exceeds_positions,
+                                   needs_vllm_registry=True, needs_every_linear_quantized=True,
+                                   compiles=True),
     "llamacpp": EngineSpec("fourbit.engines.llamacpp:LlamaCppEngine", reads="gguf",
                            bench=Bench.PER_PASS, fidelity=Fidelity.OWN_KL_MODE),
 }
