@@ -134,6 +134,20 @@ def qwen_shaped_model(workdir: Path, threads: int) -> dict:
             **{f"vllm_{kernel}": paths[f"int4_{kernel}"] for kernel in KERNEL_CHECKPOINTS}}
 
 
+def given_model(parser: argparse.ArgumentParser, text: str | None) -> dict:
+    """--checkpoints' {key: path}, each checked to exist."""
+    if not text:
+        parser.error("--models given needs --checkpoints vllm=DIR,gguf=FILE")
+    model = {key: Path(path) for key, path in (item.split("=", 1) for item in text.split(","))}
+    keys = {"vllm", "gguf", "gptq", *(f"vllm_{kernel}" for kernel in KERNEL_CHECKPOINTS)}
+    if not {"vllm", "gguf"} <= set(model) or set(model) - keys:
+        parser.error(f"--checkpoints: keys {sorted(model)}; needs vllm and gguf, allowed {sorted(keys)}")
+    missing = [str(path) for path in model.values() if not path.exists()]
+    if missing:
+        parser.error(f"--checkpoints: {', '.join(missing)} does not exist")
+    return model
+
+
 def variants(model: dict, chosen: list[str]) -> list[str]:
     """The ``chosen`` vLLM variants this model and host can run: the native kernel needs a
     GPTQ checkpoint and AVX-512 (fourbit.bench.hostprobe)."""
@@ -233,6 +247,11 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/fourbit-vs-llamacpp"))
     parser.add_argument("--models", default="default,qwen2.5-0.5b",
                         help="comma-separated: default, qwen2.5-0.5b")
+    parser.add_argument("--checkpoints", default=None,
+                        help="a model given by its built files instead, e.g. a real study's arms "
+                             "(read only): comma-separated key=path with keys vllm (the plugin's "
+                             "checkpoint), gguf (Q4_K_M), and optionally vllm_w4a8, gptq; "
+                             "timed as the model 'given'")
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--cores", type=lambda text: [int(c) for c in text.split(",")],
                         default=sorted(os.sched_getaffinity(0)),
@@ -247,9 +266,10 @@ def main() -> None:
     if args.passes < MIN_PASSES:
         parser.error(f"--passes must be at least {MIN_PASSES}: a single pass is never a result")
     models = args.models.split(",")
-    unknown = sorted(set(models) - {"default", "qwen2.5-0.5b"})
+    unknown = sorted(set(models) - {"default", "qwen2.5-0.5b", "given"})
     if unknown:
-        parser.error(f"--models: unknown {unknown}; choose from default, qwen2.5-0.5b")
+        parser.error(f"--models: unknown {unknown}; choose from default, qwen2.5-0.5b, given")
+    given = given_model(parser, args.checkpoints) if "given" in models else None
 
     from fourbit.bench.provenance import provenance
 
@@ -258,7 +278,7 @@ def main() -> None:
     args.workdir.mkdir(parents=True, exist_ok=True)
     built = {}
     for name in models:  # every model is built (and every input checked) before any timing
-        built[name] = (default_model(args.study) if name == "default"
+        built[name] = (default_model(args.study) if name == "default" else given if name == "given"
                        else qwen_shaped_model(args.workdir / name, len(cores)))
     prov = provenance(len(cores), cores)
     print(f"host: {prov['cpu_model']}, cores {cores}, {len(cores)} threads per engine, load "

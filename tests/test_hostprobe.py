@@ -116,14 +116,14 @@ def test_an_amx_host_runs_every_vllm_runtime_the_bfloat16_ones_on_amx():
     assert ran(SAPPHIRE_RAPIDS) == sorted(table)
     assert sorted(name for name, r in table.items() if r["amx"]) == sorted(
         [*FOURBIT_BF16, "vllm_native bfloat16 cpu_gemm_wna16",
-         "vllm_native bfloat16 int4_scaled_mm_cpu"])
+         "vllm_native_w4a8 bfloat16 int4_scaled_mm_cpu"])
 
 
 def test_an_avx512_host_without_amx_refuses_vllms_w4a8_amx_op_saying_which_flags_it_lacks():
     table = runtimes(EPYC_AVX512)
     assert ran(EPYC_AVX512) == sorted([*FOURBIT_FP32, *FOURBIT_BF16,
                                        "vllm_native bfloat16 cpu_gemm_wna16"])
-    refused = table["vllm_native bfloat16 int4_scaled_mm_cpu"]["reason"]
+    refused = table["vllm_native_w4a8 bfloat16 int4_scaled_mm_cpu"]["reason"]
     assert refused.startswith("needs amx_tile, amx_int8, which this CPU lacks: vLLM's own W4A8 AMX op")
     assert not any(r["amx"] for r in table.values())
 

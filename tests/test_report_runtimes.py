@@ -43,8 +43,9 @@ def test_the_compile_note_counts_each_engine_started_once():
                "reference-0": [{"measured": False, "reason": "not a deployment engine"}]}
     assert compile_note(benches) == ["", (
         "3 vLLM engine(s) were timed compiled, as vLLM runs by default (bench.vllm_compiled; "
-        "what scored is under Runtimes). Compiling took 2.0 min over their starts (30.0-60.0 s "
-        "each), which no timed pass includes.")]
+        "what scored is under Runtimes). Compiling took 30.0-60.0 s of each engine's start (the "
+        "engines start side by side; the longest start took 62.0 s), which no timed pass "
+        "includes.")]
 
 
 def test_an_eager_bench_says_so_and_a_bench_without_held_engines_says_nothing():
@@ -65,6 +66,6 @@ def test_the_host_candidates_are_marked_timed_runnable_or_refused_with_the_reaso
     assert line.startswith("- vLLM 4-bit runtimes this host was probed for (fourbit.bench.hostprobe): "
                            "timed in this study: `vllm float32 w4a16`; runnable here, not in this "
                            "study: `vllm float32 w4a8`, ")
-    assert ("refused here: `vllm_native bfloat16 int4_scaled_mm_cpu` (needs amx_tile, amx_int8, "
+    assert ("refused here: `vllm_native_w4a8 bfloat16 int4_scaled_mm_cpu` (needs amx_tile, amx_int8, "
             "which this CPU lacks: vLLM's own W4A8 AMX op") in line
     assert runtime_candidates({}, {"vllm-0": [timed]}) == []
