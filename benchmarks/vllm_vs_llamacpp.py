@@ -17,7 +17,8 @@ Two models, each on the same cores with the same thread count for both engines:
 vLLM variants: the plugin's arm with the study's float32 engine (eager, and compiled),
 with bfloat16 activations (tinygemm keeps bf16 scales then), the same weights with the
 arm's kernel knob at w4a8 or w4a8_group (Qwen-shaped model only: a checkpoint of its
-own each; eager and compiled), and,
+own each; eager and compiled), a bfloat16 engine compiled (dense bfloat16 GEMM for
+prefills, fourbit's kernel for single rows, W4A16 or W4A8), and,
 where the host has it (AVX-512), the GPTQ checkpoint on vLLM's own cpu_gemm_wna16 in
 bfloat16; ``--variants`` picks a subset. The best
 of them by median decode is "the best vLLM 4-bit arm". Each pass runs every
@@ -65,6 +66,12 @@ VLLM_VARIANTS = {
     "plugin fp32 w4a8_group": ("vllm_w4a8_group", "vllm", {"dtype": "float32"}),
     "plugin fp32 w4a8_group compiled": ("vllm_w4a8_group", "vllm",
                                         {"dtype": "float32", "enforce_eager": False}),
+    # bfloat16 compiled (issue 36's candidate for one build fast at both): a prefill's
+    # multi-row batches through the dense bfloat16 GEMM (oneDNN; AMX where the host has it),
+    # single rows through fourbit's own kernel (the arm's kernel knob; bfloat16 in, float32
+    # inside, bfloat16 out)
+    "plugin bf16 compiled": ("vllm", "vllm", {"dtype": "bfloat16", "enforce_eager": False}),
+    "plugin bf16 w4a8 compiled": ("vllm_w4a8", "vllm", {"dtype": "bfloat16", "enforce_eager": False}),
     "native bf16": ("gptq", "vllm_native", {"dtype": "bfloat16"}),
 }
 LLAMA = "llama.cpp Q4_K_M"
@@ -125,6 +132,20 @@ def qwen_shaped_model(workdir: Path, threads: int) -> dict:
         quantize_gguf(f16, q4km, "Q4_K_M", tools=tools, threads=threads)
     return {"vllm": paths["int4"], "gptq": paths["gptq"], "gguf": q4km,
             **{f"vllm_{kernel}": paths[f"int4_{kernel}"] for kernel in KERNEL_CHECKPOINTS}}
+
+
+def given_model(parser: argparse.ArgumentParser, text: str | None) -> dict:
+    """--checkpoints' {key: path}, each checked to exist."""
+    if not text:
+        parser.error("--models given needs --checkpoints vllm=DIR,gguf=FILE")
+    model = {key: Path(path) for key, path in (item.split("=", 1) for item in text.split(","))}
+    keys = {"vllm", "gguf", "gptq", *(f"vllm_{kernel}" for kernel in KERNEL_CHECKPOINTS)}
+    if not {"vllm", "gguf"} <= set(model) or set(model) - keys:
+        parser.error(f"--checkpoints: keys {sorted(model)}; needs vllm and gguf, allowed {sorted(keys)}")
+    missing = [str(path) for path in model.values() if not path.exists()]
+    if missing:
+        parser.error(f"--checkpoints: {', '.join(missing)} does not exist")
+    return model
 
 
 def variants(model: dict, chosen: list[str]) -> list[str]:
@@ -226,6 +247,11 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/fourbit-vs-llamacpp"))
     parser.add_argument("--models", default="default,qwen2.5-0.5b",
                         help="comma-separated: default, qwen2.5-0.5b")
+    parser.add_argument("--checkpoints", default=None,
+                        help="a model given by its built files instead, e.g. a real study's arms "
+                             "(read only): comma-separated key=path with keys vllm (the plugin's "
+                             "checkpoint), gguf (Q4_K_M), and optionally vllm_w4a8, gptq; "
+                             "timed as the model 'given'")
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--cores", type=lambda text: [int(c) for c in text.split(",")],
                         default=sorted(os.sched_getaffinity(0)),
@@ -240,9 +266,10 @@ def main() -> None:
     if args.passes < MIN_PASSES:
         parser.error(f"--passes must be at least {MIN_PASSES}: a single pass is never a result")
     models = args.models.split(",")
-    unknown = sorted(set(models) - {"default", "qwen2.5-0.5b"})
+    unknown = sorted(set(models) - {"default", "qwen2.5-0.5b", "given"})
     if unknown:
-        parser.error(f"--models: unknown {unknown}; choose from default, qwen2.5-0.5b")
+        parser.error(f"--models: unknown {unknown}; choose from default, qwen2.5-0.5b, given")
+    given = given_model(parser, args.checkpoints) if "given" in models else None
 
     from fourbit.bench.provenance import provenance
 
@@ -251,7 +278,7 @@ def main() -> None:
     args.workdir.mkdir(parents=True, exist_ok=True)
     built = {}
     for name in models:  # every model is built (and every input checked) before any timing
-        built[name] = (default_model(args.study) if name == "default"
+        built[name] = (default_model(args.study) if name == "default" else given if name == "given"
                        else qwen_shaped_model(args.workdir / name, len(cores)))
     prov = provenance(len(cores), cores)
     print(f"host: {prov['cpu_model']}, cores {cores}, {len(cores)} threads per engine, load "

@@ -57,6 +57,7 @@ def fake_engine(calls: list) -> type[TimesPasses]:
             side = "baseline" if checkpoint.name == "baseline" else "arm"
             calls.append({"side": side, "checkpoint": checkpoint.name, "threads": threads,
                           "cache_root": settings["cache_root"],
+                          "enforce_eager": settings.get("enforce_eager"),
                           "tokens": (prompt_tokens, decode_tokens)})
             return dict(RATES[side])
 
@@ -72,12 +73,14 @@ def fake_engine(calls: list) -> type[TimesPasses]:
     return FakeEngine
 
 
-def register_fake(monkeypatch, engine: type[TimesPasses], bench: Bench) -> None:
+def register_fake(monkeypatch, engine: type[TimesPasses], bench: Bench,
+                  compiles: bool = False) -> None:
     """``engine`` registered as the engine "fake", as a real one is: a class in a module,
     and its spec."""
     monkeypatch.setitem(sys.modules, "fake_engine", types.SimpleNamespace(FakeEngine=engine))
     monkeypatch.setitem(ENGINES, "fake", EngineSpec("fake_engine:FakeEngine", reads="hf",
-                                                    bench=bench, fidelity=Fidelity.NOT_COMPARED))
+                                                    bench=bench, fidelity=Fidelity.NOT_COMPARED,
+                                                    compiles=compiles))
 
 
 def busy_stat(fraction: float):
@@ -120,7 +123,8 @@ def test_paired_record_with_fake_engine(int4_checkpoints, fake_host, tmp_path):
     assert record["measured"] is True and record["model_weights_sha256"] == WEIGHTS
     assert record["settings"] == {  # the schema's defaults
         "passes": 9, "warmup": 1, "busy_threshold": 0.25, "allow_busy": False,
-        "cores": sorted(os.sched_getaffinity(0))[:1], "prompt_tokens": 512, "decode_tokens": 128}
+        "cores": sorted(os.sched_getaffinity(0))[:1], "prompt_tokens": 512, "decode_tokens": 128,
+        "vllm_compiled": True}
     # 1 warm-up round of both sides, then 9 passes of 2; the order rotates.
     rotation = [["arm", "baseline"], ["baseline", "arm"]]
     assert [c["side"] for c in calls] == ["arm", "baseline"] + [
@@ -177,6 +181,31 @@ def test_an_engine_with_sessions_opens_each_side_once(int4_checkpoints, fake_hos
     assert record["ratio"]["tg128_tok_s"]["values"] == [2.0] * 5
     # held open: their files' cache state is recorded before each pass, not read through
     assert {run["checks"]["residency"]["arm"]["read_through"] for run in record["runs"]} == {False}
+
+
+@pytest.mark.parametrize(("scores_eager", "vllm_compiled", "timed_eager"), [
+    (True, True, False),  # the default: scored eager, timed compiled as vLLM is deployed
+    (True, False, True),  # the study asks to time it eager
+    (False, False, False),  # scored compiled: timed as it scores
+])
+def test_an_engine_that_compiles_is_timed_compiled_unless_the_study_asks_for_eager(
+        int4_checkpoints, fake_host, monkeypatch, tmp_path, scores_eager, vllm_compiled,
+        timed_eager):
+    calls, _ = fake_host
+    register_fake(monkeypatch, fake_engine(calls), Bench.PER_PASS, compiles=True)
+    engine = {**ENGINE, "enforce_eager": scores_eager}
+    record = bench_one(*int4_checkpoints, engine, {"passes": 3, "vllm_compiled": vllm_compiled},
+                       tmp_path / "bench.json", threads=1)
+    assert {c["enforce_eager"] for c in calls} == {timed_eager}
+    assert record["engine"] == engine  # the record keeps the settings it scored with
+
+
+def test_an_engine_that_does_not_compile_is_timed_as_it_scores(int4_checkpoints, fake_host,
+                                                                 tmp_path):
+    calls, _ = fake_host
+    bench_one(*int4_checkpoints, {**ENGINE, "enforce_eager": True}, {"passes": 3},
+              tmp_path / "bench.json", threads=1)
+    assert {c["enforce_eager"] for c in calls} == {True}
 
 
 def test_a_study_interleaves_its_arms_and_opens_a_shared_baseline_once(
@@ -356,6 +385,13 @@ def test_real_vllm_passes_on_a_tiny_llama(int4_checkpoints, tmp_path):
         assert 0 < record[side]["roofline"]["fraction_of_limit"]
     assert "fourbit_int4 plugin" in record["arm"]["runtime"]
     assert record["baseline"]["runtime"].endswith("dense")
+    # Scored eager, timed compiled (bench.vllm_compiled's default); compiling is part of
+    # each engine's untimed start, and recorded.
+    assert record["engine"]["enforce_eager"] is True
+    for side in ("arm", "baseline"):
+        start = record[side]["start"]
+        assert " compiled " in record[side]["runtime"] and start["mode"] == "compiled"
+        assert 0 < start["compile_s"] < start["engine_init_s"] + start["first_run_s"]
     contention = record["contention"]
     assert contention["allow_busy"] is True
     assert contention["override_used"] == (contention["max_busy"] > contention["threshold"])

@@ -45,7 +45,7 @@ def test_every_engine_class_implements_what_its_spec_declares(name):
 def test_the_classes_the_specs_name():
     assert {name: type(get_engine(name)).__name__ for name in ENGINES} == {
         "reference": "ReferenceEngine", "vllm": "VllmEngine", "vllm_native": "VllmNativeEngine",
-        "llamacpp": "LlamaCppEngine"}
+        "vllm_native_w4a8": "VllmNativeW4a8Engine", "llamacpp": "LlamaCppEngine"}
 
 
 def test_a_class_lacking_a_declared_capability_is_refused(monkeypatch):
@@ -79,15 +79,18 @@ def test_an_abstract_method_left_out_is_an_error_at_instantiation():
 def test_the_table_and_the_vllm_classes_load_neither_vllm_nor_torch():
     """The workflow reads the table at DAG time; vLLM and torch load when an engine opens."""
     script = ("import sys; from fourbit.engines import get_engine; import fourbit.config; "
-              "get_engine('vllm'); get_engine('vllm_native'); "
+              "get_engine('vllm'); get_engine('vllm_native'); get_engine('vllm_native_w4a8'); "
               "print(sorted({'vllm', 'torch', 'transformers'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
 
 def test_what_the_config_asks_of_an_engine_by_name_is_in_its_spec():
-    assert [n for n, s in ENGINES.items() if s.needs_vllm_registry] == ["vllm", "vllm_native"]
-    assert [n for n, s in ENGINES.items() if s.needs_every_linear_quantized] == ["vllm_native"]
+    assert [n for n, s in ENGINES.items() if s.needs_vllm_registry] == [
+        "vllm", "vllm_native", "vllm_native_w4a8"]
+    assert [n for n, s in ENGINES.items() if s.needs_every_linear_quantized] == [
+        "vllm_native", "vllm_native_w4a8"]
+    assert [n for n, s in ENGINES.items() if s.compiles] == ["vllm", "vllm_native", "vllm_native_w4a8"]
     assert [n for n, s in ENGINES.items() if s.reads == "gguf"] == ["llamacpp"]
 
 
@@ -102,3 +105,43 @@ def test_vllm_native_runs_only_symmetric_gptq_arms():
 def test_an_unknown_engine_names_the_known_ones():
     with pytest.raises(ValueError, match="engine 'vlm' is not known; allowed: llamacpp, reference"):
         engine_spec("vlm")
+
+
+def test_vllm_native_w4a8_runs_both_gptq_grids_with_vllms_w4a8_amx_kernel_and_int8_numerics(
+        tmp_path):
+    """Its settings allow vLLM's W4A8 AMX kernel, its controls are int8_activations, and it
+    runs asymmetric GPTQ arms (compressed-tensors) as well as symmetric ones. The kernel
+    itself needs AMX (amx_tile, amx_int8), which a host without it cannot exercise: there
+    the engine is refused with the host probe's reason."""
+    import json
+
+    from fourbit.bench.hostprobe import choose_runtimes
+    from fourbit.cpuinfo import isa_flags
+    from fourbit.engines.vllm import VllmSettings, numerics, runtime_variant
+
+    runs = ENGINES["vllm_native_w4a8"].runs_arm
+    gptq = {"method": "gptq", "quantize_head": True}
+    assert runs({**gptq, "sym": True}) and runs({**gptq, "sym": False})
+    assert not runs({**gptq, "sym": False, "quantize_embedding": 8})
+    assert not ENGINES["vllm_native"].runs_arm({**gptq, "sym": False})
+
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(json.dumps(
+        {"quantization_config": {"quant_method": "compressed-tensors"}}))
+    engine = get_engine("vllm_native_w4a8")
+    given = {
+        "dtype": "bfloat16", "enforce_eager": True, "kv_cache_gib": 1, "max_num_seqs": 1}
+    settings = engine.settings_to_describe(given)
+    assert isinstance(settings, VllmSettings) and settings.w4a8_amx and not settings.plugin
+    assert numerics(checkpoint, settings, 1) == numerics(checkpoint, settings, 512) == "int8_activations"
+    assert runtime_variant(checkpoint, settings) == "vllm_native_w4a8 bfloat16 int4_scaled_mm_cpu"
+    assert "int4_scaled_mm_cpu, W4A8 on AMX int8 tiles" in engine.runtime(checkpoint, given)
+    native = get_engine("vllm_native").settings_to_describe(given)
+    assert not native.w4a8_amx and numerics(checkpoint, native, 1) == "bf16_activations"
+
+    verdict = choose_runtimes(isa_flags(), {"VLLM_CPU_INT4_W4A8": "1"})["vllm_native_w4a8_amx"]
+    assert unavailable_here("vllm_native_w4a8") == (None if verdict["available"] else verdict["reason"])
+    if not verdict["available"]:
+        with pytest.raises(RuntimeError, match="W4A8 AMX kernel cannot run on this node"):
+            engine.settings_to_run(given, checkpoint)

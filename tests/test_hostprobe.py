@@ -95,3 +95,41 @@ def test_no_avx2_means_no_tinygemm():
     assert verdict == {"available": False, "reason": "no avx2: torch's int4 CPU kernel would run its scalar path"}
 
 
+
+
+def runtimes(flags):
+    from fourbit.bench.hostprobe import vllm_runtimes
+
+    return {r["name"]: r for r in vllm_runtimes(flags)}
+
+
+def ran(flags):
+    return sorted(name for name, r in runtimes(flags).items() if r["available"])
+
+
+FOURBIT_FP32 = ["vllm float32 w4a16", "vllm float32 w4a8", "vllm float32 w4a8_group"]
+FOURBIT_BF16 = ["vllm bfloat16 w4a16", "vllm bfloat16 w4a8"]
+
+
+def test_an_amx_host_runs_every_vllm_runtime_the_bfloat16_ones_on_amx():
+    table = runtimes(SAPPHIRE_RAPIDS)
+    assert ran(SAPPHIRE_RAPIDS) == sorted(table)
+    assert sorted(name for name, r in table.items() if r["amx"]) == sorted(
+        [*FOURBIT_BF16, "vllm_native bfloat16 cpu_gemm_wna16",
+         "vllm_native_w4a8 bfloat16 int4_scaled_mm_cpu"])
+
+
+def test_an_avx512_host_without_amx_refuses_vllms_w4a8_amx_op_saying_which_flags_it_lacks():
+    table = runtimes(EPYC_AVX512)
+    assert ran(EPYC_AVX512) == sorted([*FOURBIT_FP32, *FOURBIT_BF16,
+                                       "vllm_native bfloat16 cpu_gemm_wna16"])
+    refused = table["vllm_native_w4a8 bfloat16 int4_scaled_mm_cpu"]["reason"]
+    assert refused.startswith("needs amx_tile, amx_int8, which this CPU lacks: vLLM's own W4A8 AMX op")
+    assert not any(r["amx"] for r in table.values())
+
+
+def test_an_avx2_host_runs_fourbits_float32_kernels_only():
+    table = runtimes(LAPTOP_AVX2)
+    assert ran(LAPTOP_AVX2) == sorted(FOURBIT_FP32)
+    assert table["vllm bfloat16 w4a16"]["reason"].startswith("needs avx512_bf16, which this CPU lacks")
+    assert table["vllm_native bfloat16 cpu_gemm_wna16"]["reason"].startswith("needs avx512f,")

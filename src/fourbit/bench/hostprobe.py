@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 
 def choose_runtimes(flags: set[str], env: Mapping[str, str] | None = None) -> dict:
@@ -86,3 +87,60 @@ def _vllm_w4a8_amx(flags: set[str], env: Mapping[str, str]) -> dict:
         return _verdict(False, "VLLM_CPU_INT4_W4A8=0 turns vLLM's W4A8 path off; unset it or set 1")
     return _verdict(True, "vLLM int4_scaled_mm_cpu (AMX int8), used for bfloat16 activations")
 
+
+
+@dataclass(frozen=True)
+class VllmRuntime:
+    """One way a vLLM engine can run a 4-bit arm: what an engine block and an arm's kernel
+    knob choose (engine, dtype, kernel), and the ISA it needs to be the fast path it is
+    named for rather than a fallback. Compiled or eager is not a variant here: both run on
+    every host, and the bench times compiled (fourbit.steps.bench.timed_settings)."""
+
+    engine: str  # fourbit.engines.ENGINES: vllm (fourbit's plugin), vllm_native(_w4a8) (vLLM's)
+    dtype: str  # the engine's dtype: activations, and the dense GEMM of multi-row batches
+    kernel: str  # what runs single rows: the arm's kernel knob, or vLLM's own op
+    needs: tuple[str, ...]  # /proc/cpuinfo flags, every one required
+    why: str  # what runs, and what the flags are for (a refusal names the missing ones)
+
+    @property
+    def name(self) -> str:
+        return f"{self.engine} {self.dtype} {self.kernel}"
+
+
+_FOURBIT_KERNEL = ("avx2", "fma")
+VLLM_RUNTIMES = (
+    *(VllmRuntime("vllm", "float32", kernel, _FOURBIT_KERNEL,
+                  f"fourbit's {kernel.upper()} kernel for single rows (AVX2 and FMA; AVX-512 "
+                  "VNNI where present), dense float32 GEMM for multi-row batches")
+      for kernel in ("w4a16", "w4a8", "w4a8_group")),
+    *(VllmRuntime("vllm", "bfloat16", kernel, (*_FOURBIT_KERNEL, "avx512_bf16"),
+                  f"fourbit's {kernel.upper()} kernel for single rows, dense bfloat16 GEMM "
+                  "(oneDNN) for multi-row batches, which needs avx512_bf16 (or AMX) to run in "
+                  "bfloat16 rather than converting to float32 and back")
+      for kernel in ("w4a16", "w4a8")),
+    VllmRuntime("vllm_native", "bfloat16", "cpu_gemm_wna16", ("avx512f",),
+                "vLLM's own W4A16 op (cpu_gemm_wna16), in its AVX-512 ops libraries only"),
+    VllmRuntime("vllm_native_w4a8", "bfloat16", "int4_scaled_mm_cpu",
+                ("amx_tile", "amx_int8", "avx512f", "avx512_bf16"),
+                "vLLM's own W4A8 AMX op (int4_scaled_mm_cpu): activations rounded to int8, "
+                "AMX int8 tiles, in its _C (AVX-512 BF16) ops library only"),
+)
+
+
+def vllm_runtimes(flags: set[str]) -> list[dict]:
+    """Every VllmRuntime with whether this CPU (its ``flags``) runs it, and why not:
+    [{"name", "engine", "dtype", "kernel", "amx", "available", "reason"}]. ``amx``: the
+    dense bfloat16 GEMM or vLLM's W4A8 op runs on AMX tiles here."""
+    table = []
+    for runtime in VLLM_RUNTIMES:
+        missing = [flag for flag in runtime.needs if flag not in flags]
+        if missing:
+            reason = f"needs {', '.join(missing)}, which this CPU lacks: {runtime.why}"
+        else:
+            reason = runtime.why
+        amx = not missing and runtime.dtype == "bfloat16" and (
+            {"amx_tile", "amx_bf16"} <= flags or runtime.kernel == "int4_scaled_mm_cpu")
+        table.append({"name": runtime.name, "engine": runtime.engine, "dtype": runtime.dtype,
+                      "kernel": runtime.kernel, "amx": amx, "available": not missing,
+                      "reason": reason})
+    return table

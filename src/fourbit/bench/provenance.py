@@ -11,6 +11,7 @@ import os
 import platform
 from pathlib import Path
 
+from fourbit.bench.hostprobe import vllm_runtimes
 from fourbit.cpuinfo import first_processor, isa_flags
 from fourbit.versions import VLLM_DISTRIBUTIONS, installed_version
 
@@ -38,6 +39,8 @@ def provenance(threads: int, cores: list[int]) -> dict:
     return {
         "cpu_model": _cpu_model(cpuinfo),
         "isa": {flag: flag in flags for flag in ISA_FLAGS_OF_INTEREST},
+        # Every way vLLM can run a 4-bit arm, and whether this CPU can (the report's list).
+        "vllm_runtimes": vllm_runtimes(flags),
         "cores": sorted(cores),
         "threads": threads,
         "affinity": sorted(os.sched_getaffinity(0)),

@@ -128,6 +128,10 @@ class EngineSpec:
     # no modules_in_block_to_quantize), while fourbit's plugin reads what is quantized
     # from the safetensors themselves.
     needs_every_linear_quantized: bool = False
+    # It compiles its model at start when its settings' enforce_eager is false (vLLM): the
+    # bench times it compiled, as it is deployed, unless the study's bench.vllm_compiled is
+    # false (fourbit.steps.bench.timed_settings).
+    compiles: bool = False
 
     @property
     def keeps_fidelity_side(self) -> bool:
@@ -155,6 +159,18 @@ def _symmetric_gptq(quant: dict) -> bool:
             and "quantize_embedding" not in quant and "mixed_precision" not in quant)
 
 
+def _gptq_either_grid(quant: dict) -> bool:
+    # Symmetric arms are written as standard GPTQ checkpoints, asymmetric ones as
+    # compressed-tensors with zero points (fourbit.quantizers.methods); vLLM reads both.
+    return _symmetric_gptq({**quant, "sym": True})
+
+
+def _vllm_native_w4a8_kernel_missing() -> str | None:
+    from fourbit.engines.vllm_native_w4a8 import kernel_missing  # when asked, not with the table
+
+    return kernel_missing()
+
+
 def _vllm_native_kernel_missing() -> str | None:
     from fourbit.engines.vllm_native import kernel_missing  # when asked, not with the table
 
@@ -172,12 +188,19 @@ ENGINES: dict[str, EngineSpec] = {
     ),
     "vllm": EngineSpec("fourbit.engines.vllm:VllmEngine", reads="hf", bench=Bench.SESSION,
                        fidelity=Fidelity.KEPT_SIDES, bench_refusal=prompt_exceeds_positions,
-                       needs_vllm_registry=True),
+                       needs_vllm_registry=True, compiles=True),
     "vllm_native": EngineSpec("fourbit.engines.vllm_native:VllmNativeEngine", reads="hf",
                               bench=Bench.SESSION, fidelity=Fidelity.KEPT_SIDES,
                               runs_arm=_symmetric_gptq, host_check=_vllm_native_kernel_missing,
                               bench_refusal=prompt_exceeds_positions, needs_vllm_registry=True,
-                              needs_every_linear_quantized=True),
+                              needs_every_linear_quantized=True, compiles=True),
+    "vllm_native_w4a8": EngineSpec("fourbit.engines.vllm_native_w4a8:VllmNativeW4a8Engine",
+                                   reads="hf", bench=Bench.SESSION, fidelity=Fidelity.KEPT_SIDES,
+                                   runs_arm=_gptq_either_grid,
+                                   host_check=_vllm_native_w4a8_kernel_missing,
+                                   bench_refusal=prompt_exceeds_positions,
+                                   needs_vllm_registry=True, needs_every_linear_quantized=True,
+                                   compiles=True),
     "llamacpp": EngineSpec("fourbit.engines.llamacpp:LlamaCppEngine", reads="gguf",
                            bench=Bench.PER_PASS, fidelity=Fidelity.OWN_KL_MODE),
 }

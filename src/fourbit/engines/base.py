@@ -67,6 +67,12 @@ class Engine(abc.ABC):
     def numerics(self, checkpoint: Path, settings: Settings, rows: int) -> Numerics:
         """What a forward of ``rows`` rows rounds beyond the dense expansion."""
 
+    def runtime_variant(self, checkpoint: Path, settings: Settings) -> str | None:
+        """For an engine with several ways to run a 4-bit checkpoint on a CPU: the name of
+        the one it runs (fourbit.bench.hostprobe.VLLM_RUNTIMES), which the report checks
+        off against the host's candidates; None for one way only, or a dense checkpoint."""
+        return None
+
 
 class TimesPasses(Engine):
     """Bench.PER_PASS: the bench step starts the engine for every timed pass."""

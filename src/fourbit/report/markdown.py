@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 from fourbit.metrics.stats import CONFIDENCE, overlapping
 from fourbit.report.frontier import frontier_section
+from fourbit.report.runtimes import compile_note, runtime_candidates, runtime_line
 from fourbit.report.serving import Serving, serving_rules, serving_section, serving_verdicts
 from fourbit.report.verdicts import (
     below_baseline,
@@ -35,7 +36,7 @@ def render_markdown(study: dict, rows: list[dict], facts: dict, settings: Mappin
     lines += ["", "## Throughput", ""] + throughput_table(rows)
     timing = bench_job(facts["benches"])
     if timing:
-        lines += [""] + timing
+        lines += [""] + timing + compile_note(facts["benches"])
     lines += serving_section(serving)
     if facts["quantization"]:
         lines += ["", "## How each arm was quantized", ""] + quantization_table(facts["quantization"])
@@ -46,7 +47,7 @@ def render_markdown(study: dict, rows: list[dict], facts: dict, settings: Mappin
         lines += ["", "## Plots", ""] + [f"![{title}]({link})" for title, link in plots]
     lines += ["", "## Host", ""] + host_block(study, facts, rows)
     lines += ["", "## Definitions", ""] + definitions(study, facts, settings) + serving_rules(serving)
-    lines += ["", "## Runtimes", ""] + [f"- `{r['arm_id']}` on {r['engine']}: {r['runtime']}" for r in rows]
+    lines += ["", "## Runtimes", ""] + [runtime_line(r) for r in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -211,6 +212,7 @@ def host_block(study: dict, facts: dict, rows: list[dict]) -> list[str]:
     versions = ", ".join(f"{k} {v}" for k, v in sorted(host["versions"].items()))
     return lines + [
         f"- CPU: {host['cpu_model']}; ISA: {isa}",
+        *runtime_candidates(host, facts.get("benches", {})),
         f"- Cores used: {host['cores']} ({host['threads']} threads); load average {' '.join(f'{x:.2f}' for x in host['load_average'])}",
         f"- Memory bandwidth (STREAM-like triad at the start of the bench job, on its cores): "
         f"{_bandwidth_measured(facts['bandwidth'])}",

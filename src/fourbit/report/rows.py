@@ -24,6 +24,7 @@ COLUMNS = [
     "size_mib", "ppl", "baseline_ppl", "delta_ppl", "delta_ppl_ci_low", "delta_ppl_ci_high",
     "delta_ppl_pct", "dense_ppl",
     "control_delta_nll", "control", "numerics", "control_tolerance", "runtime",
+    "timed_runtime", "compile_s",
     "pp512_median", "pp512_min", "pp512_max", "pp512_ratio",
     "tg128_median", "tg128_min", "tg128_max", "tg128_ratio",
     "decode_bandwidth_fraction", "max_busy_before_pass", "min_resident_fraction", "throughput_note",
@@ -120,7 +121,7 @@ def _throughput(benches: list[dict], side: str) -> dict:
         note = benches[0].get("reason", "not measured") if benches else "no arm to pair it with"
         return {f"{short}_{stat}": None for short in METRICS for stat in ("median", "min", "max", "ratio")} | {
             "decode_bandwidth_fraction": None, "max_busy_before_pass": None, "min_resident_fraction": None,
-            "throughput_note": note,
+            "throughput_note": note, "timed_runtime": None, "compile_s": None,
         }
     out = {}
     for short, metric in METRICS.items():
@@ -135,7 +136,12 @@ def _throughput(benches: list[dict], side: str) -> dict:
     note = f"{passes} passes" + (f", paired with {len(measured)} arms" if len(measured) > 1 else "")
     if any(b["contention"]["override_used"] for b in measured):
         note += "; busy-core override used"
+    # What ran in the timed passes (vLLM compiled, where it scored eager) and the seconds its
+    # untimed start spent compiling; a baseline opened once for the job has one start.
+    start = measured[0][side].get("start")
     return out | {
+        "timed_runtime": measured[0][side].get("runtime"),
+        "compile_s": start["compile_s"] if start else None,
         "decode_bandwidth_fraction": roofline["fraction_of_limit"],
         "max_busy_before_pass": max(b["contention"]["max_busy"] for b in measured),
         "min_resident_fraction": min(residency),

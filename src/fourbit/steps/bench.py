@@ -5,9 +5,12 @@ One job times the whole study: every arm of every engine, each paired with its
 engine's unquantized baseline, interleaved in rounds (fourbit.bench.passes says
 why). Each arm still gets a record of its own, its ``bench.json``:
 
-    arm / baseline   per side: the checkpoint, what runs it, min/median/max and
-                     spread of every metric over the passes, the weight bytes a
-                     decode step reads and the decode roofline they imply
+    arm / baseline   per side: the checkpoint, what runs it in the timed passes
+                     (vLLM compiled unless bench.vllm_compiled is false: timed_settings),
+                     what its untimed start cost (an engine held open: its mode and
+                     the seconds spent compiling), min/median/max and spread of every
+                     metric over the passes, the weight bytes a decode step reads and
+                     the decode roofline they imply
     ratio            arm / baseline, pass by pass (both timed in the same pass,
                      order rotated), and its min/median/max/spread
     runs             every pass: its order, its slot in its round, when it started,
@@ -86,6 +89,17 @@ def resolve_settings(given: dict, threads: int) -> dict:
     return settings
 
 
+def timed_settings(engine: dict, spec: EngineSpec, vllm_compiled: bool) -> dict:
+    """The settings an engine is timed with: the ones it scores with, except that an engine
+    that compiles (vLLM) is timed compiled, as vLLM runs by default and as it is deployed,
+    unless the study's bench.vllm_compiled is false. Its scoring stays as configured
+    (enforce_eager, eager by default: an arm and its dense expansion then run the same
+    eager ops, and the control's tolerance holds)."""
+    if not spec.compiles:
+        return dict(engine)
+    return {**engine, "enforce_eager": engine["enforce_eager"] and not vllm_compiled}
+
+
 @dataclass(frozen=True)
 class BenchPair:
     """One arm of one engine, to be timed against that engine's baseline; ``out`` its record.
@@ -151,7 +165,7 @@ def _not_benchmarked(pair: BenchPair, reason: str) -> dict:
 def _time_pairs(pairs: list[BenchPair], specs: dict[str, EngineSpec],
                 settings: dict) -> dict[str, dict]:
     cores = settings["cores"]
-    sides = _sides(pairs, specs)
+    sides = _sides(pairs, specs, settings["vllm_compiled"])
     held = {key: held_open_bytes(side.checkpoint, side.settings["dtype"])
             for key, side in sides.items()
             if side.bench is Bench.SESSION}
@@ -173,7 +187,7 @@ def _time_pairs(pairs: list[BenchPair], specs: dict[str, EngineSpec],
             residency[side] = (cache_state if held_open else warm_and_check)([checkpoint])
         return {"contention": gate, "residency": residency}
 
-    results, peaks, group_of = {}, {}, {}
+    results, peaks, group_of, starts = {}, {}, {}, {}
     with pinned(cores):
         bandwidth = measure_bandwidth(threads=len(cores))  # before any engine starts
         for number, group in enumerate(groups, start=1):
@@ -193,11 +207,7 @@ def _time_pairs(pairs: list[BenchPair], specs: dict[str, EngineSpec],
                      for p in group},
                     passes=settings["passes"], warmup=settings["warmup"], before_pass=before_pass,
                 )
-                # A baseline reopened in a later group keeps its largest peak.
-                for key in keys:
-                    peak = getattr(runs[key], "peak_rss_bytes", None)
-                    if peak is not None:
-                        peaks[key] = max(peak, peaks.get(key, 0))
+                _note_engines(runs, peaks, starts)
             for pair in group:
                 group_of[pair.name] = {"number": number, "of": len(groups),
                                        "pairs": [p.name for p in group]}
@@ -206,8 +216,19 @@ def _time_pairs(pairs: list[BenchPair], specs: dict[str, EngineSpec],
     job = {"started": started, "pairs": len(pairs), "checkpoints": len(sides),
            "groups": len(groups), "available_memory_bytes": available}
     return {pair.name: _record(pair, sides, results[pair.name], settings, bandwidth, job,
-                               group_of[pair.name], memory)
+                               group_of[pair.name], memory, starts)
             for pair in pairs}
+
+
+def _note_engines(runs: dict, peaks: dict, starts: dict) -> None:
+    """Each held engine's peak memory and start costs, from its pass runner: a baseline
+    reopened in a later group keeps its largest peak and its first opening's start."""
+    for key, run in runs.items():
+        peak = getattr(run, "peak_rss_bytes", None)
+        if peak is not None:
+            peaks[key] = max(peak, peaks.get(key, 0))
+        if starts.get(key) is None:
+            starts[key] = getattr(run, "start", None)
 
 
 @dataclass(frozen=True)
@@ -215,7 +236,7 @@ class _Side:
     """A checkpoint opened for the job: one per arm, one per engine's baseline."""
 
     checkpoint: Path
-    settings: dict  # the engine's, with this checkpoint's own compile cache
+    settings: dict  # the engine's as timed (timed_settings), with this checkpoint's compile cache
     engine: TimesPasses  # the engine (a TimesInSession where ``bench`` is Bench.SESSION)
     bench: Bench  # how it times a pass
     weights: dict  # what a decode step reads (decode_weight_bytes)
@@ -226,14 +247,16 @@ def _side_key(pair: BenchPair, side: str) -> str:
     return json.dumps([pair.engine, str(checkpoint)], sort_keys=True)
 
 
-def _sides(pairs: list[BenchPair], specs: dict[str, EngineSpec]) -> dict[str, _Side]:
+def _sides(pairs: list[BenchPair], specs: dict[str, EngineSpec],
+           vllm_compiled: bool) -> dict[str, _Side]:
     sides = {}
     for pair in pairs:
+        timed = timed_settings(pair.engine, specs[pair.name], vllm_compiled)
         # Compile caches per checkpoint: a cache shared between two can load the other's graph.
         for side, checkpoint in (("arm", pair.arm), ("baseline", pair.baseline)):
             key = _side_key(pair, side)
             if key not in sides:
-                sides[key] = _Side(checkpoint, {**pair.engine, "cache_root": str(pair.caches[side])},
+                sides[key] = _Side(checkpoint, {**timed, "cache_root": str(pair.caches[side])},
                                    capable(get_engine(pair.engine["name"]), TimesPasses),
                                    specs[pair.name].bench,
                                    decode_weight_bytes(checkpoint, reads=specs[pair.name].reads,
@@ -252,7 +275,7 @@ def _groups(pairs: list[BenchPair], held: dict[str, int],
 
 
 def _record(pair: BenchPair, sides: dict[str, _Side], result: dict, settings: dict,
-            bandwidth: dict, job: dict, group: dict, memory: dict) -> dict:
+            bandwidth: dict, job: dict, group: dict, memory: dict, starts: dict) -> dict:
     record = {
         "measured": True,
         "engine": pair.engine,
@@ -274,7 +297,12 @@ def _record(pair: BenchPair, sides: dict[str, _Side], result: dict, settings: di
         record[side] = {
             "memory": memory[key],
             "checkpoint": str(opened.checkpoint),
-            "runtime": opened.engine.runtime(opened.checkpoint, pair.engine),
+            # What ran in the timed passes, which may differ from what scored (timed_settings).
+            "runtime": opened.engine.runtime(opened.checkpoint, opened.settings),
+            # Its name among the host's candidates (provenance's vllm_runtimes), if it has one.
+            "variant": opened.engine.runtime_variant(opened.checkpoint, opened.settings),
+            # An engine held open for the job: its untimed start (mode, seconds compiling).
+            "start": starts.get(key),
             "stats": result[side],
             "weight_bytes_per_token": opened.weights,
             "roofline": decode_roofline(

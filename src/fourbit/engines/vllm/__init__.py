@@ -36,7 +36,13 @@ from fourbit.engines.base import (
     WindowScore,
 )
 from fourbit.engines.vllm.fidelity import compare_sides, score_keeping_side
-from fourbit.engines.vllm.lifecycle import checkpoint_quant_method, numerics, open_llm, runtime
+from fourbit.engines.vllm.lifecycle import (
+    checkpoint_quant_method,
+    numerics,
+    open_llm,
+    runtime,
+    runtime_variant,
+)
 from fourbit.engines.vllm.score import greedy, prompt_logprobs, score_windows
 from fourbit.engines.vllm.settings import VllmSettings
 from fourbit.engines.vllm.throughput import throughput, throughput_session
@@ -51,6 +57,7 @@ __all__ = [
     "open_llm",
     "prompt_logprobs",
     "runtime",
+    "runtime_variant",
     "score_keeping_side",
     "score_windows",
     "throughput",
@@ -83,6 +90,9 @@ class VllmEngine(TimesInSession, KeepsSides):
 
     def numerics(self, checkpoint: Path, settings: Settings, rows: int) -> Numerics:
         return numerics(checkpoint, self.settings_to_describe(settings), rows)
+
+    def runtime_variant(self, checkpoint: Path, settings: Settings) -> str | None:
+        return runtime_variant(checkpoint, self.settings_to_describe(settings))
 
     def throughput(self, checkpoint: Path, settings: Settings, threads: int, *,
                    prompt_tokens: int, decode_tokens: int,

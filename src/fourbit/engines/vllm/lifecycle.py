@@ -102,8 +102,9 @@ _ENV_KEYS = (
 
 
 @contextlib.contextmanager
-def _engine_env(cache_root: str | os.PathLike | None) -> Iterator[None]:
-    """Environment for one in-process engine; restored afterwards."""
+def _engine_env(cache_root: str | os.PathLike | None, w4a8_amx: bool = False) -> Iterator[None]:
+    """Environment for one in-process engine; restored afterwards. ``w4a8_amx``: let vLLM's
+    own int4 methods take their W4A8 AMX kernel (VllmSettings.w4a8_amx)."""
     import vllm.envs
 
     saved = {k: os.environ.get(k) for k in _ENV_KEYS}
@@ -119,9 +120,10 @@ def _engine_env(cache_root: str | os.PathLike | None) -> Iterator[None]:
             "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1",
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
-            # vLLM's own int4 methods run W4A16 (cpu_gemm_wna16) on every host; unset, AMX
-            # hosts would switch bf16 layers to W4A8 and the native rows would mean another kernel.
-            "VLLM_CPU_INT4_W4A8": "0",
+            # vLLM's own int4 methods run W4A16 (cpu_gemm_wna16) on every host unless the
+            # engine is vllm_native_w4a8; unset, AMX hosts would switch bf16 layers to W4A8
+            # and the vllm_native rows would mean another kernel.
+            "VLLM_CPU_INT4_W4A8": "1" if w4a8_amx else "0",
         }
     )
     os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # would override kv_cache_memory_bytes
@@ -225,16 +227,16 @@ def open_llm(
     max_logprobs: int = 20,
     max_num_batched_tokens: int | None = None,
     max_num_seqs: int | None = None,
-    stats: dict[str, Any] | None = None,
+    stats: dict[str, Any] | None = None, w4a8_amx: bool = False,
 ) -> Iterator[Any]:
     """One in-process vllm.LLM for ``model_dir``, torn down on exit.
 
     quantization "auto": the fourbit plugin for any checkpoint it reads (fourbit_int4,
     symmetric gptq, compressed-tensors W4A16), None (dense) otherwise. quant_overrides
     are merged into config.json's quantization_config (passed whole as hf_overrides), e.g.
-    {"dequant_threshold": 32, "activation_dtype": "bfloat16"}.
+    {"dequant_threshold": 32, "activation_dtype": "bfloat16"}. w4a8_amx: VllmSettings'.
     """
-    with _engine_env(cache_root):
+    with _engine_env(cache_root, w4a8_amx):
         from vllm import LLM
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
@@ -320,6 +322,7 @@ def llm_options(settings: VllmSettings, checkpoint: str | os.PathLike) -> dict[s
         "quant_overrides": (dict(settings.quant) or None) if quantized else None,
         "enforce_eager": settings.enforce_eager,
         "max_num_seqs": settings.max_num_seqs,
+        "w4a8_amx": settings.w4a8_amx,
     }
 
 
@@ -339,13 +342,31 @@ def runtime(checkpoint: str | os.PathLike, settings: Mapping[str, Any] | VllmSet
     if qc is None or qc.get("quant_method") not in PLUGIN_READS:
         return f"{where}, dense"
     if settings.quantization is None:
-        return f"{where}, vLLM's own {qc['quant_method']} method (cpu_gemm_wna16), no plugin"
+        kernel = ("int4_scaled_mm_cpu, W4A8 on AMX int8 tiles" if settings.w4a8_amx
+                  else "cpu_gemm_wna16, W4A16")
+        return f"{where}, vLLM's own {qc['quant_method']} method ({kernel}), no plugin"
 
     eight_bit = int8_modules(qc)
     which = ", ".join(eight_bit) if len(eight_bit) <= 3 else f"{len(eight_bit)} matrices"
     held = f"; {which} at 8 bits ({describe_int8()})" if eight_bit else ""
     return (f"{where}, fourbit_int4 plugin on {qc['quant_method']} weights "
             f"({describe(_plugin_knobs(qc, settings), dtype)}{held})")
+
+
+def runtime_variant(checkpoint: str | os.PathLike,
+                    settings: Mapping[str, Any] | VllmSettings) -> str | None:
+    """The host probe's name (fourbit.bench.hostprobe.VLLM_RUNTIMES) of how this engine runs
+    ``checkpoint``'s 4-bit linears: engine, dtype, and what runs single rows (the plugin's
+    kernel knob; vLLM's own cpu_gemm_wna16, since _engine_env sets VLLM_CPU_INT4_W4A8=0).
+    None for a dense checkpoint."""
+    settings = resolve(settings)
+    qc = checkpoint_quant_config(checkpoint)
+    if qc is None or qc.get("quant_method") not in PLUGIN_READS:
+        return None
+    if settings.quantization is None:
+        return (f"vllm_native_w4a8 {dtype_name(settings.dtype)} int4_scaled_mm_cpu"
+                if settings.w4a8_amx else f"vllm_native {dtype_name(settings.dtype)} cpu_gemm_wna16")
+    return f"vllm {dtype_name(settings.dtype)} {_plugin_knobs(qc, settings)['kernel']}"
 
 
 def numerics(checkpoint: str | os.PathLike, settings: Mapping[str, Any] | VllmSettings,
@@ -359,8 +380,8 @@ def numerics(checkpoint: str | os.PathLike, settings: Mapping[str, Any] | VllmSe
     qc = checkpoint_quant_config(checkpoint)
     if qc is None or qc.get("quant_method") not in PLUGIN_READS:
         return "exact" if dtype == "float32" else "bf16_activations"
-    if settings.quantization is None:
-        return "bf16_activations"  # vLLM's own GPTQ method runs in bfloat16 only
+    if settings.quantization is None:  # vLLM's own methods run in bfloat16 only
+        return "int8_activations" if settings.w4a8_amx else "bf16_activations"
     return plugin_numerics(_plugin_knobs(qc, settings), dtype, rows)
 
 

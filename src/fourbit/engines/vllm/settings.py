@@ -36,12 +36,17 @@ class VllmSettings:
     # True: fourbit's plugin runs every checkpoint it reads; False: vLLM's own method for
     # the checkpoint (fourbit.engines.vllm_native)
     plugin: bool
+    # vLLM's own method only: True lets it take its W4A8 AMX kernel (int4_scaled_mm_cpu) for
+    # bfloat16 layers on an AMX host (fourbit.engines.vllm_native_w4a8); False keeps it on
+    # W4A16 (cpu_gemm_wna16) everywhere (lifecycle's VLLM_CPU_INT4_W4A8)
+    w4a8_amx: bool
     cache_root: str | None  # this checkpoint's compile caches; None: vLLM's default folders
 
     @classmethod
-    def from_engine(cls, settings: Mapping[str, Any], *, plugin: bool) -> VllmSettings:
+    def from_engine(cls, settings: Mapping[str, Any], *, plugin: bool,
+                    w4a8_amx: bool = False) -> VllmSettings:
         """From the workflow's mapping; ``plugin`` is the engine's (True for vllm, False
-        for vllm_native)."""
+        for vllm_native and vllm_native_w4a8), ``w4a8_amx`` True for vllm_native_w4a8."""
         keys = CONFIG_KEYS + PLUGIN_KEYS if plugin else CONFIG_KEYS
         block = "engines.vllm" if plugin else "engines.vllm_native"
         missing = [key for key in keys if key not in settings]
@@ -62,6 +67,7 @@ class VllmSettings:
             max_num_seqs=int(settings["max_num_seqs"]),
             quant=dict(settings["quant"]) if plugin else {},
             plugin=plugin,
+            w4a8_amx=w4a8_amx and not plugin,
             # Optional: only the steps choose a cache folder; a direct call may leave it out.
             cache_root=_optional_path(settings.get("cache_root")),
         )

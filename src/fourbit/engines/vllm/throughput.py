@@ -75,8 +75,10 @@ def bench_engine(
     *,
     prompt_tokens: int,
     decode_tokens: int,
+    start: dict[str, float] | None = None,
 ) -> Iterator[Callable[[], tuple[dict[str, float], dict[str, float]]]]:
     """An engine opened for timing; yields a function that times one pass in it.
+    Long because what a pass times and what it leaves untimed is said here, once.
 
     A pass measures pp and tg as llama-bench does: batch 1, synthetic ids, one untimed
     run first, then each test repeated.
@@ -98,6 +100,8 @@ def bench_engine(
     the same over this process's CPU time). On a shared host other jobs' turns on the
     cores stretch wall time but not CPU time (threads spinning while they wait still
     count, so the CPU clock is clean only with one thread).
+
+    ``start``, if given, is filled with what the untimed start cost (start_record).
     """
     from fourbit.bench.passes import repeat_for
 
@@ -111,11 +115,16 @@ def bench_engine(
                "max_num_seqs": 1}
 
     # The whole prompt in one forward step, as llama-bench's pp512 evaluates it.
+    opened: dict[str, float] = {}
+    compiled_before = compile_seconds()
     with (torch_threads(threads),
           open_llm(checkpoint, max_model_len=max_model_len, max_num_batched_tokens=prompt_tokens,
-                   **options) as llm):
+                   stats=opened, **options) as llm):
         timed = functools.partial(_timed, llm, checkpoint)
-        timed(prompt[:-1], 2)  # untimed: a prefill and a decode step, in range
+        first_run_s, _ = timed(prompt[:-1], 2)  # untimed: a prefill and a decode step, in range
+        if start is not None:
+            start |= start_record(settings, opened["engine_init_s"],
+                                  compile_seconds() - compiled_before, first_run_s)
 
         def one_pass() -> tuple[dict[str, float], dict[str, float]]:
             timed(prompt, 1)  # untimed: wakes the cores and caches after idling
@@ -127,6 +136,32 @@ def bench_engine(
                     _rates(prompt_tokens, decode_tokens, prefills, decodes, clock=1))
 
         yield one_pass
+
+
+def start_record(settings: VllmSettings, engine_init_s: float, compile_s: float,
+                 first_run_s: float) -> dict[str, Any]:
+    """What an engine's untimed start cost: its mode, the seconds vLLM's constructor took
+    (loading, the KV cache, and in compiled mode compiling, in its warm-up run), the seconds
+    of it spent compiling (compile_seconds), and the untimed first generation's."""
+    return {"mode": "eager" if settings.enforce_eager else "compiled",
+            "engine_init_s": round(engine_init_s, 3), "compile_s": round(compile_s, 3),
+            "first_run_s": round(first_run_s, 3)}
+
+
+# torch._dynamo's timers of a whole compile, capture and backend: vLLM's DYNAMO_TRACE_ONCE
+# compiles ahead of time (fullgraph_capture), a torch.compile'd function on first call
+# (entire_frame_compile). Neither runs inside the other.
+WHOLE_COMPILE_TIMERS = ("fullgraph_capture", "entire_frame_compile")
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent in torch.compile so far, by torch._dynamo's own
+    timers. vLLM's count (CompilationConfig.compilation_time) stays 0 on the CPU: it counts
+    VLLM_COMPILE only, and the CPU platform compiles with DYNAMO_TRACE_ONCE (lifecycle's
+    docstring)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return float(sum(sum(compilation_time_metrics.get(timer, ())) for timer in WHOLE_COMPILE_TIMERS))
 
 
 def _rates(prompt_tokens: int, decode_tokens: int, prefills: list, decodes: list, *,
@@ -235,7 +270,8 @@ def throughput_session(
 class _BenchWorker:
     """One fourbit.engines.vllm.throughput_worker process and its side of the protocol; called,
     it times one pass. ``peak_rss_bytes``: the worker's largest resident set so far (None
-    until its engine is open)."""
+    until its engine is open); ``start``: what its engine's untimed start cost
+    (bench_engine's ``start``; None until it is open)."""
 
     def __init__(self, checkpoint: str | os.PathLike, request: dict[str, Any]):
         self.checkpoint = checkpoint
@@ -245,6 +281,7 @@ class _BenchWorker:
         )
         self.waiting_for_ready = True
         self.peak_rss_bytes: int | None = None
+        self.start: dict[str, Any] | None = None
 
     def _gone(self) -> RuntimeError:
         return RuntimeError(f"the bench worker for {self.checkpoint} exited with "
@@ -263,7 +300,7 @@ class _BenchWorker:
 
     def __call__(self) -> dict[str, float]:
         if self.waiting_for_ready:
-            self._reply("ready")
+            self.start = self._reply("ready")
             self.waiting_for_ready = False
         self.process.send_signal(signal.SIGCONT)
         try:

@@ -11,7 +11,9 @@ Protocol (one JSON object per line):
 
     argv[1]   {"checkpoint", "settings" (a VllmSettings' fields), "threads",
                "prompt_tokens", "decode_tokens"}
-    out       {"ready": true, "peak_rss_bytes": ..} once the engine is open and warmed up
+    out       {"ready": {"mode", "engine_init_s", "compile_s", "first_run_s"},
+               "peak_rss_bytes": ..} once the engine is open and warmed up; "ready" holds
+               what its untimed start cost (throughput.bench_engine's ``start``)
     in        "pass"  ->  out {"rates": {"pp512_tok_s": .., "tg128_tok_s": ..},
                                "peak_rss_bytes": ..}
 
@@ -52,11 +54,13 @@ def main() -> int:
         from fourbit.engines.vllm.throughput import bench_engine
         from fourbit.engines.vllm.settings import VllmSettings
 
+        start: dict = {}
         with bench_engine(
             request["checkpoint"], VllmSettings(**request["settings"]), request["threads"],
             prompt_tokens=request["prompt_tokens"], decode_tokens=request["decode_tokens"],
+            start=start,
         ) as one_pass:
-            send({"ready": True, "peak_rss_bytes": peak_rss_bytes()})
+            send({"ready": start, "peak_rss_bytes": peak_rss_bytes()})
             for line in sys.stdin:
                 if line.strip() != "pass":
                     raise ValueError(f"unknown command {line.strip()!r}; the worker knows 'pass'")
