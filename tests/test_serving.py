@@ -19,7 +19,7 @@ import pytest
 
 from fourbit.serving.llamacpp_server import LlamaServer
 from fourbit.serving.llamacpp_server import serve_command as llamacpp_command
-from fourbit.serving.load import LoadError, level_figures
+from fourbit.serving.load import LoadError, Request, _carries_token, level_figures
 from fourbit.serving.process import (
     PortInUse,
     ServerError,
@@ -206,29 +206,40 @@ class _nothing:
         return False
 
 
-def _benchmark_result(output_lens, completed=None):
-    n = len(output_lens)
-    return {"completed": n if completed is None else completed, "failed": 0,
-            "output_throughput": 100.0, "request_throughput": 2.0, "duration": 4.0,
-            "ttfts": [0.1] * n, "latencies": [0.1 + 0.01 * (k - 1) for k in output_lens],
-            "itls": [[0.01] * (k - 1) for k in output_lens], "output_lens": output_lens,
-            "errors": [""] * n}
+def _request(tokens: int, error: str | None = None) -> Request:
+    # first token after 0.1 s, then one every 0.01 s
+    return Request(arrivals=[0.1 + 0.01 * k for k in range(tokens)], output_tokens=tokens,
+                   error=error)
 
 
-def test_level_figures_from_the_benchmarks_per_request_timings():
-    figures = level_figures(_benchmark_result([32] * 4), requests=4, output_tokens=32)
+def test_level_figures_from_each_requests_token_arrivals():
+    figures = level_figures([_request(32) for _ in range(4)], 2.0, output_tokens=32)
     assert figures["ttft_ms"]["p50"] == pytest.approx(100.0)
-    assert figures["tpot_ms"]["p99"] == pytest.approx(10.0)  # (latency - ttft) / 31
+    assert figures["tpot_ms"]["p99"] == pytest.approx(10.0)  # (e2e - ttft) / 31
     assert figures["itl_ms"]["p50"] == pytest.approx(10.0)
     assert figures["e2e_ms"]["p50"] == pytest.approx(410.0)
-    assert figures["output_tok_s"] == 100.0 and figures["completed"] == 4
+    assert figures["output_tok_s"] == pytest.approx(64.0) and figures["requests_per_s"] == 2.0
 
 
-def test_a_level_whose_requests_stop_early_is_refused():
-    with pytest.raises(LoadError, match="stopped early"):
-        level_figures(_benchmark_result([32, 32, 7, 32]), requests=4, output_tokens=32)
-    with pytest.raises(LoadError, match="failed"):
-        level_figures(_benchmark_result([32, 32], completed=1), requests=2, output_tokens=32)
+def test_a_level_whose_requests_stop_early_or_fail_is_refused():
+    with pytest.raises(LoadError, match="not 32"):
+        level_figures([_request(32), _request(7)], 1.0, output_tokens=32)
+    uncounted = _request(32)
+    uncounted.output_tokens = None  # no usage sent
+    with pytest.raises(LoadError, match="not 32"):
+        level_figures([uncounted], 1.0, output_tokens=32)
+    with pytest.raises(LoadError, match="1 of 2 requests failed.*reset"):
+        level_figures([_request(32), _request(0, error="connection reset")], 1.0, output_tokens=32)
+
+
+def test_a_token_chunk_of_either_server():
+    vllm_token = {"choices": [{"text": " the", "finish_reason": None}]}
+    vllm_usage = {"choices": [], "usage": {"completion_tokens": 32}}
+    llama_last = {"choices": [{"text": "", "finish_reason": "length"}],
+                  "usage": {"completion_tokens": 32}}
+    last_token = {"choices": [{"text": " end", "finish_reason": "length"}]}
+    assert _carries_token(vllm_token) and _carries_token(last_token)
+    assert not _carries_token(vllm_usage) and not _carries_token(llama_last)
 
 
 def test_prompts_are_the_first_tokens_of_the_evaluation_windows(tmp_path):
@@ -238,3 +249,31 @@ def test_prompts_are_the_first_tokens_of_the_evaluation_windows(tmp_path):
         [0, 1, 2], [10, 11, 12], [0, 1, 2]]
     with pytest.raises(ValueError, match="at most 8"):
         prompts_from_windows(windows, prompt_tokens=9, requests=1)
+
+
+def test_a_job_killed_outright_takes_its_server_with_it(tmp_path):
+    """SIGKILL runs no ``finally``: the kernel ends the server (PR_SET_PDEATHSIG)."""
+    port = free_port()
+    job = textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        from fourbit.serving.process import running_server
+        with running_server("fake", {_fake_server(tmp_path, port)!r}, {{}}, {port},
+                            Path({str(tmp_path / "job.log")!r}), startup_timeout_s=30) as server:
+            print(server.pgid, flush=True)
+            time.sleep(600)
+    """)
+    import os
+    import signal
+    import subprocess
+
+    process = subprocess.Popen([sys.executable, "-c", job], stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    pgid = int(process.stdout.readline())
+    assert Path(f"/proc/{pgid}").exists()
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pgid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{pgid}").exists() or "Z" in Path(f"/proc/{pgid}/stat").read_text().split(")")[1][:3]

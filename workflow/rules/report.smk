@@ -13,6 +13,7 @@ rule report:
         arms=expand(rules.quantize.output.arm, arm=STUDY.arms),
         corpus=expand(rules.prepare_corpus.output.manifest, corpus=CORPUS),
         model=expand(rules.untie_head.output.model, model=MODEL),
+        **serving_report_input(),
     output:
         markdown=report(f"{RESULTS}/report.md", caption="../report/report.rst", category="Report"),
         table=report(f"{RESULTS}/report.tsv", caption="../report/table.rst", category="Report"),
@@ -31,6 +32,7 @@ rule report:
             caption="../report/frontier.rst",
             category="Plots",
         ),
+        **serving_report_plots(),
     log:
         f"{RESULTS}/logs/report.log",
     conda:

@@ -7,6 +7,12 @@ whole tree; stopping it signals the group, SIGTERM first and SIGKILL after a gra
 and waits until no process of the group is left. That happens on leaving the context,
 whether the job succeeded or failed, so no server outlives the job that started it.
 
+A job killed outright (SIGKILL: no ``finally`` runs) must not leave its servers behind
+either: each server's leader is started with PR_SET_PDEATHSIG, so the kernel kills it when
+the job dies, and vLLM's engine core and worker end with their parent (vLLM watches it).
+A SIGTERM (Snakemake cancelling the job, SLURM's time limit) is turned into an exit while
+servers run (:func:`exit_on_sigterm`), so the ``finally`` stops them.
+
 A server that exits before it answers, or never answers within its time, fails with its
 command line and the tail of its log: that is where the server says why.
 """
@@ -14,6 +20,7 @@ command line and the tail of its log: that is where the server says why.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shlex
 import signal
@@ -27,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 LOG_TAIL_LINES = 40
 STOP_GRACE_S = 15.0
 
@@ -102,13 +110,31 @@ def running_server(name: str, command: Sequence[str], env: Mapping[str, str], po
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(list(command), env=dict(env), stdout=log_file,
                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   start_new_session=True)
+                                   start_new_session=True, preexec_fn=_die_with_parent)
     server = RunningServer(name, list(command), f"http://{LOOPBACK}:{port}", log_path, process)
     try:
         server.startup_s = _wait_healthy(server, health_path, startup_timeout_s)
         yield server
     finally:
         stop_group(server.pgid, process)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the process that started it ends."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+@contextlib.contextmanager
+def exit_on_sigterm() -> Iterator[None]:
+    """SIGTERM raises SystemExit here, so the servers' contexts stop them; restored after."""
+    def stop(signum, frame):
+        raise SystemExit(f"stopped by signal {signum}")
+
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def _wait_healthy(server: RunningServer, health_path: str, timeout_s: float) -> float:

@@ -46,8 +46,10 @@ def write_report(
     gguf_base_storage: str | os.PathLike | None = None,
     training_path: str | os.PathLike | None = None,
     corpus_manifest: str | os.PathLike | None = None,
+    serve_record: str | os.PathLike | None = None,
 ) -> None:
-    """``report_settings``: the config's validated ``report`` block (the schema's defaults
+    """``serve_record``: the serve step's serve.json (None: serving is not enabled), read by
+    the report's Serving section. ``report_settings``: the config's validated ``report`` block (the schema's defaults
     filled in; this module has none of its own); ``records``: engine id -> arm id (or
     "baseline") -> kind -> path (fourbit.report.loading); ``plot_paths``: by figure name
     (fourbit.report.plots.FIGURES and FRONTIER, the rule's output names), where to write it."""
