@@ -28,7 +28,7 @@ from fourbit.serving.process import (
     require_port_free,
     running_server,
 )
-from fourbit.serving.vllm_server import VllmServer, kv_cache_tokens
+from fourbit.serving.vllm_server import VllmServer, kv_cache_capacity
 from fourbit.serving.vllm_server import serve_command as vllm_command
 from fourbit.serving.workload import prompts_from_windows
 
@@ -69,6 +69,7 @@ def test_vllm_command_serves_a_4bit_arm_through_the_plugin_with_the_engine_setti
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1" and env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
     assert env["HF_HUB_OFFLINE"] == "1" and "VLLM_CPU_KVCACHE_SPACE" not in env
     assert env["VLLM_CACHE_ROOT"] == str((tmp_path / "cache" / "vllm").absolute())
+    assert len(env["VLLM_RPC_BASE_PATH"]) + len("/0123abcd-0123-0123-0123-0123456789ab") < 107
 
 
 def test_vllm_command_of_a_dense_baseline_compiled(tmp_path):
@@ -89,15 +90,15 @@ def test_vllm_command_passes_the_plugin_knobs_of_a_quantized_arm(tmp_path):
     assert overrides["quantization_config"]["quant_method"] == "fourbit_int4"
 
 
-def test_vllm_over_capacity_reads_the_servers_own_kv_cache_size(tmp_path):
+def test_vllm_over_capacity_is_the_servers_own_count(tmp_path):
     log = tmp_path / "server.log"
     log.write_text("(EngineCore pid=1) INFO [kv_cache_utils.py:2327] CPU KV cache size: 1,024 "
-                   "tokens, Maximum concurrency for 96 tokens per request: 10.67x\n")
-    assert kv_cache_tokens(log) == 1024
+                   "tokens, Maximum concurrency for 96 tokens per request: 8.00x\n")
+    assert kv_cache_capacity(log) == (1024, 8.0)
     server = VllmServer(plugin=True)
-    assert server.over_capacity(log, 8, 96) is None  # 8 x 96 = 768 <= 1024
-    reason = server.over_capacity(log, 16, 96)  # 16 x 96 = 1536 > 1024
-    assert "1024 tokens" in reason and "1536" in reason and "kv_cache_gib" in reason
+    assert server.over_capacity(log, 8, 96) is None
+    reason = server.over_capacity(log, 16, 96)
+    assert "1024 tokens, 8 requests of 96 tokens" in reason and "kv_cache_gib" in reason
 
 
 def test_llamacpp_command_gives_each_user_a_slot_of_the_whole_request(tmp_path):

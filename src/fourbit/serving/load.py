@@ -70,7 +70,10 @@ async def _level(url: str, payload: dict, prompts: list[list[int]], concurrency:
                  warmup: int) -> tuple[list[Request], float]:
     limit = asyncio.Semaphore(concurrency)
     timeout = aiohttp.ClientTimeout(total=TIMEOUT_S)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    # A new connection per request: llama-server closes a streamed response's connection,
+    # and a pooled one then fails the next request's write ("Can not write request body").
+    connector = aiohttp.TCPConnector(force_close=True, limit=concurrency)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
 
         async def limited(prompt: list[int]) -> Request:
             async with limit:

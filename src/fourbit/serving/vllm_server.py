@@ -17,7 +17,7 @@ its engine config line ("quantization=fourbit_int4").
 
 The environment is the scoring engine's (lifecycle._engine_env: offline, no usage stats,
 the V1 model runner, the per-checkpoint compile caches and the shared inductor cache),
-plus the OpenMP binding of the study's cores: unset, vLLM's CPU worker binds to one
+but for its IPC sockets (:func:`rpc_sockets`), plus the OpenMP binding of the study's cores: unset, vLLM's CPU worker binds to one
 core per NUMA node and reserves the rest for the API server (utils/ompmultiprocessing.py),
 one core of two on this host.
 """
@@ -28,6 +28,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,8 +44,11 @@ from fourbit.engines.vllm.settings import VllmSettings, resolve
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 HEALTH_PATH = "/health"
-# The engine core's log line with what the KV cache holds (v1/core/kv_cache_utils.py).
-_KV_LINE = re.compile(r"KV cache size: ([\d,]+) tokens")
+# The engine core's log line with what its KV cache holds: tokens, and how many requests
+# of max_model_len tokens fit at once, counted in whole blocks (v1/core/kv_cache_utils.py,
+# get_max_concurrency_for_kv_cache_config; the CPU backend's blocks are 128 tokens).
+_KV_LINE = re.compile(r"KV cache size: ([\d,]+) tokens, Maximum concurrency for ([\d,]+) tokens "
+                      r"per request: ([\d.]+)x")
 
 
 @dataclass(frozen=True)
@@ -90,18 +94,28 @@ def serve_command(settings: Mapping[str, Any] | VllmSettings, checkpoint: str | 
         env = dict(os.environ)
     env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(cores)))
     env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    env["VLLM_RPC_BASE_PATH"] = str(rpc_sockets())
     return ServeCommand(argv, env)
 
 
-def kv_cache_tokens(log_path: Path) -> int | None:
-    """The tokens the server's KV cache holds, from its own log (None: not logged yet)."""
+def rpc_sockets() -> Path:
+    """Where the server's processes put their IPC sockets (one uuid-named socket each).
+    Not the checkpoint's cache folder, as in-process engines have it: a Unix socket's path
+    holds at most 107 bytes, and <results>/<model>/eval/<corpus>/<engine>/<arm>/serve.cache/
+    rpc/<uuid> is longer (zmq refuses it and the server exits)."""
+    folder = Path(tempfile.gettempdir()) / f"fourbit-vllm-rpc-{os.getuid()}"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    return folder
+
+
+def kv_cache_capacity(log_path: Path) -> tuple[int, float] | None:
+    """(tokens the server's KV cache holds, requests of max_model_len it holds at once),
+    from its own log; None before it logged them."""
     found = _KV_LINE.findall(Path(log_path).read_text(errors="replace"))
-    return int(found[-1].replace(",", "")) if found else None
-
-
-# vLLM stores the KV cache in blocks of this many tokens (the CPU backend's default
-# block_size), so a request holds whole blocks.
-KV_BLOCK_TOKENS = 16
+    if not found:
+        return None
+    tokens, _, requests = found[-1]
+    return int(tokens.replace(",", "")), float(requests)
 
 
 @dataclass(frozen=True)
@@ -125,17 +139,17 @@ class VllmServer:
 
     def over_capacity(self, log_path: Path, concurrency: int, tokens_per_request: int) -> str | None:
         """Why ``concurrency`` requests do not fit the server's KV cache at once, or None."""
-        held = kv_cache_tokens(log_path)
-        if held is None:
-            raise RuntimeError(f"{log_path} does not say how many tokens vLLM's KV cache holds "
-                               "(its 'KV cache size: N tokens' line); another vLLM version?")
-        blocks = -(-tokens_per_request // KV_BLOCK_TOKENS)
-        need = concurrency * blocks * KV_BLOCK_TOKENS
-        if need <= held:
+        capacity = kv_cache_capacity(log_path)
+        if capacity is None:
+            raise RuntimeError(f"{log_path} does not say what vLLM's KV cache holds (its 'KV "
+                               "cache size: N tokens, Maximum concurrency ...' line); another "
+                               "vLLM version?")
+        tokens, requests = capacity
+        if concurrency <= int(requests):
             return None
-        return (f"vLLM's KV cache holds {held} tokens (its log), {concurrency} requests of "
-                f"{tokens_per_request} tokens need {need}: raise engines.{self.engine_name}"
-                ".kv_cache_gib or lower the level")
+        return (f"vLLM's KV cache holds {tokens} tokens, {requests:g} requests of "
+                f"{tokens_per_request} tokens at once (its log), not {concurrency}: raise "
+                f"engines.{self.engine_name}.kv_cache_gib or lower the level")
 
     @property
     def engine_name(self) -> str:
