@@ -87,9 +87,9 @@ def served_checkpoint(int4_checkpoints, tmp_path_factory):
     return arm, windows
 
 
-def _serve(tmp_path: Path, arm: Path, windows: Path, engine: dict) -> dict:
+def _serve(tmp_path: Path, arm: Path, windows: Path, engine: dict, **serve) -> dict:
     return serve_study([ServedArm("vllm-1", engine, "t-0000000000", "t", arm, tmp_path / "cache")],
-                       SERVE, {"allow_busy": True}, windows=windows, out=tmp_path / "serve.json",
+                       {**SERVE, **serve}, {"allow_busy": True}, windows=windows, out=tmp_path / "serve.json",
                        server_logs=tmp_path / "servers", threads=2, model_weights_sha256=SHA,
                        control_tolerance=TOLERANCES)
 
@@ -98,19 +98,21 @@ def _serve(tmp_path: Path, arm: Path, windows: Path, engine: dict) -> dict:
 def test_vllm_serves_the_4bit_arm_through_the_plugin_and_names_a_level_it_cannot_hold(
         served_checkpoint, tmp_path):
     arm, windows = served_checkpoint
-    # One block of KV cache: 128 tokens (the CPU backend's block) at 2 KiB each (2 layers x
-    # K,V x 2 heads x 64 x 4 bytes). A request of 32 + 16 tokens takes a whole block: one
-    # fits, two do not.
-    record = _serve(tmp_path, arm, windows, {**VLLM, "kv_cache_gib": 128 * 2048 / 2**30})
+    # 512 KiB of KV cache: vLLM counts 96 tokens in it, two requests of 32 + 16 tokens
+    # (its log: "Maximum concurrency for 48 tokens per request: 2.00x"); four do not fit.
+    record = _serve(tmp_path, arm, windows, {**VLLM, "kv_cache_gib": 2**19 / 2**30},
+                    concurrency=[1, 2, 4])
     [served] = record["served"]
     assert served["status"] == "measured" and "fourbit_int4 plugin" in served["runtime"]
     log = Path(tmp_path / "servers" / "vllm-1.t-0000000000.log").read_text()
     assert "quantization=fourbit_int4" in log  # the plugin's method, in the server process
-    one, two = served["levels"]
-    assert one["status"] == "measured" and len(one["passes"]) == 3
-    assert all(p["completed"] == 4 and p["output_tok_s"] > 0 for p in one["passes"])
-    assert one["summary"]["tpot_ms_p99"]["min"] <= one["summary"]["tpot_ms_p99"]["max"]
-    assert two["status"] == "over_capacity" and "1 requests of 48 tokens" in two["reason"], two
+    assert "Maximum concurrency for 48 tokens per request: 2.00x" in log
+    one, two, four = served["levels"]
+    for level in (one, two):
+        assert level["status"] == "measured" and len(level["passes"]) == 3
+        assert all(p["completed"] == 4 and p["output_tok_s"] > 0 for p in level["passes"])
+        assert level["summary"]["tpot_ms_p99"]["min"] <= level["summary"]["tpot_ms_p99"]["max"]
+    assert four["status"] == "over_capacity" and "2 requests of 48 tokens" in four["reason"], four
     assert json.loads((tmp_path / "serve.json").read_text()) == record
 
 

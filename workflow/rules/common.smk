@@ -288,13 +288,15 @@ def serve_arms():
                     "arm_name": "baseline" if arm_id == "baseline" else STUDY.arms[arm_id].name,
                     "model": scored_checkpoint(engine.id, arm_id, "quantized"),
                     "cache": compile_cache(engine.id, arm_id, "serve"),
-                    "records": {
-                        "ppl_quantized": rules.ppl.output.quantized.format(**ids),
-                        "ppl_dense": rules.ppl.output.dense.format(**ids),
-                        "fidelity": rules.fidelity.output.fidelity.format(**ids),
-                    }
-                    if best_faithful and arm_id != "baseline"
-                    else {},
+                    "records": (
+                        {
+                            "ppl_quantized": rules.ppl.output.quantized.format(**ids),
+                            "ppl_dense": rules.ppl.output.dense.format(**ids),
+                            "fidelity": rules.fidelity.output.fidelity.format(**ids),
+                        }
+                        if best_faithful and arm_id != "baseline"
+                        else {}
+                    ),
                 }
             )
     return served
@@ -317,8 +319,11 @@ def serving_report_plots():
     if not SERVING:
         return {}
     return {
-        name: report(f"{RESULTS}/report-{name.replace('_', '-')}.png",
-                     caption=f"../report/{name}.rst", category="Plots")
+        name: report(
+            f"{RESULTS}/report-{name.replace('_', '-')}.png",
+            caption=f"../report/{name}.rst",
+            category="Plots",
+        )
         for name in ("serving_throughput", "serving_pareto")
     }
 

@@ -1,7 +1,7 @@
 # What each served build gives 1, 2, 4, 8, 16 concurrent users on its engine's real
 # OpenAI-compatible server (fourbit.steps.serve): vLLM's api_server and llama-server,
-# started by the job on free loopback ports and stopped when it ends, driven by vLLM's
-# serving benchmark. One job for the whole study, like the bench: every level of every
+# started by the job on free loopback ports and stopped when it ends, all driven by one
+# load generator (fourbit.serving.load). One job for the whole study, like the bench: every level of every
 # served arm timed in interleaved passes on the same cores, which the job claims whole.
 # Which arms: serve.arms (the report's best faithful arm of each engine, or names) and
 # serve.baseline. No benchmark: directive, as for the bench.
@@ -13,11 +13,11 @@ if SERVING:
 
     rule serve:
         input:
+            # llama-server comes from the study's llama.cpp build
+            **serve_tools(SERVE_ARMS),
             checkpoints=sorted({arm["model"] for arm in SERVE_ARMS}),
             records=sorted({path for arm in SERVE_ARMS for path in arm["records"].values()}),
             windows=f"{EVAL_DIR}/windows.json",
-            # llama-server comes from the study's llama.cpp build
-            **serve_tools(SERVE_ARMS),
             source=f"{MODEL_DIR}/source",
         output:
             record=f"{EVAL_DIR}/serve.json",
@@ -26,8 +26,8 @@ if SERVING:
         conda:
             "../../envs/fourbit.yaml"
         threads: workflow.cores
-        resources:  # every served checkpoint's server held open at once
-            mem_mb=held("checkpoints", 3, 4000, per_checkpoint_mb=3072),
+        resources:  # a server per served checkpoint held open at once (its KV cache and runtime)
+            mem_mb=held("checkpoints", 3, 4000, per_checkpoint_mb=2048),
             runtime=per_attempt(120),
             disk_mb=disk_need("records"),
         params:

@@ -36,6 +36,7 @@ from pathlib import Path
 LOOPBACK = "127.0.0.1"
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 LOG_TAIL_LINES = 40
+ERROR_LINES = 10
 STOP_GRACE_S = 15.0
 
 
@@ -67,9 +68,14 @@ def require_port_free(port: int) -> None:
 
 
 def log_tail(log_path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The log's first error lines (a server's root cause often comes long before its last
+    traceback: vLLM's engine core fails, then its API server), then its last ``lines``."""
     if not log_path.exists():
         return "(no log written)"
-    return "\n".join(log_path.read_text(errors="replace").splitlines()[-lines:])
+    text = log_path.read_text(errors="replace").splitlines()
+    errors = [line for line in text[:-lines] if "Error" in line or "ERROR" in line][:ERROR_LINES]
+    first = ["first error lines:", *errors, "...", "last lines:"] if errors else []
+    return "\n".join(first + text[-lines:])
 
 
 @dataclass
