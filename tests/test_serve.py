@@ -74,6 +74,19 @@ def test_a_request_longer_than_the_models_positions_is_refused_before_any_server
     assert not (tmp_path / "serve.json").exists()
 
 
+def test_an_engine_that_cannot_run_here_is_refused_with_its_reason(tmp_path):
+    windows = tmp_path / "windows.json"
+    windows.write_text(json.dumps({"window": 64, "windows": [list(range(64))]}))
+    refused = ServedArm("vllm_native-1", {**VLLM, "name": "vllm_native"}, "baseline", "baseline",
+                        tmp_path / "never-built", refusal="needs AVX-512 (avx512f), absent here")
+    record = serve_study([refused], {**SERVE, "arms": "best_faithful", "baseline": True}, {},
+                         windows=windows, out=tmp_path / "serve.json", server_logs=tmp_path / "logs",
+                         threads=1, model_weights_sha256=SHA, control_tolerance=TOLERANCES)
+    [entry] = record["served"]
+    assert entry["status"] == "refused" and "AVX-512" in entry["reason"]
+    assert json.loads((tmp_path / "serve.json").read_text())["served"] == [entry]
+
+
 @pytest.fixture(scope="module")
 def served_checkpoint(int4_checkpoints, tmp_path_factory):
     """The tiny cpu_int4 arm with a tokenizer (vLLM's server loads one) and windows of
@@ -113,7 +126,7 @@ def test_vllm_serves_the_4bit_arm_through_the_plugin_and_names_a_level_it_cannot
         assert all(p["completed"] == 4 and p["output_tok_s"] > 0 for p in level["passes"])
         assert level["summary"]["tpot_ms_p99"]["min"] <= level["summary"]["tpot_ms_p99"]["max"]
     assert four["status"] == "over_capacity" and "2 requests of 48 tokens" in four["reason"], four
-    assert json.loads((tmp_path / "serve.json").read_text()) == record
+    assert json.loads((tmp_path / "serve.json").read_text()) == json.loads(json.dumps(record))
 
 
 @pytest.mark.slow

@@ -265,7 +265,8 @@ def bench_pairs():
 def serve_arms():
     """Every checkpoint the serve job may serve: each engine with a server
     (fourbit.serving.registry), its baseline and its arms; for serve.arms: best_faithful,
-    with the records the choice reads. The job chooses among them (fourbit.steps.serve)."""
+    with the records the choice reads; an engine that cannot run here, its refusal. The job
+    chooses among them (fourbit.steps.serve)."""
     wanted = STUDY.config["serve"]["arms"]
     best_faithful = wanted == "best_faithful"
     names = {arm.name for arm in STUDY.arms.values()}
@@ -275,13 +276,17 @@ def serve_arms():
             f"study; its arms are {sorted(names)}"
         )
     served = []
-    for engine in STUDY.runnable_engines:
+    for engine in STUDY.engines.values():
         if engine.name not in SERVERS:
             continue
-        for arm_id in ["baseline", *STUDY.arms_for(engine)]:
+        # An engine that cannot run on this host: its arms are refused, with its reason.
+        refusal = STUDY.unavailable.get(engine.name)
+        runs = [arm_id for arm_id, arm in STUDY.arms.items() if engine.runs(arm)]
+        for arm_id in ["baseline", *runs]:
             ids = {"engine": engine.id, "arm": arm_id}
             served.append(
                 {
+                    "refusal": refusal,
                     "engine_id": engine.id,
                     "engine": engine_settings(engine),
                     "arm": arm_id,
@@ -294,7 +299,7 @@ def serve_arms():
                             "ppl_dense": rules.ppl.output.dense.format(**ids),
                             "fidelity": rules.fidelity.output.fidelity.format(**ids),
                         }
-                        if best_faithful and arm_id != "baseline"
+                        if best_faithful and arm_id != "baseline" and not refusal
                         else {}
                     ),
                 }
@@ -304,7 +309,7 @@ def serve_arms():
 
 def serve_tools(served):
     """The llama.cpp build's record, when the serve job starts llama-server."""
-    if any(arm["engine"]["name"] == "llamacpp" for arm in served):
+    if any(arm["engine"]["name"] == "llamacpp" and not arm["refusal"] for arm in served):
         return {"tools": rules.build_llamacpp.output.tools}
     return {}
 

@@ -15,7 +15,7 @@ if SERVING:
         input:
             # llama-server comes from the study's llama.cpp build
             **serve_tools(SERVE_ARMS),
-            checkpoints=sorted({arm["model"] for arm in SERVE_ARMS}),
+            checkpoints=sorted({arm["model"] for arm in SERVE_ARMS if not arm["refusal"]}),
             records=sorted({path for arm in SERVE_ARMS for path in arm["records"].values()}),
             windows=f"{EVAL_DIR}/windows.json",
             source=f"{MODEL_DIR}/source",
