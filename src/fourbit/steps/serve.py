@@ -38,7 +38,7 @@ from pathlib import Path
 from fourbit import records
 from fourbit.bench.contention import check_quiet
 from fourbit.bench.hostmemory import available_memory_bytes
-from fourbit.bench.passes import MIN_PASSES, summarize
+from fourbit.bench.passes import summarize
 from fourbit.bench.pinning import choose_cores, pinned
 from fourbit.bench.provenance import provenance
 from fourbit.bench.residency import cache_state, warm_and_check
@@ -97,8 +97,6 @@ def serve_study(arms: list[ServedArm], serve_settings: dict, bench_settings: dic
     require_sha256(model_weights_sha256)
     settings = block("serve", serve_settings)
     gate = block("bench", bench_settings)
-    if settings["passes"] < MIN_PASSES:
-        raise ValueError(f"serve.passes is {settings['passes']}; ask for at least {MIN_PASSES}")
     arms = [ServedArm(**{**vars(a), "model": Path(a.model)}) for a in arms]
     chosen = choose_arms(arms, settings, control_tolerance)
     _check_context(chosen, settings["prompt_tokens"] + settings["output_tokens"])
