@@ -229,7 +229,7 @@ def fidelity_verdict(rows: list[dict]) -> str:
                 f"stays closest).{left_out}")
     chosen, sign = _closest(judged)
     best = judged[chosen]
-    m = measures[chosen]
+    m = best["_measures"]
     support = _delta(best)
     if best["delta_ppl_ci_low"] <= 0 <= best["delta_ppl_ci_high"]:
         support += ", 0 inside its interval"
