@@ -48,8 +48,7 @@ def write_report(
     corpus_manifest: str | os.PathLike | None = None,
     serve_record: str | os.PathLike | None = None,
 ) -> None:
-    """``serve_record``: the serve step's serve.json (None: serving is not enabled), read by
-    the report's Serving section. ``report_settings``: the config's validated ``report`` block (the schema's defaults
+    """``report_settings``: the config's validated ``report`` block (the schema's defaults
     filled in; this module has none of its own); ``records``: engine id -> arm id (or
     "baseline") -> kind -> path (fourbit.report.loading); ``plot_paths``: by figure name
     (fourbit.report.plots.FIGURES and FRONTIER, the rule's output names), where to write it."""
