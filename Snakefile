@@ -22,6 +22,7 @@ include: "workflow/rules/llamacpp.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/bench.smk"
 include: "workflow/rules/fidelity.smk"
+include: "workflow/rules/serve.smk"
 include: "workflow/rules/report.smk"
 
 

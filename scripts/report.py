@@ -13,9 +13,13 @@ write_report(
         "quality_vs_bits": snakemake.output.quality_vs_bits,
         "quality_vs_decode": snakemake.output.quality_vs_decode,
         "frontier": snakemake.output.frontier,
+        # the Serving section's, when the serve step runs (report.smk)
+        **{name: snakemake.output[name] for name in ("serving_throughput", "serving_pareto")
+           if name in snakemake.output.keys()},
     },
     baseline_checkpoint=snakemake.input.model[0],
     gguf_base_storage=snakemake.input.get("gguf_base_storage"),
     training_path=snakemake.params.training,
     corpus_manifest=snakemake.input.corpus[0],
+    serve_record=snakemake.input.get("serve"),
 )

@@ -87,11 +87,16 @@ FAULTS = [
           "every pass timed, the first record (llama.cpp's first arm, q4_k_m) published, the "
           "second whole under its temporary name",
           published=("results/*/eval/*/llamacpp-*/q4_k_m-*/bench.json",), nth=2),
+    Fault("serve", ("results/*/eval/*/serve.json",), "os.rename", r"/\.serve\.json\.tmp-\d+$",
+          "every level served and timed, the servers stopped, the record whole under its "
+          "temporary name"),
     Fault("report", ("results/report.md", "results/report.tsv", "results/report-quality-vs-bits.png",
-                     "results/report-quality-vs-decode.png", "results/report-frontier.png"), "os.rename",
-          r"/\.report\.md\.tmp-\d+$",
+                     "results/report-quality-vs-decode.png", "results/report-frontier.png",
+                     "results/report-serving-throughput.png", "results/report-serving-pareto.png"),
+          "os.rename", r"/\.report\.md\.tmp-\d+$",
           "the plots and the table published, the markdown whole under its temporary name",
-          published=("results/report.tsv", "results/report-quality-vs-*.png", "results/report-frontier.png")),
+          published=("results/report.tsv", "results/report-quality-vs-*.png", "results/report-frontier.png",
+                     "results/report-serving-*.png")),
 ]
 
 # Record fields that differ between two runs of the same job (dotted paths), by record
@@ -108,6 +113,8 @@ EXCLUDED = {
     # bandwidth, page cache); kept: what was timed, against what, and from which weights
     "bench.json": {"arm", "baseline", "ratio", "runs", "job", "contention", "bandwidth",
                    "provenance"},
+    # likewise the serve job's: its figures (in served), when, and the host's state
+    "serve.json": {"served", "job", "contention", "provenance"},
 }
 
 

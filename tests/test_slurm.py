@@ -40,7 +40,7 @@ CONF_MARKER = "# written by fourbit tests/slurm/start.sh"
 # adds 10 s per poll while nothing finishes; from 1 s, a short job is seen sooner.
 FAST_POLL = ["--slurm-init-seconds-before-status-checks", "1"]
 STUDY_RULES = {"prepare_corpus", "download", "untie_head", "tokenize_evaluation", "quantize",
-               "dequantize", "ppl", "ppl_baseline", "bench", "fidelity", "report", "build_llamacpp",
+               "dequantize", "ppl", "ppl_baseline", "bench", "fidelity", "serve", "report", "build_llamacpp",
                "convert_gguf", "imatrix", "quantize_gguf", "dequantize_gguf"}
 
 @dataclass
@@ -162,7 +162,7 @@ def test_study_jobs_get_the_profiles_resources(study):
         assert job["TimeLimit"] == "12:00:00", job
         assert int(job["MinMemoryNode"].rstrip("M")) >= 8000, job  # held("model", 3, 8000)
         assert int(job["NumCPUs"]) == node_cpus, job  # threads: workflow.cores = the node
-    for job in by_rule["bench"]:
+    for job in by_rule["bench"] + by_rule["serve"]:
         assert job["OverSubscribe"] == "NO", job  # --exclusive: the node to itself
         assert int(job["NumCPUs"]) == node_cpus, job
     for job in by_rule["prepare_corpus"]:
@@ -324,6 +324,7 @@ def test_slurm_profile_settings_that_keep_runs_from_hanging():
     assert slurm["slurm-status-command"] == "squeue"  # sacct hangs without slurmdbd
     assert slurm["restart-times"] >= 1
     assert "--exclusive" in slurm["set-resources"]["bench"]["slurm_extra"]
+    assert "--exclusive" in slurm["set-resources"]["serve"]["slurm_extra"]
     assert {"runtime", "mem_mb"} <= set(slurm["default-resources"])
 
 

@@ -95,7 +95,7 @@ def test_vllm_engine_runs_the_study_end_to_end(vllm_study):
     # Its baseline, and every fourbit arm quantized and dense in one job; each arm's fidelity.
     # (its ppl jobs keep the fidelity sides: the *_with_side rules)
     assert scheduled == {"ppl_baseline_with_side": 1, "ppl_with_side": arms, "fidelity": arms,
-                         "bench": 1, "report": 1}
+                         "bench": 1, "serve": 1, "report": 1}
     rows = [r for r in csv.DictReader((workdir / "results/report.tsv").open(), delimiter="\t")
             if r["engine"].startswith("vllm")]
     assert len(rows) == 1 + arms
@@ -109,6 +109,41 @@ def test_vllm_engine_runs_the_study_end_to_end(vllm_study):
             assert "fourbit" in row["runtime"], row  # the plugin ran the 4-bit weights
             assert float(row["kl_mean"]) > 0 and 0 < float(row["top1_agreement"]) <= 1, row
             assert row["kl_from"] == "full logits (exact)", row
+
+
+def _serve_record(workdir: Path) -> dict:
+    [path] = (workdir / "results").glob("*/eval/*/serve.json")
+    return json.loads(path.read_text())
+
+
+def test_the_tiny_study_serves_its_best_llamacpp_arm_on_llama_server(finished_study):
+    record = _serve_record(finished_study)
+    # the reference engine has no server; no baselines (tiny.yaml)
+    [served] = record["served"]
+    assert served["engine"] == "llamacpp" and served["status"] == "measured", served
+    assert Path(served["command"][0]).name == "llama-server"
+    assert [level["concurrency"] for level in served["levels"]] == [1, 2]
+    for level in served["levels"]:
+        assert level["status"] == "measured" and len(level["passes"]) == 3
+        assert all(p["completed"] == 4 and p["failed"] == 0 for p in level["passes"])
+    assert record["workload"]["output_tokens"] == 16 and record["load_generator"].startswith("fourbit")
+
+
+def test_vllm_and_llama_server_both_serve_the_study_end_to_end(vllm_study):
+    """The best faithful arm of each engine, each on its own real server, in one job."""
+    workdir, _ = vllm_study
+    served = {s["engine"]: s for s in _serve_record(workdir)["served"]}
+    assert set(served) == {"vllm", "llamacpp"}
+    for engine, entry in served.items():
+        assert entry["status"] == "measured", entry
+        assert all(level["status"] == "measured" for level in entry["levels"]), entry
+    assert "vllm.entrypoints.openai.api_server" in served["vllm"]["command"]
+    assert "fourbit_int4 plugin" in served["vllm"]["runtime"]  # the 4-bit arm ran through fourbit
+    # no server outlived the job
+    for entry in served.values():
+        model = entry["command"][entry["command"].index("--model") + 1]
+        assert not any(model in p.read_bytes().decode(errors="replace")
+                       for p in Path("/proc").glob("[0-9]*/cmdline") if p.exists()), model
 
 
 def test_vllm_exact_kl_equals_the_reference_engines_on_every_arm(vllm_study):
@@ -156,8 +191,10 @@ def test_the_fidelity_job_reads_the_sides_the_ppl_jobs_declare(tmp_path):
     def forced(*rules):
         run = snakemake(tmp_path, "-n", "--forcerun", *rules, "results/report.md", config=path)
         assert run.returncode == 0, run.stderr[-3000:]
-        # the report (and the default target rule all, which has no output) follow any job
-        jobs = {k: v for k, v in scheduled_jobs(run.stdout).items() if k not in ("report", "all")}
+        # the report (and the default target rule all, which has no output) follow any job,
+        # and the serve job any vLLM record (serve.arms: best_faithful reads them)
+        jobs = {k: v for k, v in scheduled_jobs(run.stdout).items()
+                if k not in ("report", "all", "serve")}
         reasons = re.findall(r"^rule fidelity:\n(?:    .*\n)*?    reason: (.*)$", run.stdout, re.M)
         return jobs, reasons
 

@@ -9,6 +9,7 @@ from fourbit.config import ID_PATTERN, Study
 from fourbit.diskspace import StudyDisk, refuse_short_disk
 from fourbit.inputs.folder_state import check_as_planned, local_state
 from fourbit.llamacpp.installed import build_key
+from fourbit.serving.registry import SERVERS
 
 # Snakemake builds the DAG where the workflow starts, and again for each job it runs
 # elsewhere (a cluster node: --mode remote). There, the model's local folders were checked
@@ -259,6 +260,77 @@ def bench_pairs():
                 }
             )
     return pairs
+
+
+def serve_arms():
+    """Every checkpoint the serve job may serve: each engine with a server
+    (fourbit.serving.registry), its baseline and its arms; for serve.arms: best_faithful,
+    with the records the choice reads; an engine that cannot run here, its refusal. The job
+    chooses among them (fourbit.steps.serve)."""
+    wanted = STUDY.config["serve"]["arms"]
+    best_faithful = wanted == "best_faithful"
+    names = {arm.name for arm in STUDY.arms.values()}
+    if not best_faithful and set(wanted) - names:
+        raise ValueError(
+            f"serve.arms names {sorted(set(wanted) - names)}, which are not arms of this "
+            f"study; its arms are {sorted(names)}"
+        )
+    served = []
+    for engine in STUDY.engines.values():
+        if engine.name not in SERVERS:
+            continue
+        # An engine that cannot run on this host: its arms are refused, with its reason.
+        refusal = STUDY.unavailable.get(engine.name)
+        runs = [arm_id for arm_id, arm in STUDY.arms.items() if engine.runs(arm)]
+        for arm_id in ["baseline", *runs]:
+            ids = {"engine": engine.id, "arm": arm_id}
+            served.append(
+                {
+                    "refusal": refusal,
+                    "engine_id": engine.id,
+                    "engine": engine_settings(engine),
+                    "arm": arm_id,
+                    "arm_name": "baseline" if arm_id == "baseline" else STUDY.arms[arm_id].name,
+                    "model": scored_checkpoint(engine.id, arm_id, "quantized"),
+                    "cache": compile_cache(engine.id, arm_id, "serve"),
+                    "records": (
+                        {
+                            "ppl_quantized": rules.ppl.output.quantized.format(**ids),
+                            "ppl_dense": rules.ppl.output.dense.format(**ids),
+                            "fidelity": rules.fidelity.output.fidelity.format(**ids),
+                        }
+                        if best_faithful and arm_id != "baseline" and not refusal
+                        else {}
+                    ),
+                }
+            )
+    return served
+
+
+def serve_tools(served):
+    """The llama.cpp build's record, when the serve job starts llama-server."""
+    if any(arm["engine"]["name"] == "llamacpp" and not arm["refusal"] for arm in served):
+        return {"tools": rules.build_llamacpp.output.tools}
+    return {}
+
+
+def serving_report_input():
+    """serve.json, when the serve step runs (SERVING, serve.smk: called once it is read)."""
+    return {"serve": rules.serve.output.record} if SERVING else {}
+
+
+def serving_report_plots():
+    """The Serving section's two plots, when the serve step runs."""
+    if not SERVING:
+        return {}
+    return {
+        name: report(
+            f"{RESULTS}/report-{name.replace('_', '-')}.png",
+            caption=f"../report/{name}.rst",
+            category="Plots",
+        )
+        for name in ("serving_throughput", "serving_pareto")
+    }
 
 
 def get_fidelity_input(wildcards):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 StatReader = Callable[[], str]
 
@@ -81,10 +81,13 @@ def check_quiet(
     override: bool,
     *,
     when: str = "",
+    starting: Sequence[str] = (),
     window_s: float = 0.5,
     read_stat: StatReader = read_proc_stat,
 ) -> dict:
-    """Raise ContentionError if any core is busier than ``threshold`` (a fraction).
+    """Raise ContentionError if any core is busier than ``threshold`` (a fraction), or if
+    ``starting`` names servers of the job still starting (the serve step's: a server loading
+    or compiling its model is busy whether or not the half-second window caught it).
 
     ``when`` (e.g. "before pass 2") goes into the message. With ``override`` the
     gate lets the pass run and records ``override_used: True`` instead, so a
@@ -93,12 +96,15 @@ def check_quiet(
     if not 0 < threshold <= 1:
         raise ValueError(f"threshold is {threshold}; it is a busy fraction in (0, 1], e.g. 0.2")
     busy = core_busy(cores, window_s, read_stat)
+    if starting:
+        busy = {core: 1.0 for core in busy}  # counted as fully busy
     busiest = max(busy, key=busy.get)
     too_busy = busy[busiest] > threshold
     if too_busy and not override:
+        what = (f"servers {list(starting)} are still starting" if starting else
+                f"core {busiest} is {busy[busiest]:.0%} busy (threshold {threshold:.0%})")
         raise ContentionError(
-            f"core {busiest} is {busy[busiest]:.0%} busy (threshold {threshold:.0%})"
-            f"{' ' + when if when else ''}; rerun on quiet cores or set bench.allow_busy: true",
+            f"{what}{' ' + when if when else ''}; rerun on quiet cores or set bench.allow_busy: true",
             core=busiest,
             busy=busy[busiest],
         )

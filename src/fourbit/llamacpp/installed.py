@@ -7,7 +7,8 @@ the recipe (:mod:`fourbit.llamacpp.recipe`)::
 
     ~/.cache/fourbit/llama.cpp/<llama-cpp-python version>-<commit>-isa<hash>-recipe<hash>/
         bin/         the programs (static: the folder can move): llama-quantize,
-                     llama-perplexity, llama-bench, llama-imatrix, fourbit-score, fourbit-imatrix
+                     llama-perplexity, llama-bench, llama-imatrix, llama-server, fourbit-score,
+                     fourbit-imatrix
         llama.cpp/   the source tree (convert_hf_to_gguf.py, gguf-py/, conversion/ ...)
         scorer/      the CMake project that adds fourbit-score and fourbit-imatrix to
                      llama.cpp's build
@@ -33,6 +34,7 @@ class LlamaCpp:
     perplexity: Path
     bench: Path
     imatrix: Path  # llama-imatrix, as users run it (on text)
+    server: Path  # llama-server, the OpenAI-compatible server (fourbit.serving.llamacpp)
     scorer: Path
     imatrix_ids: Path  # fourbit-imatrix: llama-imatrix on given token ids
     convert_script: Path
@@ -49,6 +51,7 @@ class LlamaCpp:
             perplexity=bin_dir / "llama-perplexity",
             bench=bin_dir / "llama-bench",
             imatrix=bin_dir / "llama-imatrix",
+            server=bin_dir / "llama-server",
             scorer=bin_dir / recipe.SCORER_TARGET,
             imatrix_ids=bin_dir / recipe.IMATRIX_TARGET,
             convert_script=tree / "convert_hf_to_gguf.py",
@@ -59,8 +62,8 @@ class LlamaCpp:
 
     @property
     def programs(self) -> tuple[Path, ...]:
-        return (self.quantize, self.perplexity, self.bench, self.imatrix, self.scorer,
-                self.imatrix_ids)
+        return (self.quantize, self.perplexity, self.bench, self.imatrix, self.server,
+                self.scorer, self.imatrix_ids)
 
     def check_complete(self) -> LlamaCpp:
         missing = [str(p) for p in (*self.programs, self.convert_script, self.gguf_py)

@@ -14,7 +14,9 @@ from importlib.resources import files
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 LLAMA_CPP_COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
 
-TOOL_TARGETS = ("llama-quantize", "llama-perplexity", "llama-bench", "llama-imatrix")
+TOOL_TARGETS = (
+    "llama-quantize", "llama-perplexity", "llama-bench", "llama-imatrix", "llama-server",
+)
 CMAKE_OPTIONS = {
     "CMAKE_BUILD_TYPE": "Release",
     # Static binaries keep working after the folder is renamed into place.
@@ -32,7 +34,14 @@ CMAKE_OPTIONS = {
     "LLAMA_OPENSSL": "OFF",
     "LLAMA_BUILD_COMMON": "ON",
     "LLAMA_BUILD_TOOLS": "ON",
-    "LLAMA_BUILD_SERVER": "OFF",
+    # llama-server: the serve step's OpenAI-compatible server (fourbit.serving.llamacpp).
+    "LLAMA_BUILD_SERVER": "ON",
+    # Its web UI is not needed to serve the API, and the only ways this commit gets one are
+    # npm (LLAMA_BUILD_UI) or a download from a Hugging Face bucket (LLAMA_USE_PREBUILT_UI;
+    # scripts/ui-assets.cmake). With both off the script embeds an empty asset table: the
+    # server runs without its UI page, offline.
+    "LLAMA_BUILD_UI": "OFF",
+    "LLAMA_USE_PREBUILT_UI": "OFF",
     "LLAMA_BUILD_TESTS": "OFF",
     "LLAMA_BUILD_EXAMPLES": "OFF",
     "FETCHCONTENT_FULLY_DISCONNECTED": "ON",  # never fetch anything at configure time

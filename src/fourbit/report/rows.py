@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import io
+from collections.abc import Mapping
 
 from fourbit.bench.bandwidth import decode_roofline
 from fourbit.bench.passes import summarize
@@ -101,12 +102,18 @@ def _row(engine_id, arm_id, manifest, scored, baseline, dense, tolerances) -> di
         "ppl_below_baseline": upper < 0,
     }
     if dense:
-        delta = scored["mean_nll"] - dense["mean_nll"]
-        tolerance = tolerances[scored["numerics"]]
-        row["control_delta_nll"] = delta
-        row["control_tolerance"] = tolerance
-        row["control"] = "faithful" if abs(delta) <= tolerance else "NOT faithful"
+        row.update(control(scored, dense, tolerances))
     return row
+
+
+def control(scored: dict, dense: dict, tolerances: Mapping[str, float]) -> dict:
+    """The control of an arm scored as stored (``scored``) and as its dense expansion
+    (``dense``), both ppl records: faithful when their mean NLLs differ by at most the
+    tolerance of the arm's numerics (evaluation.control_tolerance)."""
+    delta = scored["mean_nll"] - dense["mean_nll"]
+    tolerance = tolerances[scored["numerics"]]
+    return {"control_delta_nll": delta, "control_tolerance": tolerance,
+            "control": "faithful" if abs(delta) <= tolerance else "NOT faithful"}
 
 
 def _throughput(benches: list[dict], side: str) -> dict:

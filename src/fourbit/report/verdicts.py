@@ -185,16 +185,23 @@ def _why_not_judged(r: dict) -> str:
     return f"fidelity not computed: {r['kl_from'] or 'no reason recorded'}"
 
 
-def fidelity_verdict(rows: list[dict]) -> str:
-    arms = [r for r in rows if r["arm_id"] != "baseline"]
-    judged = [r for r in arms if r["control"] != "NOT faithful" and r["_measures"]]
-    judged_ids = {id(r) for r in judged}
-    skipped = [f"{_label(r)} ({_why_not_judged(r)})" for r in arms if id(r) not in judged_ids]
-    left_out = f" Not judged: {'; '.join(skipped)}." if skipped else ""
-    if not judged:
-        return ("- For fidelity: no arm's next-token distribution was compared with its "
-                "baseline, so none is recommended (perplexity alone cannot say which arm "
-                f"stays closest).{left_out}")
+def judged_arms(rows: list[dict]) -> list[dict]:
+    """The arms the fidelity verdict chooses among: not the baselines, not an arm whose
+    control failed, and only arms whose distribution measures were computed."""
+    return [r for r in rows if r["arm_id"] != "baseline" and r["control"] != "NOT faithful"
+            and r["_measures"]]
+
+
+def closest_to_baseline(rows: list[dict]) -> dict | None:
+    """The arm the fidelity verdict recommends among ``rows`` (None: none was judged): the
+    serve step serves it (fourbit.steps.serve, serve.arms: best_faithful)."""
+    judged = judged_arms(rows)
+    return judged[_closest(judged)[0]] if judged else None
+
+
+def _closest(judged: list[dict]) -> tuple[int, dict[tuple[int, int], int]]:
+    """The index of the closest arm among ``judged`` (not separably farther than any other,
+    then the smallest KL, the highest top-1, the most greedy matches), and each pair's sign."""
     # Each pair once (a comparison is symmetric up to its sign); the reasons are recomputed,
     # from the chosen arm's side, only for the arms it cannot be separated from.
     sign = {}
@@ -207,8 +214,22 @@ def fidelity_verdict(rows: list[dict]) -> str:
     measures = [r["_measures"] for r in judged]
     chosen = min(front, key=lambda i: (measures[i]["KL"].value, -measures[i]["top-1"].value,
                                        -measures[i]["greedy"].value))
+    return chosen, sign
+
+
+def fidelity_verdict(rows: list[dict]) -> str:
+    arms = [r for r in rows if r["arm_id"] != "baseline"]
+    judged = judged_arms(rows)
+    judged_ids = {id(r) for r in judged}
+    skipped = [f"{_label(r)} ({_why_not_judged(r)})" for r in arms if id(r) not in judged_ids]
+    left_out = f" Not judged: {'; '.join(skipped)}." if skipped else ""
+    if not judged:
+        return ("- For fidelity: no arm's next-token distribution was compared with its "
+                "baseline, so none is recommended (perplexity alone cannot say which arm "
+                f"stays closest).{left_out}")
+    chosen, sign = _closest(judged)
     best = judged[chosen]
-    m = measures[chosen]
+    m = best["_measures"]
     support = _delta(best)
     if best["delta_ppl_ci_low"] <= 0 <= best["delta_ppl_ci_high"]:
         support += ", 0 inside its interval"

@@ -1,0 +1,110 @@
+"""vLLM's server on 4-bit arms against llama-server on Q4_K_M, side by side (issue 37); not a test.
+
+    .venv/bin/python benchmarks/serve_vs_llamacpp.py \\
+        --vllm <arm>/quantized [--vllm <another arm>/quantized] --gguf <q4_k_m arm>/gguf/model.gguf \\
+        --windows <study>/eval/<corpus>/windows.json [--compiled] [--concurrency 1 4 8 16]
+
+Each model is served as the serve step serves it (fourbit.serving: the same command
+lines, the same cores and threads, the same load generator and workload: greedy
+requests of --prompt-tokens token ids of the evaluation windows, --output-tokens each,
+EOS ignored), all servers held open at once; every pass runs every level of every server,
+the servers' order rotated from pass to pass. Printed: output tok/s per level, median
+[min-max] over the passes, and the ratio of the best vLLM arm to llama-server, pass by
+pass; the host's load before and after. Run it under the bench lock on a quiet host:
+
+    flock /tmp/fourbit-bench.lock .venv/bin/python benchmarks/serve_vs_llamacpp.py ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import tempfile
+from pathlib import Path
+
+from fourbit.bench.pinning import choose_cores, pinned
+from fourbit.serving.load import run_level
+from fourbit.serving.process import free_port, running_server
+from fourbit.serving.registry import SERVERS
+from fourbit.serving.workload import prompts_from_windows
+from fourbit.steps.llamacpp import load_tools
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vllm", type=Path, action="append", required=True,
+                        help="a 4-bit checkpoint folder for vLLM's server (repeatable)")
+    parser.add_argument("--gguf", type=Path, required=True, help="the Q4_K_M GGUF for llama-server")
+    parser.add_argument("--windows", type=Path, required=True, help="a study's windows.json")
+    parser.add_argument("--tools", type=Path, help="the llama.cpp build's record (default: ensure it)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--passes", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--compiled", action="store_true", help="vLLM compiled (default: eager)")
+    parser.add_argument("--dtype", default="float32")
+    args = parser.parse_args()
+
+    if args.tools:
+        server_binary = load_tools(args.tools).server
+    else:
+        from fourbit.llamacpp.build import ensure_llamacpp
+
+        server_binary = ensure_llamacpp().server
+    cores = choose_cores(None, args.threads)
+    slots, tokens = max(args.concurrency), args.prompt_tokens + args.output_tokens
+    prompts = prompts_from_windows(args.windows, prompt_tokens=args.prompt_tokens,
+                                   requests=args.requests)
+    vllm_engine = {"name": "vllm", "dtype": args.dtype, "enforce_eager": not args.compiled,
+                   "kv_cache_gib": 1, "max_num_seqs": 1, "quant": {}}
+    served = {f"vllm {path.parent.name}": (SERVERS["vllm"], path, vllm_engine) for path in args.vllm}
+    served["llama-server Q4_K_M"] = (SERVERS["llamacpp"], args.gguf,
+                                     {"name": "llamacpp", "threads": args.threads})
+    print(f"load before: {os.getloadavg()}; cores {cores}; {args.requests} requests of "
+          f"{args.prompt_tokens}+{args.output_tokens} tokens per level, {args.passes} passes")
+    logs = Path(tempfile.mkdtemp(prefix="fourbit-serve-vs-"))
+    tok_s = {name: {c: [] for c in args.concurrency} for name in served}
+    with pinned(cores), contextlib.ExitStack() as stack:
+        running = {}
+        for name, (kind, model, engine) in served.items():
+            port = free_port()
+            command = kind.command(model, engine, port, served_name="m", slots=slots,
+                                   tokens_per_request=tokens, cores=cores,
+                                   cache_root=logs / name.replace(" ", "_"),
+                                   llamacpp_server=server_binary)
+            running[name] = stack.enter_context(running_server(
+                name, command.argv, command.env, port, logs / f"{name.replace(' ', '_')}.log",
+                health_path=kind.health_path))
+            print(f"{name}: answering after {running[name].startup_s:.1f} s: {' '.join(command.argv)}")
+        names = list(served)
+        for number in range(args.passes):
+            for name in names[number % len(names):] + names[:number % len(names)]:
+                for level in args.concurrency:
+                    figures = run_level(running[name].base_url, "m", prompts,
+                                        output_tokens=args.output_tokens, concurrency=level,
+                                        warmup=2, extra_body=dict(served[name][0].extra_body))
+                    tok_s[name][level].append(figures["output_tok_s"])
+    print(f"load after: {os.getloadavg()}; server logs in {logs}")
+    _table(tok_s, args.concurrency)
+
+
+def _table(tok_s: dict[str, dict[int, list[float]]], levels: list[int]) -> None:
+    print("output tok/s, median [min-max] over passes")
+    print(f"{'server':40s}" + "".join(f"{f'c={c}':>24s}" for c in levels))
+    for name, by_level in tok_s.items():
+        print(f"{name:40s}" + "".join(
+            f"{statistics.median(v):>10.1f} [{min(v):.1f}-{max(v):.1f}]".rjust(24)
+            for v in by_level.values()))
+    llama = next(name for name in tok_s if name.startswith("llama"))
+    for name in (n for n in tok_s if n != llama):
+        ratios = {c: [a / b for a, b in zip(tok_s[name][c], tok_s[llama][c])] for c in levels}
+        print(f"{name} / llama-server, pass by pass: " + "; ".join(
+            f"c={c}: {statistics.median(r):.2f} [{min(r):.2f}-{max(r):.2f}]" for c, r in ratios.items()))
+
+
+if __name__ == "__main__":
+    main()
