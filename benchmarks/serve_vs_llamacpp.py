@@ -26,7 +26,7 @@ from pathlib import Path
 
 from fourbit.bench.pinning import choose_cores, pinned
 from fourbit.serving.load import run_level
-from fourbit.serving.process import free_port, running_server
+from fourbit.serving.process import exit_on_sigterm, free_port, running_server
 from fourbit.serving.registry import SERVERS
 from fourbit.serving.workload import prompts_from_windows
 from fourbit.steps.llamacpp import load_tools
@@ -68,7 +68,7 @@ def main() -> None:
           f"{args.prompt_tokens}+{args.output_tokens} tokens per level, {args.passes} passes")
     logs = Path(tempfile.mkdtemp(prefix="fourbit-serve-vs-"))
     tok_s = {name: {c: [] for c in args.concurrency} for name in served}
-    with pinned(cores), contextlib.ExitStack() as stack:
+    with exit_on_sigterm(), pinned(cores), contextlib.ExitStack() as stack:
         running = {}
         for name, (kind, model, engine) in served.items():
             port = free_port()
@@ -88,6 +88,8 @@ def main() -> None:
                                         output_tokens=args.output_tokens, concurrency=level,
                                         warmup=2, extra_body=dict(served[name][0].extra_body))
                     tok_s[name][level].append(figures["output_tok_s"])
+                    print(f"pass {number + 1} {name} c={level}: {figures['output_tok_s']:.1f} "
+                          f"output tok/s, TPOT p99 {figures['tpot_ms']['p99']:.1f} ms", flush=True)
     print(f"load after: {os.getloadavg()}; server logs in {logs}")
     _table(tok_s, args.concurrency)
 

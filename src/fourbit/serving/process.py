@@ -7,11 +7,11 @@ whole tree; stopping it signals the group, SIGTERM first and SIGKILL after a gra
 and waits until no process of the group is left. That happens on leaving the context,
 whether the job succeeded or failed, so no server outlives the job that started it.
 
-A job killed outright (SIGKILL: no ``finally`` runs) must not leave its servers behind
-either: each server's leader is started with PR_SET_PDEATHSIG, so the kernel kills it when
-the job dies, and vLLM's engine core and worker end with their parent (vLLM watches it).
 A SIGTERM (Snakemake cancelling the job, SLURM's time limit) is turned into an exit while
-servers run (:func:`exit_on_sigterm`), so the ``finally`` stops them.
+servers run (:func:`exit_on_sigterm`), so the ``finally`` stops them. A job killed outright
+(SIGKILL: no ``finally`` runs) kills each server's leader through PR_SET_PDEATHSIG, but
+not what the leader started: vLLM's engine core was seen to outlive its killed API server
+(orphaned, still running), so that case still leaves a process behind.
 
 A server that exits before it answers, or never answers within its time, fails with its
 command line and the tail of its log: that is where the server says why.
