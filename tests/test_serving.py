@@ -252,15 +252,17 @@ def test_prompts_are_the_first_tokens_of_the_evaluation_windows(tmp_path):
         prompts_from_windows(windows, prompt_tokens=9, requests=1)
 
 
-def test_a_job_killed_outright_takes_its_server_with_it(tmp_path):
-    """SIGKILL runs no ``finally``: the kernel ends the server (PR_SET_PDEATHSIG)."""
+def test_a_job_killed_outright_takes_its_server_and_its_children_with_it(tmp_path):
+    """SIGKILL runs no ``finally``: the kernel signals the group's guard, which ends the
+    server and what the server started (fourbit.serving.guard)."""
     port = free_port()
+    log = tmp_path / "job.log"
     job = textwrap.dedent(f"""
         import sys, time
         from pathlib import Path
         from fourbit.serving.process import running_server
         with running_server("fake", {_fake_server(tmp_path, port)!r}, {{}}, {port},
-                            Path({str(tmp_path / "job.log")!r}), startup_timeout_s=30) as server:
+                            Path({str(log)!r}), startup_timeout_s=30) as server:
             print(server.pgid, flush=True)
             time.sleep(600)
     """)
@@ -271,10 +273,11 @@ def test_a_job_killed_outright_takes_its_server_with_it(tmp_path):
     process = subprocess.Popen([sys.executable, "-c", job], stdout=subprocess.PIPE, text=True,
                                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     pgid = int(process.stdout.readline())
-    assert Path(f"/proc/{pgid}").exists()
+    child = int(log.read_text().split()[1])  # the fake server's own child
+    assert group_alive(pgid) and Path(f"/proc/{child}").exists()
     process.send_signal(signal.SIGKILL)
     process.wait()
-    deadline = time.monotonic() + 10
-    while Path(f"/proc/{pgid}").exists() and time.monotonic() < deadline:
+    deadline = time.monotonic() + 20
+    while group_alive(pgid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not Path(f"/proc/{pgid}").exists() or "Z" in Path(f"/proc/{pgid}/stat").read_text().split(")")[1][:3]
+    assert not group_alive(pgid)  # the guard, the server and the server's child

@@ -9,9 +9,8 @@ whether the job succeeded or failed, so no server outlives the job that started 
 
 A SIGTERM (Snakemake cancelling the job, SLURM's time limit) is turned into an exit while
 servers run (:func:`exit_on_sigterm`), so the ``finally`` stops them. A job killed outright
-(SIGKILL: no ``finally`` runs) kills each server's leader through PR_SET_PDEATHSIG, but
-not what the leader started: vLLM's engine core was seen to outlive its killed API server
-(orphaned, still running), so that case still leaves a process behind.
+(SIGKILL: no ``finally`` runs) is covered by each group's leader, fourbit.serving.guard,
+which the kernel signals when the job dies and which then takes its whole group down.
 
 A server that exits before it answers, or never answers within its time, fails with its
 command line and the tail of its log: that is where the server says why.
@@ -20,12 +19,12 @@ command line and the tail of its log: that is where the server says why.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import shlex
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -34,7 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# Run as a script by its path: it needs only the standard library, whatever the server's env.
+GUARD = str(Path(__file__).with_name("guard.py"))
 LOG_TAIL_LINES = 40
 ERROR_LINES = 10
 STOP_GRACE_S = 15.0
@@ -114,20 +114,15 @@ def running_server(name: str, command: Sequence[str], env: Mapping[str, str], po
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(list(command), env=dict(env), stdout=log_file,
-                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   start_new_session=True, preexec_fn=_die_with_parent)
+        process = subprocess.Popen([sys.executable, GUARD, str(os.getpid()), *command],
+                                   env=dict(env), stdout=log_file, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, start_new_session=True)
     server = RunningServer(name, list(command), f"http://{LOOPBACK}:{port}", log_path, process)
     try:
         server.startup_s = _wait_healthy(server, health_path, startup_timeout_s)
         yield server
     finally:
         stop_group(server.pgid, process)
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGKILL when the process that started it ends."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 @contextlib.contextmanager
