@@ -117,6 +117,8 @@ def test_vllm_serves_the_4bit_arm_through_the_plugin_and_names_a_level_it_cannot
                     concurrency=[1, 2, 4])
     [served] = record["served"]
     assert served["status"] == "measured" and "fourbit_int4 plugin" in served["runtime"]
+    assert "compiled" in served["runtime"]  # served as deployed (bench.vllm_compiled's default)
+    assert "--enforce-eager" not in served["command"]
     log = Path(tmp_path / "servers" / "vllm-1.t-0000000000.log").read_text()
     assert "quantization=fourbit_int4" in log  # the plugin's method, in the server process
     assert "Maximum concurrency for 48 tokens per request: 2.00x" in log

@@ -94,7 +94,7 @@ class VllmRuntime:
     """One way a vLLM engine can run a 4-bit arm: what an engine block and an arm's kernel
     knob choose (engine, dtype, kernel), and the ISA it needs to be the fast path it is
     named for rather than a fallback. Compiled or eager is not a variant here: both run on
-    every host, and the bench times compiled (fourbit.steps.bench.timed_settings)."""
+    every host, and the bench times compiled (fourbit.engines.EngineSpec.deployed_settings)."""
 
     engine: str  # fourbit.engines.ENGINES: vllm (fourbit's plugin), vllm_native(_w4a8) (vLLM's)
     dtype: str  # the engine's dtype: activations, and the dense GEMM of multi-row batches

@@ -129,9 +129,19 @@ class EngineSpec:
     # from the safetensors themselves.
     needs_every_linear_quantized: bool = False
     # It compiles its model at start when its settings' enforce_eager is false (vLLM): the
-    # bench times it compiled, as it is deployed, unless the study's bench.vllm_compiled is
-    # false (fourbit.steps.bench.timed_settings).
+    # bench and the serve step run it compiled, as it is deployed, unless the study's
+    # bench.vllm_compiled is false (deployed_settings).
     compiles: bool = False
+
+    def deployed_settings(self, settings: dict, vllm_compiled: bool) -> dict:
+        """The settings this engine is timed and served with: the ones it scores with,
+        except that an engine that compiles (vLLM) runs compiled, as vLLM does by default
+        and as it is deployed, unless ``vllm_compiled`` (the study's bench.vllm_compiled) is
+        false. Scoring stays as configured (enforce_eager, eager by default: an arm and its
+        dense expansion then run the same eager ops, and the control's tolerance holds)."""
+        if not self.compiles:
+            return dict(settings)
+        return {**settings, "enforce_eager": settings["enforce_eager"] and not vllm_compiled}
 
     @property
     def keeps_fidelity_side(self) -> bool:

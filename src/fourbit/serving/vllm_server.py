@@ -90,7 +90,7 @@ def serve_command(settings: Mapping[str, Any] | VllmSettings, checkpoint: str | 
     for key in ("hf_overrides", "additional_config"):
         if key in engine_kwargs:
             argv += [f"--{key.replace('_', '-')}", json.dumps(engine_kwargs[key], sort_keys=True)]
-    with _engine_env(settings.cache_root):
+    with _engine_env(settings.cache_root, settings.w4a8_amx):
         env = dict(os.environ)
     env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(cores)))
     env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"

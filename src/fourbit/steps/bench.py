@@ -6,7 +6,8 @@ engine's unquantized baseline, interleaved in rounds (fourbit.bench.passes says
 why). Each arm still gets a record of its own, its ``bench.json``:
 
     arm / baseline   per side: the checkpoint, what runs it in the timed passes
-                     (vLLM compiled unless bench.vllm_compiled is false: timed_settings),
+                     (vLLM compiled unless bench.vllm_compiled is false:
+                     EngineSpec.deployed_settings),
                      what its untimed start cost (an engine held open: its mode and
                      the seconds spent compiling), min/median/max and spread of every
                      metric over the passes, the weight bytes a decode step reads and
@@ -87,17 +88,6 @@ def resolve_settings(given: dict, threads: int) -> dict:
     settings = block("bench", given)
     settings["cores"] = choose_cores(settings["cores"], threads)
     return settings
-
-
-def timed_settings(engine: dict, spec: EngineSpec, vllm_compiled: bool) -> dict:
-    """The settings an engine is timed with: the ones it scores with, except that an engine
-    that compiles (vLLM) is timed compiled, as vLLM runs by default and as it is deployed,
-    unless the study's bench.vllm_compiled is false. Its scoring stays as configured
-    (enforce_eager, eager by default: an arm and its dense expansion then run the same
-    eager ops, and the control's tolerance holds)."""
-    if not spec.compiles:
-        return dict(engine)
-    return {**engine, "enforce_eager": engine["enforce_eager"] and not vllm_compiled}
 
 
 @dataclass(frozen=True)
@@ -236,7 +226,8 @@ class _Side:
     """A checkpoint opened for the job: one per arm, one per engine's baseline."""
 
     checkpoint: Path
-    settings: dict  # the engine's as timed (timed_settings), with this checkpoint's compile cache
+    # the engine's as timed (EngineSpec.deployed_settings), with this checkpoint's compile cache
+    settings: dict
     engine: TimesPasses  # the engine (a TimesInSession where ``bench`` is Bench.SESSION)
     bench: Bench  # how it times a pass
     weights: dict  # what a decode step reads (decode_weight_bytes)
@@ -251,7 +242,7 @@ def _sides(pairs: list[BenchPair], specs: dict[str, EngineSpec],
            vllm_compiled: bool) -> dict[str, _Side]:
     sides = {}
     for pair in pairs:
-        timed = timed_settings(pair.engine, specs[pair.name], vllm_compiled)
+        timed = specs[pair.name].deployed_settings(pair.engine, vllm_compiled)
         # Compile caches per checkpoint: a cache shared between two can load the other's graph.
         for side, checkpoint in (("arm", pair.arm), ("baseline", pair.baseline)):
             key = _side_key(pair, side)
@@ -297,7 +288,8 @@ def _record(pair: BenchPair, sides: dict[str, _Side], result: dict, settings: di
         record[side] = {
             "memory": memory[key],
             "checkpoint": str(opened.checkpoint),
-            # What ran in the timed passes, which may differ from what scored (timed_settings).
+            # What ran in the timed passes, which may differ from what scored
+            # (EngineSpec.deployed_settings).
             "runtime": opened.engine.runtime(opened.checkpoint, opened.settings),
             # Its name among the host's candidates (provenance's vllm_runtimes), if it has one.
             "variant": opened.engine.runtime_variant(opened.checkpoint, opened.settings),

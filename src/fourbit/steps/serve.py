@@ -42,7 +42,7 @@ from fourbit.bench.passes import summarize
 from fourbit.bench.pinning import choose_cores, pinned
 from fourbit.bench.provenance import provenance
 from fourbit.bench.residency import cache_state, warm_and_check
-from fourbit.engines import get_engine
+from fourbit.engines import engine_spec, get_engine
 from fourbit.hashing import require_sha256
 from fourbit.report.rows import control
 from fourbit.steps.llamacpp import load_tools
@@ -97,7 +97,9 @@ def serve_study(arms: list[ServedArm], serve_settings: dict, bench_settings: dic
     require_sha256(model_weights_sha256)
     settings = block("serve", serve_settings)
     gate = block("bench", bench_settings)
-    arms = [ServedArm(**{**vars(a), "model": Path(a.model)}) for a in arms]
+    # Served as deployed: vLLM compiled unless the study's bench.vllm_compiled is false.
+    arms = [ServedArm(**{**vars(a), "model": Path(a.model), "engine": engine_spec(
+        a.engine["name"]).deployed_settings(a.engine, gate["vllm_compiled"])}) for a in arms]
     chosen = choose_arms(arms, settings, control_tolerance)
     _check_context(chosen, settings["prompt_tokens"] + settings["output_tokens"])
     prompts = prompts_from_windows(windows, prompt_tokens=settings["prompt_tokens"],
