@@ -106,6 +106,18 @@ def finished_study(tmp_path_factory):
     return workdir
 
 
+@pytest.fixture(scope="session")
+def task_sandbox():
+    """Skips the test, saying why, unless this host can run fourbit.tasks.sandbox (root,
+    `unshare`, network, mount and PID namespaces, a right program passing in it)."""
+    from fourbit.tasks import sandbox
+
+    try:
+        sandbox.check_available()
+    except sandbox.SandboxError as error:
+        pytest.skip(str(error))
+
+
 @contextlib.contextmanager
 def mounted_tmpfs(folder: Path, size: int):
     """A tmpfs of ``size`` bytes mounted on ``folder`` (made if missing) while the block

@@ -63,8 +63,8 @@ LAYERS = (
     # checkpoints on disk
     {"checkpoints"},
     # what is built from checkpoints: the model walk, the vLLM plugin, the inputs, llama.cpp's
-    # tools, the bench's measurement guards
-    {"quantizers", "vllm_plugin", "inputs", "llamacpp", "bench"},
+    # tools, the bench's measurement guards, the task sets and their sandbox
+    {"quantizers", "vllm_plugin", "inputs", "llamacpp", "bench", "tasks"},
     # engines run checkpoints, servers serve them; the report reads records
     {"engines", "report", "serving"},
     # the study: the validated config and its ids, and the disk its outputs take, read by the

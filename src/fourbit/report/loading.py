@@ -24,7 +24,7 @@ RECORD_KINDS = {"ppl_quantized": "ppl", "ppl_dense": "ppl", "bench": "bench", "f
 # record is an arm's ppl job's or the baseline's, on an engine that keeps fidelity sides
 # or not).
 WRITTEN_BY = {"ppl": "ppl ppl_baseline ppl_with_side ppl_baseline_with_side", "bench": "bench",
-              "fidelity": "fidelity",
+              "fidelity": "fidelity", "serve": "serve",
               "arm": "quantize (quantize_gguf for a llama.cpp arm)"}
 
 RecordPaths = Mapping[str, Mapping[str, Mapping[str, str | os.PathLike]]]
@@ -123,8 +123,9 @@ def bench_records(study: dict, records: Records) -> dict[str, list[dict]]:
     return benches
 
 
-def check_same_weights(model_id: str, records: Records) -> str | None:
-    """Every record must name the weights it was computed from, and all must name the same.
+def check_same_weights(model_id: str, records: Records, serve: Record | None = None) -> str | None:
+    """Every record must name the weights it was computed from, and all must name the same;
+    ``serve``, the serve step's one record, when the study served its arms.
 
     One model id can come to mean other weights (the builtin model retrained on a host
     whose kernels round differently, a local folder edited in place): records made before
@@ -132,12 +133,14 @@ def check_same_weights(model_id: str, records: Records) -> str | None:
     models. The hash says which weights each record saw."""
     first: tuple[str, str] | None = None
     carriers: dict[str, list[str]] = {}
-    for kind, (path, record) in _each(records):
+    written = [(WRITTEN_BY[RECORD_KINDS[kind]], record) for kind, record in _each(records)]
+    written += [(WRITTEN_BY["serve"], serve)] if serve else []
+    for rule, (path, record) in written:
         if "model_weights_sha256" not in record:
             raise ReportInputError(
                 f"{path}: has no model_weights_sha256, so it was written by an older fourbit "
                 "that did not record which weights it was computed from; rerun it: "
-                f"snakemake --forcerun {WRITTEN_BY[RECORD_KINDS[kind]]}"
+                f"snakemake --forcerun {rule}"
             )
         weights = record["model_weights_sha256"]
         carriers.setdefault(weights, []).append(path)
@@ -145,7 +148,7 @@ def check_same_weights(model_id: str, records: Records) -> str | None:
     if len(carriers) < 2:
         return first[1] if first else None
     other = next(w for w in carriers if w != first[1])
-    rules = sorted({WRITTEN_BY[RECORD_KINDS[kind]] for kind, _ in _each(records)})
+    rules = sorted({rule for rule, _ in written})
     raise ReportInputError(
         f"records under model id {model_id} were computed from different weights: "
         f"{first[0]} from model_weights_sha256 {first[1]} ({len(carriers[first[1]])} records), "

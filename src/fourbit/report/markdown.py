@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 from fourbit.metrics.stats import CONFIDENCE, overlapping
 from fourbit.report.frontier import frontier_section
+from fourbit.report.serving import Serving, serving_rules, serving_section, serving_verdicts
 from fourbit.report.verdicts import (
     below_baseline,
     fmt_value,
@@ -22,9 +23,10 @@ from fourbit.report.verdicts import (
 
 
 def render_markdown(study: dict, rows: list[dict], facts: dict, settings: Mapping,
-                    plots: list[tuple[str, str]]) -> str:
+                    plots: list[tuple[str, str]], serving: Serving | None = None) -> str:
     """``facts``: records.run_facts' plus ``records_weights_sha256``; ``settings``: the
-    config's report block; ``plots``: each figure's title and its link from the report."""
+    config's report block; ``plots``: each figure's title and its link from the report;
+    ``serving``: the serve record as read (fourbit.report.serving), None when not served."""
     lines = preamble(study, facts) + results_table(rows)
     lines += unavailable_engines(study)
     lines += arms_refused_or_falling_back(study, facts["quantization"])
@@ -34,14 +36,16 @@ def render_markdown(study: dict, rows: list[dict], facts: dict, settings: Mappin
     timing = bench_job(facts["benches"])
     if timing:
         lines += [""] + timing
+    lines += serving_section(serving)
     if facts["quantization"]:
         lines += ["", "## How each arm was quantized", ""] + quantization_table(facts["quantization"])
     lines += ["", "## Recommendation for this host", ""] + recommend(rows, settings)
+    lines += serving_verdicts(serving, rows)
     lines += ["", "## Quality per bit: the frontier", ""] + frontier_section(rows)
     if plots:
         lines += ["", "## Plots", ""] + [f"![{title}]({link})" for title, link in plots]
     lines += ["", "## Host", ""] + host_block(study, facts, rows)
-    lines += ["", "## Definitions", ""] + definitions(study, facts, settings)
+    lines += ["", "## Definitions", ""] + definitions(study, facts, settings) + serving_rules(serving)
     lines += ["", "## Runtimes", ""] + [f"- `{r['arm_id']}` on {r['engine']}: {r['runtime']}" for r in rows]
     return "\n".join(lines) + "\n"
 

@@ -1,6 +1,8 @@
 """The report's figures: each arm's Δppl (with its interval) against bits per weight, and
-against decode speed; and the frontier, KL and Δppl against bits per weight with each
-family's Pareto front. The workflow names the files (rule report's outputs)."""
+against decode speed; the frontier, KL and Δppl against bits per weight with each
+family's Pareto front; and, when the study served its arms, output tok/s against
+concurrency and TPOT p99 against output tok/s. The workflow names the files (rule
+report's outputs)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from fourbit.report.frontier import Frontier, frontier_of
+from fourbit.report.serving import Point, Served, Serving, pareto_front, timed_levels
 
 # By the rule's output name: the title, the row key on the x axis and its label.
 FIGURES = {
@@ -104,3 +107,72 @@ def plot_frontier(plt, frontier: Frontier, title: str):
             axes.legend(fontsize=7)
     figure.suptitle(title)
     return figure
+
+
+# By the rule's output name: the title. Written only when the study served its arms.
+SERVING_FIGURES = {
+    "serving_throughput": "Serving: output tokens/s against concurrent users",
+    "serving_pareto": "Serving: TPOT p99 against output tokens/s (Pareto view)",
+}
+
+
+def plot_serving(serving: Serving, paths: Mapping[str, str | os.PathLike]) -> list[tuple[str, Path]]:
+    """The two serving figures, to ``paths[name]`` (PNG, atomically); their titles and paths.
+    Each served build is one line in both, its own marker and colour; a baseline dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timed = timed_levels(serving)
+    throughput, pareto = SERVING_FIGURES
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for index, (s, levels) in enumerate(timed):
+        spreads = [m["output_tok_s"] for _, m in levels]
+        axes.errorbar([n for n, _ in levels], [x.median for x in spreads],
+                      yerr=[[x.median - x.low for x in spreads], [x.high - x.median for x in spreads]],
+                      capsize=3, label=_served_name(s), **_style(index, s))
+    axes.set_xscale("log", base=2)
+    axes.set_xticks(serving.concurrency, [str(n) for n in serving.concurrency])
+    axes.set_xlabel("concurrent users (requests in flight)")
+    axes.set_ylabel("output tokens/s, median [min–max] over passes")
+    _finish(plt, figure, axes, SERVING_FIGURES[throughput], Path(paths[throughput]), timed)
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    points = []
+    for index, (s, levels) in enumerate(timed):
+        placed = [Point(s, n, m["output_tok_s"].median, m["tpot_ms_p99"].median) for n, m in levels]
+        axes.plot([p.tok_s for p in placed], [p.tpot_p99_ms for p in placed], label=_served_name(s),
+                  **_style(index, s))
+        for p in placed:
+            axes.annotate(str(p.concurrency), (p.tok_s, p.tpot_p99_ms), fontsize=7, xytext=(3, 3),
+                          textcoords="offset points")
+        points += placed
+    front = pareto_front(points)
+    if front:  # ringed, and joined: the best TPOT p99 reachable at each throughput
+        axes.plot([p.tok_s for p in front], [p.tpot_p99_ms for p in front], color="black", linewidth=0.8,
+                  marker="o", markersize=11, markerfacecolor="none", label="Pareto front")
+    axes.axhline(serving.tpot_bound_ms, color="red", linestyle=":", label=f"TPOT bound {serving.tpot_bound_ms:g} ms")
+    axes.set_xlabel("output tokens/s (median over passes); numbers: concurrent users")
+    axes.set_ylabel("TPOT p99, ms (median over passes)")
+    _finish(plt, figure, axes, SERVING_FIGURES[pareto], Path(paths[pareto]), timed)
+    return [(title, Path(paths[name])) for name, title in SERVING_FIGURES.items()]
+
+
+def _served_name(s: Served) -> str:
+    return f"{s.arm_name} ({s.engine})"
+
+
+def _style(index: int, s: Served) -> dict:
+    return {"marker": MARKERS[index % len(MARKERS)], "color": f"C{index % 10}",
+            "linestyle": "--" if s.arm == "baseline" else "-"}
+
+
+def _finish(plt, figure, axes, title: str, path: Path, timed: list) -> None:
+    if timed:
+        axes.legend(fontsize=7)
+    else:
+        axes.text(0.5, 0.5, "no served build was timed at any level", ha="center", va="center",
+                  transform=axes.transAxes)
+    axes.set_title(title)
+    _save(plt, figure, path)

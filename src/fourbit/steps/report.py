@@ -1,5 +1,6 @@
 """workflow/rules/report.smk: rule report (write_report). `results/report.md`,
-`results/report.tsv` (one row per arm and engine) and the three plots.
+`results/report.tsv` (one row per arm and engine) and the three plots; when the study
+served its arms (the serve step's serve.json), a Serving section and its two plots.
 
 Every number comes from a result file of this run; a missing or unreadable file
 stops the report and names the file, instead of leaving a hole in the table. The
@@ -17,7 +18,7 @@ from pathlib import Path
 from fourbit.atomic import write_text
 from fourbit.checkpoints.quantized import storage_stats
 from fourbit.report.markdown import render_markdown
-from fourbit.report.plots import plot
+from fourbit.report.plots import plot, plot_serving
 from fourbit.report.loading import (
     RecordPaths,
     bench_records,
@@ -29,6 +30,7 @@ from fourbit.report.loading import (
     run_facts,
 )
 from fourbit.report.rows import build_rows, render_tsv
+from fourbit.report.serving import read_serving
 
 log = logging.getLogger("fourbit")
 
@@ -51,9 +53,12 @@ def write_report(
     """``report_settings``: the config's validated ``report`` block (the schema's defaults
     filled in; this module has none of its own); ``records``: engine id -> arm id (or
     "baseline") -> kind -> path (fourbit.report.loading); ``plot_paths``: by figure name
-    (fourbit.report.plots.FIGURES and FRONTIER, the rule's output names), where to write it."""
+    (fourbit.report.plots.FIGURES and FRONTIER, the rule's output names; SERVING_FIGURES too
+    with ``serve_record``), where to write it. ``serve_record``: the serve step's record, or
+    None when the study did not serve its arms (then no Serving section and no serving plots)."""
     read = read_records(records)
-    weights = check_same_weights(study["model"]["id"], read)
+    serve, serving = read_serving(serve_record) if serve_record else (None, None)
+    weights = check_same_weights(study["model"]["id"], read, serve)
     storage = {"hf": storage_stats(baseline_checkpoint)}
     if gguf_base_storage:
         storage["gguf"] = read_result(gguf_base_storage)
@@ -65,7 +70,8 @@ def write_report(
                       training_path=training_path, corpus_manifest=corpus_manifest)
     facts["records_weights_sha256"] = weights
     # The markdown links each figure relative to where the report lies.
-    plots = [(title, os.path.relpath(path, Path(markdown_path).parent)) for title, path in plot(rows, plot_paths)]
+    made = plot(rows, plot_paths) + (plot_serving(serving, plot_paths) if serving else [])
+    plots = [(title, os.path.relpath(path, Path(markdown_path).parent)) for title, path in made]
     write_text(table_path, render_tsv(rows))
-    write_text(markdown_path, render_markdown(study, rows, facts, report_settings, plots))
+    write_text(markdown_path, render_markdown(study, rows, facts, report_settings, plots, serving))
     log.info("report: %d rows", len(rows))

@@ -1,0 +1,327 @@
+"""The report's serving part: what each served build gave N concurrent users on its real
+server (the serve step's one record, serve.json), as a section with a table per
+concurrency level and a recommendation line per level beside the batch-1 ones.
+
+The record is read and its shape checked once (read_serving), before any output is
+written, so a record the report cannot render is named with the field it lacks.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import NoReturn
+
+from fourbit.metrics.stats import overlapping
+from fourbit.report.loading import WRITTEN_BY, Record, ReportInputError, read_result
+
+# A level's summary keys (the serve record's) as the table heads them, in column order.
+MEASURES = {"output_tok_s": "output tok/s", "requests_per_s": "requests/s",
+            "ttft_ms_p50": "TTFT p50 ms", "ttft_ms_p99": "TTFT p99 ms",
+            "tpot_ms_p50": "TPOT p50 ms", "tpot_ms_p99": "TPOT p99 ms"}
+
+
+@dataclass(frozen=True)
+class Spread:
+    """One measure over a level's passes: their median, lowest and highest."""
+
+    median: float
+    low: float
+    high: float
+
+    def shown(self) -> str:
+        return f"{_number(self.median)} [{_number(self.low)}–{_number(self.high)}]"
+
+
+def _number(value: float) -> str:
+    # Three significant figures below 10 (requests/s is often a fraction of one).
+    return f"{value:.1f}" if abs(value) >= 10 else f"{value:.3g}"
+
+
+@dataclass(frozen=True)
+class Level:
+    concurrency: int
+    status: str  # "measured" or "over_capacity"
+    reason: str | None  # over_capacity only: the server's own limit
+    summary: dict[str, Spread] | None  # by MEASURES' keys; measured only
+    passes: int
+    failed_requests: int
+
+
+@dataclass(frozen=True)
+class Served:
+    """One (engine, arm) the serve job started a server for, or refused before timing."""
+
+    engine_id: str
+    engine: str  # the engine's name in the config: vllm, vllm_native, llamacpp
+    arm: str  # an arm id, or "baseline"
+    arm_name: str
+    status: str  # "measured" or "refused"
+    reason: str | None  # refused only
+    runtime: str | None  # measured only, like the three below: what ran, and how it was started
+    command: list[str] | None
+    startup_s: float | None
+    levels: dict[int, Level]  # by concurrency
+
+    @property
+    def label(self) -> str:
+        return f"`{self.arm}` on {self.engine_id}"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every served arm was given, the same at every level."""
+
+    source: str  # of the prompts: the evaluation split's token ids, or a seeded random set
+    prompt_tokens: int
+    output_tokens: int  # fixed: EOS ignored
+    requests_per_level: int
+    warmup_requests: int
+    passes: int
+
+
+@dataclass(frozen=True)
+class Serving:
+    path: str
+    workload: Workload
+    concurrency: list[int]
+    tpot_bound_ms: float
+    load_generator: str
+    started: str | None
+    served: list[Served]
+
+
+def read_serving(path: str | os.PathLike) -> tuple[Record, Serving]:
+    """The serve record as read (for the weights check) and as the report renders it;
+    ReportInputError naming the file when it is missing, corrupt or lacks a field."""
+    data = read_result(path)
+    if not data.get("measured"):
+        raise ReportInputError(f"{path}: the serve step did not measure ({data.get('reason')}); "
+                               f"rerun it: snakemake --forcerun {WRITTEN_BY['serve']}")
+    try:
+        workload = data["workload"]
+        serving = Serving(
+            path=str(path),
+            workload=Workload(workload["source"], *(int(workload[key]) for key in (
+                "prompt_tokens", "output_tokens", "requests_per_level", "warmup_requests", "passes"))),
+            concurrency=[int(n) for n in data["concurrency"]],
+            tpot_bound_ms=float(data["tpot_bound_ms"]), load_generator=data["load_generator"],
+            started=data.get("job", {}).get("started"), served=[_served(s) for s in data["served"]])
+    except KeyError as error:
+        _unreadable(path, f"it lacks the field {error}")
+    except (TypeError, ValueError) as error:
+        _unreadable(path, f"a field has the wrong type or value: {error}")
+    _check_levels(serving)
+    return Record(str(path), data), serving
+
+
+def _unreadable(path: str | os.PathLike, problem: str) -> NoReturn:
+    raise ReportInputError(f"{path}: not a serve record the report can read ({problem}); remake it: "
+                           f"snakemake --forcerun {WRITTEN_BY['serve']}")
+
+
+def _served(entry: dict) -> Served:
+    _known_status(entry["status"], ("measured", "refused"), f"{entry['arm']} on {entry['engine_id']}")
+    refused = entry["status"] == "refused"
+    identity = {"engine_id": entry["engine_id"], "engine": entry["engine"], "arm": entry["arm"],
+                "arm_name": entry["arm_name"], "status": entry["status"]}
+    if refused:
+        return Served(**identity, reason=entry["reason"], runtime=None, command=None, startup_s=None,
+                      levels={})
+    return Served(**identity, reason=None, runtime=entry["runtime"], command=list(entry["command"]),
+                  startup_s=float(entry["startup_s"]),
+                  levels={int(level["concurrency"]): _level(level) for level in entry["levels"]})
+
+
+def _known_status(status: str, known: tuple[str, ...], what: str) -> None:
+    if status not in known:
+        raise ValueError(f"{what} has status {status!r}, not one of {', '.join(known)}")
+
+
+def _level(level: dict) -> Level:
+    _known_status(level["status"], ("measured", "over_capacity"), f"concurrency {level['concurrency']}")
+    if level["status"] == "over_capacity":
+        return Level(int(level["concurrency"]), "over_capacity", level["reason"], None, 0, 0)
+    summary = {key: Spread(*(float(level["summary"][key][stat]) for stat in ("median", "min", "max")))
+               for key in MEASURES}
+    return Level(int(level["concurrency"]), "measured", None, summary, len(level["passes"]),
+                 sum(int(p["failed"]) for p in level["passes"]))
+
+
+def _check_levels(serving: Serving) -> None:
+    """Every served entry has an entry at every level of the record (timed or over capacity)."""
+    for s in (s for s in serving.served if s.status == "measured"):
+        missing = [n for n in serving.concurrency if n not in s.levels]
+        if missing:
+            _unreadable(serving.path, f"{s.arm} on {s.engine_id} has no entry at concurrency "
+                                      f"{', '.join(map(str, missing))} of its {serving.concurrency}")
+
+
+# --- the section ----------------------------------------------------------------------------
+
+
+def _users(n: int) -> str:
+    return f"{n} concurrent user{'s' if n != 1 else ''}"
+
+
+def serving_section(serving: Serving | None) -> list[str]:
+    """The workload, what was served (and what refused), then a table per concurrency level;
+    nothing when serving was not part of the study."""
+    if serving is None:
+        return []
+    w = serving.workload
+    started = f" (started {serving.started})" if serving.started else ""
+    lines = [
+        "", "## Serving", "",
+        f"Each served build ran on its engine's own OpenAI-compatible server, started and stopped "
+        f"by one serve job{started}. One load generator, {serving.load_generator}, drove every "
+        f"server with the same workload: {w.requests_per_level} requests per concurrency level, each "
+        f"a {w.prompt_tokens}-token prompt ({w.source}) and exactly {w.output_tokens} output tokens "
+        f"(EOS ignored), after {w.warmup_requests} warm-up requests; {w.passes} passes, interleaved "
+        "across the builds. Each figure is the median [min–max] over the passes. TPOT bound for the "
+        f"recommendation: {serving.tpot_bound_ms:g} ms (TPOT p99, serve.tpot_bound_ms).",
+        "",
+    ]
+    if not serving.served:  # e.g. no arm's fidelity was judged, so none was the best faithful one
+        return lines + ["- No build was served: the serve step's selection (the config's serve.arms) "
+                        "chose none."]
+    for s in serving.served:
+        if s.status == "refused":
+            lines.append(f"- **Not served: {s.label}** ({s.engine}): {s.reason}.")
+        else:
+            lines.append(f"- {s.label} ({s.engine}): {s.runtime}; answering after {s.startup_s:.1f} s; "
+                         f"`{shlex.join(s.command)}`")
+    for n in serving.concurrency:
+        lines += ["", f"### {_users(n)}", ""] + level_table(serving, n)
+    return lines
+
+
+def level_table(serving: Serving, n: int) -> list[str]:
+    """One row per served (engine, arm) at concurrency ``n``; a refused build or a level over
+    the server's capacity says why instead of showing figures."""
+    headers = ["engine", "arm", *MEASURES.values(), "note"]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    for s in serving.served:
+        level = s.levels.get(n)
+        if s.status == "refused":
+            cells, note = ["refused"] + ["—"] * (len(MEASURES) - 1), s.reason
+        elif level.status == "over_capacity":
+            cells, note = ["over capacity"] + ["—"] * (len(MEASURES) - 1), level.reason
+        else:
+            cells = [level.summary[key].shown() for key in MEASURES]
+            note = f"{level.passes} passes, {level.failed_requests} failed requests"
+        lines.append("| " + " | ".join([s.engine_id, f"`{s.arm}`", *cells, note]) + " |")
+    return lines
+
+
+# --- the recommendation ---------------------------------------------------------------------
+
+
+def serving_verdicts(serving: Serving | None, rows: list[dict]) -> list[str]:
+    """A line per concurrency level: the served 4-bit arm with the most output tok/s within
+    the record's TPOT p99 bound, or why none is named. ``rows``: the report's rows, whose
+    controls say which arms are not faithful."""
+    if serving is None:
+        return []
+    unfaithful = {(r["engine"], r["arm_id"]) for r in rows if r["control"] == "NOT faithful"}
+    return [level_verdict(serving, n, unfaithful) for n in serving.concurrency]
+
+
+def level_verdict(serving: Serving, n: int, unfaithful: set[tuple[str, str]]) -> str:
+    bound = serving.tpot_bound_ms
+    head = f"For {_users(n)} within a TPOT p99 of {bound:g} ms"
+    left_out, timed = [], []
+    for s in (s for s in serving.served if s.arm != "baseline"):
+        if s.status == "refused":
+            left_out.append(f"{s.label} (refused: {s.reason})")
+        elif (s.engine_id, s.arm) in unfaithful:
+            left_out.append(f"{s.label} (control NOT faithful)")
+        elif s.levels[n].status == "over_capacity":
+            left_out.append(f"{s.label} (over capacity: {s.levels[n].reason})")
+        else:
+            timed.append((s, s.levels[n].summary))
+    within = [(s, m) for s, m in timed if m["tpot_ms_p99"].median <= bound]
+    if not timed:
+        line = f"- {head}: no served 4-bit arm was timed at this level, so none is recommended."
+    elif not within:
+        lowest, m = min(timed, key=lambda t: t[1]["tpot_ms_p99"].median)
+        line = (f"- {head}: no served 4-bit arm keeps within the bound, so none is recommended; "
+                f"the lowest TPOT p99 is {lowest.label}'s, {m['tpot_ms_p99'].shown()} ms.")
+    else:
+        fast, best = max(within, key=lambda t: t[1]["output_tok_s"].median)
+        spread = best["output_tok_s"]
+        tied = [(s, m) for s, m in within if s is not fast
+                and overlapping((spread.low, spread.high), (m["output_tok_s"].low, m["output_tok_s"].high))]
+        if tied:
+            line = (f"- {head}: not separable, their output tok/s [min–max] overlap: "
+                    + ", ".join(f"{s.label} ({_figures(m)})" for s, m in [(fast, best), *tied]) + ".")
+        else:
+            line = f"- **{head}: {fast.label}** ({_figures(best)})."
+        faster = [(s, m) for s, m in timed if m["output_tok_s"].median > spread.median
+                  and m["tpot_ms_p99"].median > bound]
+        if faster:
+            line += " Faster but over the bound: " + ", ".join(f"{s.label} ({_figures(m)})" for s, m in faster) + "."
+    if left_out:
+        line += " Not in the running: " + "; ".join(left_out) + "."
+    return line
+
+
+def _figures(m: Mapping[str, Spread]) -> str:
+    return f"{m['output_tok_s'].shown()} output tok/s, TPOT p99 {m['tpot_ms_p99'].shown()} ms"
+
+
+def serving_rules(serving: Serving | None) -> list[str]:
+    """The serving figures' and verdicts' definitions, for the report's definitions."""
+    if serving is None:
+        return []
+    return [
+        f"- **Serving** (as {serving.load_generator} measures them, over one level's requests): "
+        "**output tok/s** and **requests/s**, every generated token (request) over the level's "
+        "wall time; **TTFT**, the time from sending a request to its first token; **TPOT**, the "
+        "time per output token after the first; p50 and p99 over the level's requests; each "
+        "shown as the median [min–max] over the passes. **over capacity**: the server's own "
+        "limit (its KV cache or slots) cannot hold that many requests at once, so the level was "
+        "not timed as a queue.",
+        "- **For N concurrent users**: among the served 4-bit arms (a baseline is served as a "
+        "reference, not a candidate) that the server accepted, whose control did not fail and "
+        "whose level was not over capacity, those whose TPOT p99 (median over passes) is within "
+        f"{serving.tpot_bound_ms:g} ms (serve.tpot_bound_ms); the one with "
+        "the most output tok/s (median) is named, unless another's output tok/s [min–max] "
+        "overlaps its: then they are named together as not separable.",
+    ]
+
+
+# --- what the plots draw --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Point:
+    """One served build at one level: where the Pareto plot places it."""
+
+    served: Served
+    concurrency: int
+    tok_s: float  # output tok/s, median over passes
+    tpot_p99_ms: float  # median over passes
+
+
+def timed_levels(serving: Serving) -> list[tuple[Served, list[tuple[int, dict[str, Spread]]]]]:
+    """Each served build with its timed levels (concurrency, summary), in the record's order;
+    a build with none (refused, or over capacity at every level) left out."""
+    timed = []
+    for s in serving.served:
+        levels = [(n, s.levels[n].summary) for n in serving.concurrency
+                  if s.status == "measured" and s.levels[n].status == "measured"]
+        if levels:
+            timed.append((s, levels))
+    return timed
+
+
+def pareto_front(points: list[Point]) -> list[Point]:
+    """The points no other point beats on both axes (at least as many tok/s at no higher TPOT
+    p99, better on one), by tok/s."""
+    def beaten(p: Point) -> bool:
+        return any(q.tok_s >= p.tok_s and q.tpot_p99_ms <= p.tpot_p99_ms
+                   and (q.tok_s, q.tpot_p99_ms) != (p.tok_s, p.tpot_p99_ms) for q in points)
+    return sorted((p for p in points if not beaten(p)), key=lambda p: p.tok_s)

@@ -1,0 +1,97 @@
+"""Task sets a study can score its builds on: one registration per set, with everything
+the rest of the code asks of it (STYLE.md 19).
+
+A task is data (its problems, loaded and checked), a prompt format (how every engine is
+asked, stated as data so it is the same for each) and a checker (the program that passes
+exactly when a completion solves its problem, run by fourbit.tasks.sandbox). A new task
+set is one module that builds a Task and calls ``register``; fourbit.tasks imports the
+shipped ones.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+
+class TaskError(ValueError):
+    """A task cannot run as asked: its data is missing or wrong, or the model lacks what it needs."""
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """How each problem is put to an engine; the same for every engine and arm."""
+    chat_template: bool  # False: the prompt text is completed as it is (no chat template applied)
+    stop: tuple[str, ...]  # generation ends at the first of these (the stop text itself is dropped)
+    max_tokens: int  # new tokens at most per completion
+    temperature: float = 0.0  # greedy: one completion per problem, so pass@1 needs no sampling estimate
+
+    def request(self, prompt: str) -> tuple[str, dict]:
+        """(path, body) of the OpenAI-compatible request vLLM's and llama.cpp's servers both
+        answer for ``prompt``; the caller adds the served model's name."""
+        common = {"max_tokens": self.max_tokens, "temperature": self.temperature, "stop": list(self.stop)}
+        if self.chat_template:
+            return "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}], **common}
+        return "/v1/completions", {"prompt": prompt, **common}
+
+
+@dataclass(frozen=True)
+class Problem:
+    id: str
+    prompt: str  # the text the engine completes (or, with a chat template, the user's message)
+    fields: dict = field(default_factory=dict, compare=False)  # what the task's checker needs
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    load: Callable[[], list[Problem]]  # every problem, checked (TaskError naming the file otherwise)
+    prompt_format: PromptFormat
+    program: Callable[[Problem, str], str]  # (problem, completion) -> Python that exits 0 iff it is right
+    source: str  # where the data comes from, for the report
+
+
+TASKS: dict[str, Task] = {}
+
+
+def register(task: Task) -> Task:
+    if task.name in TASKS:
+        raise ValueError(f"task {task.name!r} is registered twice")
+    TASKS[task.name] = task
+    return task
+
+
+def get(name: str) -> Task:
+    if name not in TASKS:
+        raise TaskError(f"no task named {name!r}; registered: {', '.join(sorted(TASKS)) or 'none'}")
+    return TASKS[name]
+
+
+# A tokenizer transformers and the servers can load (one of these, see
+# fourbit.inputs.tokenizer_files), and where a chat template may live.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+
+
+def check_model(task: Task, model_folder: str | Path) -> None:
+    """TaskError unless the model in ``model_folder`` has what ``task`` asks of it: a
+    tokenizer always, a chat template if the task's prompts use one. Reads only small
+    files; the workflow calls it for every enabled task before any job runs."""
+    folder = Path(model_folder)
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise TaskError(f"task {task.name!r} needs the model's tokenizer, and {folder} has none "
+                        f"({' / '.join(TOKENIZER_FILES)}): add the tokenizer files or turn the task off")
+    if task.prompt_format.chat_template and not _has_chat_template(folder):
+        raise TaskError(
+            f"task {task.name!r} puts its prompts through the model's chat template, and {folder} "
+            f"has none (no {' / '.join(CHAT_TEMPLATE_FILES)}, no chat_template in "
+            "tokenizer_config.json): use an instruct model's folder, or turn the task off")
+
+
+def _has_chat_template(folder: Path) -> bool:
+    if any((folder / name).is_file() for name in CHAT_TEMPLATE_FILES):
+        return True
+    config = folder / "tokenizer_config.json"
+    return config.is_file() and bool(json.loads(config.read_text(encoding="utf-8")).get("chat_template"))
