@@ -56,7 +56,10 @@ def test_a_prompt_becomes_the_same_request_for_every_engine():
     form = registry.get("humaneval").prompt_format
     assert form.request("def f():\n") == ("/v1/completions", {
         "prompt": "def f():\n", "max_tokens": 384, "temperature": 0.0,
-        "stop": ["\nclass", "\ndef", "\n#", "\nif", "\nprint"]})
+        "stop": ["\nclass", "\ndef", "\n#", "\nif"]})  # the OpenAI API's 4 at most
+    # the fifth applies when the completion comes back
+    assert form.cut("    return 1\nprint(f())\n#") == "    return 1"
+    assert form.cut("    return 1\n") == "    return 1\n"
     chat = replace(form, chat_template=True)
     path, body = chat.request("Write f.")
     assert path == "/v1/chat/completions" and body["messages"] == [{"role": "user", "content": "Write f."}]
