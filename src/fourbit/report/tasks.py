@@ -104,6 +104,7 @@ def tasks_section(results: list[TaskResult] | None, rows: list[dict]) -> list[st
             "executed against the problem's tests in the sandbox (README, \"Task accuracy\").",
             "",
             *task_table(result, bits),
+            "",
         ]
         lines += [f"- **Not scored: {a.label}** ({a.engine}): {a.reason}." for a in result.arms
                   if a.status == "refused"]
