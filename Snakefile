@@ -30,6 +30,7 @@ if TASKS:
 
     include: "workflow/rules/tasks.smk"
 
+
 include: "workflow/rules/report.smk"
 
 
