@@ -14,5 +14,6 @@ tasks_study(
     threads=snakemake.threads,
     model_weights_sha256=source_weights_sha256(snakemake.input.source),
     control_tolerance=dict(snakemake.params.control_tolerance),
+    positions=snakemake.params.positions,
     llamacpp_tools=snakemake.input.get("tools"),
 )

@@ -72,7 +72,7 @@ def _score(tmp_path: Path, arm: Path) -> dict:
     return tasks_study([ServedArm("vllm-1", VLLM, "t-0000000000", "t", arm, tmp_path / "cache")],
                        TASKS, {"arms": ["t"], "baseline": False}, {"allow_busy": True},
                        out=tmp_path / "tasks.json", server_logs=tmp_path / "servers", threads=2,
-                       model_weights_sha256=SHA, control_tolerance=TOLERANCES)
+                       model_weights_sha256=SHA, control_tolerance=TOLERANCES, positions=512)
 
 
 @pytest.mark.slow

@@ -31,6 +31,8 @@ rule tasks:
         serve=STUDY.config["serve"],
         bench=STUDY.config["bench"],
         control_tolerance=STUDY.config["evaluation"]["control_tolerance"],
+        # bound each request's context (tasks.context_tokens)
+        positions=STUDY.model_config.get("max_position_embeddings"),
         # each server's own log, beside the job's
         server_logs=f"{RESULTS}/logs/tasks/{MODEL}/{CORPUS}/servers",
     script:

@@ -49,11 +49,12 @@ REQUEST_TIMEOUT_S = 3600.0  # one completion on a loaded 2-core host takes secon
 def tasks_study(arms: list[ServedArm], tasks_settings: dict, serve_settings: dict,
                 bench_settings: dict, *, out: Path, server_logs: Path, threads: int,
                 model_weights_sha256: str, control_tolerance: dict,
-                llamacpp_tools: Path | None = None) -> dict:
+                positions: int | None = None, llamacpp_tools: Path | None = None) -> dict:
     """Score the chosen ``arms`` on every task ``tasks_settings`` enables (see the module
     docstring), write tasks.json to ``out``, return it. ``serve_settings`` choose the
     arms and give the servers' start-up timeout; ``bench_settings`` the cores;
-    ``server_logs`` the folder each server's own log goes to."""
+    ``server_logs`` the folder each server's own log goes to; ``positions`` the model's
+    (config.json's max_position_embeddings), which bound each request's context."""
     require_sha256(model_weights_sha256)
     settings = block("tasks", tasks_settings)
     serve = block("serve", serve_settings)
@@ -65,7 +66,7 @@ def tasks_study(arms: list[ServedArm], tasks_settings: dict, serve_settings: dic
     arms = [ServedArm(**{**vars(a), "model": Path(a.model)}) for a in arms]
     # Every arm is paired against its engine's baseline, whatever serve.baseline says.
     chosen = choose_arms(arms, {**serve, "baseline": True}, control_tolerance)
-    context = _context_tokens(chosen, settings["context_tokens"])
+    context = _context_tokens(settings["context_tokens"], positions)
     # The work each task asks, chosen and checked before any server starts.
     work = [(task, _problems(task, settings["problems"]), _prompt_format(task, settings["max_tokens"]))
             for task in tasks]
@@ -120,16 +121,10 @@ def _stated(fmt: PromptFormat) -> dict:
             "temperature": fmt.temperature}
 
 
-def _context_tokens(arms: list[ServedArm], wanted: int) -> int:
-    """tasks.context_tokens, lowered to the model's positions where its config says them
-    (a server refuses a longer context, or computes positions the model never learnt)."""
-    for arm in arms:
-        config = arm.model / "config.json"
-        if arm.model.is_dir() and config.is_file():
-            positions = json.loads(config.read_text()).get("max_position_embeddings")
-            if positions is not None:
-                return min(wanted, positions)
-    return wanted
+def _context_tokens(wanted: int, positions: int | None) -> int:
+    """tasks.context_tokens, lowered to the model's positions (a server refuses a longer
+    context, or computes positions the model never learnt)."""
+    return wanted if positions is None else min(wanted, positions)
 
 
 def _score_arm(arm: ServedArm, task: Task, problems: list[Problem], fmt: PromptFormat, *,
