@@ -162,7 +162,7 @@ def tasks_study(vllm_study, tmp_path_factory):
     path = workdir / "with-tasks.yaml"
     path.write_text(yaml.safe_dump(config))
     dry = snakemake(workdir, "-n", "results/report.md", config=path)
-    assert dry.returncode == 0, dry.stderr[-3000:]
+    assert dry.returncode == 0 and "Job stats:" in dry.stdout, dry.stdout[-3000:] + dry.stderr[-3000:]
     run = snakemake(workdir, "results/report.md", config=path)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     return workdir, scheduled_jobs(dry.stdout)
