@@ -23,6 +23,14 @@ include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/bench.smk"
 include: "workflow/rules/fidelity.smk"
 include: "workflow/rules/serve.smk"
+
+
+# Task accuracy runs model-written code: its rule exists only when the study enables a task.
+if TASKS:
+
+    include: "workflow/rules/tasks.smk"
+
+
 include: "workflow/rules/report.smk"
 
 

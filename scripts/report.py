@@ -14,7 +14,8 @@ write_report(
         "quality_vs_decode": snakemake.output.quality_vs_decode,
         "frontier": snakemake.output.frontier,
         # the Serving section's, when the serve step runs (report.smk)
-        **{name: snakemake.output[name] for name in ("serving_throughput", "serving_pareto")
+        # and the Task accuracy section's, when a task is enabled
+        **{name: snakemake.output[name] for name in ("serving_throughput", "serving_pareto", "tasks_delta")
            if name in snakemake.output.keys()},
     },
     baseline_checkpoint=snakemake.input.model[0],
@@ -22,4 +23,5 @@ write_report(
     training_path=snakemake.params.training,
     corpus_manifest=snakemake.input.corpus[0],
     serve_record=snakemake.input.get("serve"),
+    tasks_record=snakemake.input.get("tasks"),
 )

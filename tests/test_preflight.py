@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from fourbit.tasks import humaneval, preflight
+from fourbit.tasks import humaneval, preflight, registry
 from fourbit.tasks.registry import TaskError
 
 
@@ -28,3 +30,13 @@ def test_an_enabled_task_whose_data_is_gone_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(humaneval, "data_file", lambda: tmp_path / "HumanEval.jsonl.gz")
     with pytest.raises(TaskError, match="HumanEval's data file is missing"):
         preflight.check_tasks({"humaneval": True}, tmp_path)
+
+
+def test_a_tokenizer_made_by_a_job_has_no_chat_template_so_a_chat_task_is_refused(monkeypatch):
+    # No folder yet (builtin and synthetic models: fourbit's own SentencePiece, made by a job):
+    # a plain-completion task passes, one through a chat template is refused before any job.
+    assert preflight.check_tasks({"humaneval": True, "problems": 3}, None) == [humaneval.HUMANEVAL]
+    chat = replace(humaneval.HUMANEVAL, prompt_format=replace(humaneval.PROMPT_FORMAT, chat_template=True))
+    monkeypatch.setitem(registry.TASKS, "humaneval", chat)
+    with pytest.raises(TaskError, match="has none: use an instruct model's folder"):
+        preflight.check_tasks({"humaneval": True}, None)

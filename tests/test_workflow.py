@@ -146,6 +146,60 @@ def test_vllm_and_llama_server_both_serve_the_study_end_to_end(vllm_study):
                        for p in Path("/proc").glob("[0-9]*/cmdline") if p.exists()), model
 
 
+# HumanEval on the tiny study with vLLM (tasks are off in tiny.yaml, as by default): three
+# problems whose prompts fit the tiny model's 128 positions with 16 new tokens (its
+# tokenizer gives them 67-79 tokens), on the best faithful arm and the baseline of each
+# engine with a server. Only the tasks job and the report run again.
+TASKS = {"humaneval": True, "problems": ["HumanEval/23", "HumanEval/53", "HumanEval/55"], "max_tokens": 16}
+
+
+@pytest.fixture(scope="module")
+def tasks_study(vllm_study, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("tasks-study")
+    shutil.copytree(vllm_study[0], workdir, symlinks=True, dirs_exist_ok=True)
+    config = yaml.safe_load((workdir / "with-vllm.yaml").read_text())
+    config["tasks"] = TASKS
+    path = workdir / "with-tasks.yaml"
+    path.write_text(yaml.safe_dump(config))
+    # The record is asked for by name: Snakemake sees the finished report as up to date and
+    # does not make a new input of it that is missing ("Nothing to be done"; README).
+    [eval_dir] = (workdir / "results").glob("*/eval/*")
+    record = str((eval_dir / "tasks.json").relative_to(workdir))
+    dry = snakemake(workdir, "-n", record, "results/report.md", config=path)
+    assert dry.returncode == 0 and "Job stats:" in dry.stdout, dry.stdout[-3000:] + dry.stderr[-3000:]
+    run = snakemake(workdir, record, "results/report.md", config=path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    return workdir, scheduled_jobs(dry.stdout)
+
+
+def test_the_tasks_step_scores_a_vllm_and_a_llamacpp_arm_on_their_servers(tasks_study):
+    workdir, scheduled = tasks_study
+    assert scheduled == {"tasks": 1, "report": 1}
+    [path] = (workdir / "results").glob("*/eval/*/tasks.json")
+    [task] = json.loads(path.read_text())["tasks"]
+    assert task["problems"] == TASKS["problems"]
+    entries = {(e["engine"], e["arm"] == "baseline"): e for e in task["arms"]}
+    assert set(entries) == {("vllm", True), ("vllm", False), ("llamacpp", True), ("llamacpp", False)}
+    for (engine, baseline), entry in entries.items():
+        assert entry["status"] == "measured", entry
+        assert set(entry["completions"]) == set(entry["outcomes"]) == set(TASKS["problems"])
+        assert entry["pass_at_1"]["problems"] == 3 and entry["generation_s"] > 0
+        assert (entry["vs_baseline"] is None) == baseline, entry
+        if not baseline:
+            paired = entry["vs_baseline"]
+            assert paired["delta_pass_at_1"] == (len(paired["newly_passed"]) - len(paired["newly_failed"])) / 3
+    assert "vllm.entrypoints.openai.api_server" in entries[("vllm", False)]["command"]
+    assert Path(entries[("llamacpp", False)]["command"][0]).name == "llama-server"
+    report = (workdir / "results/report.md").read_text()
+    assert "## Task accuracy" in report and "- **On humaneval**: the fidelity verdict's arm" in report
+    assert (workdir / "results/report-tasks-delta.png").stat().st_size > 0
+
+
+def test_tasks_are_off_in_the_tiny_study_as_by_default(finished_study):
+    assert not list((finished_study / "results").glob("*/eval/*/tasks.json"))
+    assert "## Task accuracy" not in (finished_study / "results/report.md").read_text()
+
+
 def test_vllm_exact_kl_equals_the_reference_engines_on_every_arm(vllm_study):
     """On the builtin tiny model in float32, each arm's KL as vLLM computes it (fourbit's
     plugin running the 4-bit weights) is the reference engine's within 1e-6 nats per

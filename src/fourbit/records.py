@@ -19,7 +19,7 @@ import yaml
 from fourbit.atomic import write_json
 
 SCHEMA_PATH = Path(__file__).resolve().parent / "schemas" / "records.schema.yaml"
-KINDS = ("ppl", "fidelity", "bench", "serve", "arm")
+KINDS = ("ppl", "fidelity", "bench", "serve", "tasks", "arm")
 
 
 class RecordError(ValueError):

@@ -8,8 +8,10 @@ from pathlib import Path
 from fourbit.config import ID_PATTERN, Study
 from fourbit.diskspace import StudyDisk, refuse_short_disk
 from fourbit.inputs.folder_state import check_as_planned, local_state
+from fourbit.inputs.sources import tokenizer_folder
 from fourbit.llamacpp.installed import build_key
 from fourbit.serving.registry import SERVERS
+from fourbit.tasks.preflight import check_tasks
 
 # Snakemake builds the DAG where the workflow starts, and again for each job it runs
 # elsewhere (a cluster node: --mode remote). There, the model's local folders were checked
@@ -36,6 +38,11 @@ GGUF_BASE = f"{MODEL_DIR}/gguf/f16.gguf"
 GGUF_BASE_STORAGE = f"{MODEL_DIR}/gguf/f16.storage.json"
 LLAMACPP_TOOLS = f"{RESULTS}/tools/llamacpp.json"
 LLAMACPP_BUILD = build_key()
+# The task sets the study enables (tasks:, off by default), refused here, before any job,
+# when one cannot run: its data, the model's tokenizer or chat template, the sandbox.
+TASKS = check_tasks(
+    STUDY.config["tasks"], tokenizer_folder(STUDY.config["model"], f"{MODEL_DIR}/source")
+)
 # The model's local folders as the study is planned on them (None: it has none), which
 # rule record_model_folder writes for the download job to compare with.
 LOCAL_STATE = local_state(STUDY.config["model"])
@@ -330,6 +337,24 @@ def serving_report_plots():
             category="Plots",
         )
         for name in ("serving_throughput", "serving_pareto")
+    }
+
+
+def tasks_report_input():
+    """tasks.json, when the study enables a task (TASKS; tasks.smk is then included)."""
+    return {"tasks": rules.tasks.output.record} if TASKS else {}
+
+
+def tasks_report_plots():
+    """The Task accuracy section's plot, when the study enables a task."""
+    if not TASKS:
+        return {}
+    return {
+        "tasks_delta": report(
+            f"{RESULTS}/report-tasks-delta.png",
+            caption="../report/tasks_delta.rst",
+            category="Plots",
+        )
     }
 
 

@@ -10,12 +10,14 @@ rule report:
     input:
         **baseline_storage_inputs(),
         **serving_report_input(),
+        **tasks_report_input(),
         results=record_paths(REPORT_RECORDS),
         arms=expand(rules.quantize.output.arm, arm=STUDY.arms),
         corpus=expand(rules.prepare_corpus.output.manifest, corpus=CORPUS),
         model=expand(rules.untie_head.output.model, model=MODEL),
     output:
         **serving_report_plots(),
+        **tasks_report_plots(),
         markdown=report(f"{RESULTS}/report.md", caption="../report/report.rst", category="Report"),
         table=report(f"{RESULTS}/report.tsv", caption="../report/table.rst", category="Report"),
         quality_vs_bits=report(

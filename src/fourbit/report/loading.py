@@ -24,7 +24,7 @@ RECORD_KINDS = {"ppl_quantized": "ppl", "ppl_dense": "ppl", "bench": "bench", "f
 # record is an arm's ppl job's or the baseline's, on an engine that keeps fidelity sides
 # or not).
 WRITTEN_BY = {"ppl": "ppl ppl_baseline ppl_with_side ppl_baseline_with_side", "bench": "bench",
-              "fidelity": "fidelity", "serve": "serve",
+              "fidelity": "fidelity", "serve": "serve", "tasks": "tasks",
               "arm": "quantize (quantize_gguf for a llama.cpp arm)"}
 
 RecordPaths = Mapping[str, Mapping[str, Mapping[str, str | os.PathLike]]]
@@ -123,9 +123,11 @@ def bench_records(study: dict, records: Records) -> dict[str, list[dict]]:
     return benches
 
 
-def check_same_weights(model_id: str, records: Records, serve: Record | None = None) -> str | None:
+def check_same_weights(model_id: str, records: Records, serve: Record | None = None,
+                       tasks: Record | None = None) -> str | None:
     """Every record must name the weights it was computed from, and all must name the same;
-    ``serve``, the serve step's one record, when the study served its arms.
+    ``serve``, the serve step's one record, when the study served its arms; ``tasks``, the
+    tasks step's, when it scored them on a task set.
 
     One model id can come to mean other weights (the builtin model retrained on a host
     whose kernels round differently, a local folder edited in place): records made before
@@ -135,6 +137,7 @@ def check_same_weights(model_id: str, records: Records, serve: Record | None = N
     carriers: dict[str, list[str]] = {}
     written = [(WRITTEN_BY[RECORD_KINDS[kind]], record) for kind, record in _each(records)]
     written += [(WRITTEN_BY["serve"], serve)] if serve else []
+    written += [(WRITTEN_BY["tasks"], tasks)] if tasks else []
     for rule, (path, record) in written:
         if "model_weights_sha256" not in record:
             raise ReportInputError(

@@ -14,6 +14,7 @@ from fourbit.metrics.stats import CONFIDENCE, overlapping
 from fourbit.report.frontier import frontier_section
 from fourbit.report.runtimes import compile_note, runtime_candidates, runtime_line
 from fourbit.report.serving import Serving, serving_rules, serving_section, serving_verdicts
+from fourbit.report.tasks import TaskResult, task_rules, task_verdicts, tasks_section
 from fourbit.report.verdicts import (
     below_baseline,
     fmt_value,
@@ -24,10 +25,12 @@ from fourbit.report.verdicts import (
 
 
 def render_markdown(study: dict, rows: list[dict], facts: dict, settings: Mapping,
-                    plots: list[tuple[str, str]], serving: Serving | None = None) -> str:
+                    plots: list[tuple[str, str]], serving: Serving | None = None,
+                    tasks: list[TaskResult] | None = None) -> str:
     """``facts``: records.run_facts' plus ``records_weights_sha256``; ``settings``: the
     config's report block; ``plots``: each figure's title and its link from the report;
-    ``serving``: the serve record as read (fourbit.report.serving), None when not served."""
+    ``serving``: the serve record as read (fourbit.report.serving), None when not served;
+    ``tasks``: the tasks record as read (fourbit.report.tasks), None when no task ran."""
     lines = preamble(study, facts) + results_table(rows)
     lines += unavailable_engines(study)
     lines += arms_refused_or_falling_back(study, facts["quantization"])
@@ -38,15 +41,18 @@ def render_markdown(study: dict, rows: list[dict], facts: dict, settings: Mappin
     if timing:
         lines += [""] + timing + compile_note(facts["benches"])
     lines += serving_section(serving)
+    lines += tasks_section(tasks, rows)
     if facts["quantization"]:
         lines += ["", "## How each arm was quantized", ""] + quantization_table(facts["quantization"])
     lines += ["", "## Recommendation for this host", ""] + recommend(rows, settings)
     lines += serving_verdicts(serving, rows)
+    lines += task_verdicts(tasks, rows)
     lines += ["", "## Quality per bit: the frontier", ""] + frontier_section(rows)
     if plots:
         lines += ["", "## Plots", ""] + [f"![{title}]({link})" for title, link in plots]
     lines += ["", "## Host", ""] + host_block(study, facts, rows)
     lines += ["", "## Definitions", ""] + definitions(study, facts, settings) + serving_rules(serving)
+    lines += task_rules(tasks)
     lines += ["", "## Runtimes", ""] + [runtime_line(r) for r in rows]
     return "\n".join(lines) + "\n"
 

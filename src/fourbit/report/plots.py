@@ -1,7 +1,8 @@
 """The report's figures: each arm's Δppl (with its interval) against bits per weight, and
 against decode speed; the frontier, KL and Δppl against bits per weight with each
 family's Pareto front; and, when the study served its arms, output tok/s against
-concurrency and TPOT p99 against output tok/s. The workflow names the files (rule
+concurrency and TPOT p99 against output tok/s; when it scored them on a task set, Δpass@1 against
+bits per weight. The workflow names the files (rule
 report's outputs)."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from fourbit.report.frontier import Frontier, frontier_of
 from fourbit.report.serving import Point, Served, Serving, pareto_front, timed_levels
+from fourbit.report.tasks import TaskResult, bits_per_weight
 
 # By the rule's output name: the title, the row key on the x axis and its label.
 FIGURES = {
@@ -21,6 +23,7 @@ FIGURES = {
     "quality_vs_decode": ("Perplexity increase against decode speed (Pareto view)",
                           "tg128_median", "decode tg128, tokens/s (median)"),
 }
+TASKS_FIGURE = ("tasks_delta", "Task accuracy: Δpass@1 against bits per weight")
 FRONTIER = ("frontier", "Quality per bit: each family's Pareto front of KL and Δppl")
 MARKERS = "osD^vPX*<>"
 
@@ -176,3 +179,48 @@ def _finish(plt, figure, axes, title: str, path: Path, timed: list) -> None:
                   transform=axes.transAxes)
     axes.set_title(title)
     _save(plt, figure, path)
+
+
+def plot_tasks(results: list[TaskResult], rows: list[dict],
+               paths: Mapping[str, str | os.PathLike]) -> list[tuple[str, Path]]:
+    """Each scored arm's Δpass@1 against its engine's baseline (its bars: the arm's pass@1
+    interval, less the baseline's pass@1) against bits per weight, a series per task and
+    engine, written to ``paths["tasks_delta"]``; its title and path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    name, title = TASKS_FIGURE
+    bits = bits_per_weight(rows)
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    drawn = 0
+    for result in results:
+        baselines = {a.engine_id: a.pass_at_1["value"] for a in result.arms
+                     if a.arm == "baseline" and a.status == "measured"}
+        for index, engine_id in enumerate(dict.fromkeys(a.engine_id for a in result.arms)):
+            points = [(bits.get((a.engine_id, a.arm)), a) for a in result.arms
+                      if a.engine_id == engine_id and a.vs_baseline is not None]
+            points = [(x, a) for x, a in points if x is not None]
+            if not points:
+                continue
+            base = baselines[engine_id]
+            ys = [a.vs_baseline["delta_pass_at_1"] for _, a in points]
+            below = [y - (a.pass_at_1["lower"] - base) for (_, a), y in zip(points, ys)]
+            above = [(a.pass_at_1["upper"] - base) - y for (_, a), y in zip(points, ys)]
+            axes.errorbar([x for x, _ in points], ys, yerr=[below, above], fmt=MARKERS[index % len(MARKERS)],
+                          capsize=3, label=f"{result.task}, {engine_id}")
+            for (x, a), y in zip(points, ys):
+                axes.annotate(a.arm_name, (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
+            drawn += len(points)
+    if not drawn:
+        axes.text(0.5, 0.5, "no arm was scored against its baseline", ha="center", va="center",
+                  transform=axes.transAxes)
+    else:
+        axes.legend(fontsize=8)
+    axes.axhline(0, color="grey", linewidth=0.5)
+    axes.set_xlabel("bits per weight, every matrix as stored (head and embedding included)")
+    axes.set_ylabel("Δpass@1 vs own baseline (bars: the arm's 95% interval)")
+    axes.set_title(title)
+    _save(plt, figure, Path(paths[name]))
+    return [(title, Path(paths[name]))]

@@ -10,17 +10,31 @@ from __future__ import annotations
 from pathlib import Path
 
 from fourbit.tasks import sandbox
-from fourbit.tasks.registry import Task, check_model, get
+from fourbit.tasks.registry import TASKS, Task, TaskError, check_model, get
 
 
-def check_tasks(switches: dict[str, bool], model_folder: str | Path) -> list[Task]:
+def check_tasks(switches: dict, model_folder: str | Path | None) -> list[Task]:
     """The enabled tasks, in name order, after checking that each one's data loads and the
     model has what its prompts need, and (if any is enabled) that the sandbox runs here.
-    TaskError or sandbox.SandboxError otherwise; [] and no check when none is enabled."""
-    tasks = [get(name) for name, enabled in sorted(switches.items()) if enabled]
+    ``switches`` is the study's tasks block (its other keys, settings such as
+    tasks.problems, are not switches). ``model_folder`` None: the model's tokenizer is
+    made by a job (fourbit's own SentencePiece for builtin and synthetic models, which has
+    no chat template). TaskError or sandbox.SandboxError otherwise; [] and no check when
+    none is enabled."""
+    tasks = [get(name) for name in enabled(switches)]
     for task in tasks:
         task.load()
-        check_model(task, model_folder)
+        if model_folder is not None:
+            check_model(task, model_folder)
+        elif task.prompt_format.chat_template:
+            raise TaskError(f"task {task.name!r} puts its prompts through the model's chat "
+                            "template, and this model's tokenizer (fourbit's own, made by a "
+                            "job) has none: use an instruct model's folder, or turn the task off")
     if tasks:
         sandbox.check_available()
     return tasks
+
+
+def enabled(switches: dict) -> list[str]:
+    """The registered tasks switched on in the study's tasks block, in name order."""
+    return [name for name in sorted(TASKS) if switches.get(name) is True]

@@ -20,6 +20,9 @@ class TaskError(ValueError):
     """A task cannot run as asked: its data is missing or wrong, or the model lacks what it needs."""
 
 
+OPENAI_STOPS = 4  # stop sequences an OpenAI-compatible request may carry
+
+
 @dataclass(frozen=True)
 class PromptFormat:
     """How each problem is put to an engine; the same for every engine and arm."""
@@ -30,11 +33,20 @@ class PromptFormat:
 
     def request(self, prompt: str) -> tuple[str, dict]:
         """(path, body) of the OpenAI-compatible request vLLM's and llama.cpp's servers both
-        answer for ``prompt``; the caller adds the served model's name."""
-        common = {"max_tokens": self.max_tokens, "temperature": self.temperature, "stop": list(self.stop)}
+        answer for ``prompt``; the caller adds the served model's name. The OpenAI API takes
+        at most OPENAI_STOPS stop sequences (vLLM's server answers 400 to more): the first
+        of them go to the server, to end generation early, and :meth:`cut` applies them all."""
+        common = {"max_tokens": self.max_tokens, "temperature": self.temperature,
+                  "stop": list(self.stop[:OPENAI_STOPS])}
         if self.chat_template:
             return "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}], **common}
         return "/v1/completions", {"prompt": prompt, **common}
+
+    def cut(self, completion: str) -> str:
+        """``completion`` up to the first of every stop sequence (the server applied only
+        the first OPENAI_STOPS of them)."""
+        ends = [completion.find(stop) for stop in self.stop if stop in completion]
+        return completion[:min(ends, default=len(completion))]
 
 
 @dataclass(frozen=True)
