@@ -28,6 +28,7 @@ from fourbit.serving.process import (
     require_port_free,
     running_server,
 )
+from fourbit.serving.registry import launch
 from fourbit.serving.vllm_server import VllmServer, kv_cache_capacity
 from fourbit.serving.vllm_server import serve_command as vllm_command
 from fourbit.serving.workload import prompts_from_windows
@@ -79,6 +80,22 @@ def test_vllm_command_of_a_dense_baseline_compiled(tmp_path):
                         max_model_len=64, cores=[0]).argv
     assert "--enforce-eager" not in argv  # compiled, as the engine block says
     assert "--quantization" not in argv and "--hf-overrides" not in argv  # dense: no plugin knobs
+
+
+def test_vllms_own_w4a8_amx_engine_is_served_with_that_kernel_on_and_the_others_with_it_off(
+        tmp_path):
+    """The server registry's vllm_native_w4a8 entry sets what the in-process engine sets."""
+    arm = _checkpoint(tmp_path / "arm", "gptq")
+    native = {k: v for k, v in VLLM_SETTINGS.items() if k != "quant"}
+    for name, flag in (("vllm_native_w4a8", "1"), ("vllm_native", "0")):
+        start = launch(f"{name}/arm", {"name": name, **native, "dtype": "bfloat16"}, arm,
+                       served_name="a", slots=2, tokens_per_request=64, cores=[0],
+                       cache_root=tmp_path / name, llamacpp_server=None)
+        assert start.command.env["VLLM_CPU_INT4_W4A8"] == flag, name
+        assert start.kind.engine_name == name
+    with pytest.raises(ValueError, match="engine 'reference' has no server"):
+        launch("reference/arm", {"name": "reference"}, arm, served_name="a", slots=1,
+               tokens_per_request=64, cores=[0], cache_root=None, llamacpp_server=None)
 
 
 def test_vllm_command_passes_the_plugin_knobs_of_a_quantized_arm(tmp_path):

@@ -121,9 +121,11 @@ def kv_cache_capacity(log_path: Path) -> tuple[int, float] | None:
 @dataclass(frozen=True)
 class VllmServer:
     """How the serve step runs vLLM's server: ``plugin`` True for the vllm engine (fourbit's
-    linear methods), False for vllm_native (vLLM's own for the checkpoint)."""
+    linear methods), False for vllm_native (vLLM's own for the checkpoint); ``w4a8_amx``
+    True for vllm_native_w4a8 (vLLM's own W4A8 AMX kernel, VllmSettings.w4a8_amx)."""
 
     plugin: bool
+    w4a8_amx: bool = False
     label: str = f"vLLM's OpenAI server ({SERVER_MODULE})"
     health_path: str = HEALTH_PATH
     extra_body: tuple = ()  # nothing beyond the load generator's own fields
@@ -133,7 +135,7 @@ class VllmServer:
                 cache_root: Path | None, **_) -> ServeCommand:
         given = {k: v for k, v in engine.items() if k != "name"}
         settings = VllmSettings.from_engine({**given, "cache_root": cache_root},
-                                            plugin=self.plugin)
+                                            plugin=self.plugin, w4a8_amx=self.w4a8_amx)
         return serve_command(settings, model, port, served_name=served_name, max_num_seqs=slots,
                              max_model_len=tokens_per_request, cores=cores)
 
@@ -153,7 +155,9 @@ class VllmServer:
 
     @property
     def engine_name(self) -> str:
-        return "vllm" if self.plugin else "vllm_native"
+        if self.plugin:
+            return "vllm"
+        return "vllm_native_w4a8" if self.w4a8_amx else "vllm_native"
 
     def refusal(self, log_path: Path) -> str | None:
         """vLLM's refusals (a runtime needing a missing ISA) are found by the study's checks

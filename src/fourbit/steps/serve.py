@@ -53,10 +53,9 @@ from fourbit.serving.process import (
     RunningServer,
     ServerError,
     exit_on_sigterm,
-    free_port,
     running_server,
 )
-from fourbit.serving.registry import SERVERS
+from fourbit.serving.registry import launch
 from fourbit.serving.workload import SOURCE, prompts_from_windows
 
 log = logging.getLogger("fourbit")
@@ -196,21 +195,16 @@ def _start_servers(arms: list[ServedArm], settings: dict, cores: list[int],
         entry = {"engine_id": arm.engine_id, "engine": arm.engine["name"], "arm": arm.arm,
                  "arm_name": arm.arm_name, "model": str(arm.model)}
         entries[arm.key] = entry
-        if arm.engine["name"] not in SERVERS:
-            raise ValueError(f"{arm.key}: engine {arm.engine['name']!r} has no server; the "
-                             f"engines with one are {sorted(SERVERS)}")
-        server_kind = SERVERS[arm.engine["name"]]
         if arm.refusal:
             entry |= {"status": "refused", "reason": arm.refusal}
             log.info("%s: refused (%s)", arm.key, arm.refusal)
             continue
-        port = free_port()
-        command = server_kind.command(arm.model, arm.engine, port, served_name=arm.arm_name,
-                                      slots=slots, tokens_per_request=tokens, cores=cores,
-                                      cache_root=arm.cache, llamacpp_server=llamacpp_server)
         log_path = log_dir / f"{arm.engine_id}.{arm.arm}.log"
+        start = launch(arm.key, arm.engine, arm.model, served_name=arm.arm_name, slots=slots,
+                       tokens_per_request=tokens, cores=cores, cache_root=arm.cache,
+                       llamacpp_server=llamacpp_server)
+        server_kind, port, command = start.kind, start.port, start.command
         entry |= {"command": command.argv, "server_log": str(log_path)}
-        log.info("%s: starting %s", arm.key, " ".join(command.argv))
         try:
             server = servers.enter_context(running_server(
                 arm.key, command.argv, command.env, port, log_path,

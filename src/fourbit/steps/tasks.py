@@ -33,8 +33,8 @@ from fourbit.engines import get_engine
 from fourbit.hashing import require_sha256
 from fourbit.metrics.passrate import paired, pass_at_1
 from fourbit.schema import block
-from fourbit.serving.process import RunningServer, ServerError, exit_on_sigterm, free_port, running_server
-from fourbit.serving.registry import SERVERS
+from fourbit.serving.process import RunningServer, ServerError, exit_on_sigterm, running_server
+from fourbit.serving.registry import launch
 from fourbit.steps.llamacpp import load_tools
 from fourbit.steps.serve import BASELINE, ServedArm, choose_arms
 from fourbit.tasks import scoring
@@ -133,20 +133,15 @@ def _score_arm(arm: ServedArm, task: Task, problems: list[Problem], fmt: PromptF
     """One arm's entry: its completions from its server, then their checks."""
     entry = {"engine_id": arm.engine_id, "engine": arm.engine["name"], "arm": arm.arm,
              "arm_name": arm.arm_name, "model": str(arm.model)}
-    if arm.engine["name"] not in SERVERS:
-        raise ValueError(f"{arm.key}: engine {arm.engine['name']!r} has no server; the "
-                         f"engines with one are {sorted(SERVERS)}")
     if arm.refusal:
         log.info("%s: refused (%s)", arm.key, arm.refusal)
         return entry | {"status": "refused", "reason": arm.refusal}
-    server_kind = SERVERS[arm.engine["name"]]
-    port = free_port()
-    command = server_kind.command(arm.model, arm.engine, port, served_name=arm.arm_name,
-                                  slots=slots, tokens_per_request=context, cores=cores,
-                                  cache_root=arm.cache, llamacpp_server=llamacpp_server)
     log_path = server_logs / f"{task.name}.{arm.engine_id}.{arm.arm}.log"
+    start = launch(arm.key, arm.engine, arm.model, served_name=arm.arm_name, slots=slots,
+                   tokens_per_request=context, cores=cores, cache_root=arm.cache,
+                   llamacpp_server=llamacpp_server)
+    server_kind, port, command = start.kind, start.port, start.command
     entry |= {"command": command.argv, "server_log": str(log_path)}
-    log.info("%s: starting %s", arm.key, " ".join(command.argv))
     try:
         with running_server(arm.key, command.argv, command.env, port, log_path,
                             health_path=server_kind.health_path,
