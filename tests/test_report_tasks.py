@@ -80,10 +80,47 @@ def test_no_task_no_section():
     assert tasks_section(None, ROWS) == [] and task_verdicts(None, ROWS) == [] and task_rules(None) == []
 
 
-def test_the_verdict_says_when_the_fidelity_verdict_names_no_arm(tmp_path):
+def test_the_check_says_when_the_recommendation_names_no_arm(tmp_path):
     _, results = read_tasks(record(tmp_path, [scored(VLLM, "baseline", BASE)]))
     assert task_verdicts(results, []) == [
-        "- **On humaneval**: the fidelity verdict names no arm, so none is judged."]
+        "- **On humaneval**: the recommendation names no arm, so none is judged."]
+
+
+LLAMACPP = "llamacpp-2222222222"
+
+
+def test_a_named_arm_separably_worse_than_another_is_shown_with_it(tmp_path):
+    """The speed verdict names worse-1, which loses 10 of the baseline's 20 problems; q4-3 on
+    the other engine solves all 20: the check names q4-3 beside worse-1 as the build to ship
+    for the task. same-2, named for fidelity and for 8 users, is separable from nothing."""
+    llama_base = set(PROBLEMS[:22])
+    arms = [scored(VLLM, "baseline", BASE),
+            scored(VLLM, "worse-1", set(PROBLEMS[:10]), BASE),
+            scored(VLLM, "same-2", set(PROBLEMS[1:21]), BASE),
+            scored(LLAMACPP, "baseline", llama_base),
+            scored(LLAMACPP, "q4-3", set(PROBLEMS[:20]), llama_base)]
+    _, results = read_tasks(record(tmp_path, arms))
+    speed, fidelity = task_verdicts(results, [(VLLM, "worse-1", "speed"), (VLLM, "same-2", "fidelity"),
+                                              (VLLM, "same-2", "8 concurrent users")])
+    assert speed.startswith("- **On humaneval**: `worse-1` on vllm-1111111111, named for speed, is "
+                            "**separably worse on the task** than its baseline (Δpass@1 -25.0%, 10 newly failed")
+    assert ("**It is separably worse on the task than** `same-2` on vllm-1111111111 (pass@1 50.0% against "
+            "its 25.0%: 11 problems only that arm solves, 1 only this one" in speed)
+    assert "`q4-3` on llamacpp-2222222222 (pass@1 50.0%" in speed and "ship one of those instead" in speed
+    assert "named for fidelity and for 8 concurrent users, is not separably worse on the task" in fidelity
+    assert fidelity.endswith("No other scored 4-bit arm solves separably more of the problems.")
+
+
+def test_a_named_arm_the_step_did_not_score_is_said_to_be_unknown(tmp_path):
+    arms = [scored(VLLM, "baseline", BASE),
+            {"engine_id": LLAMACPP, "engine": "llamacpp", "arm": "q4-3", "arm_name": "q4",
+             "status": "refused", "reason": "llama-server cannot load this GGUF"}]
+    _, results = read_tasks(record(tmp_path, arms))
+    assert task_verdicts(results, [(LLAMACPP, "q4-3", "speed"), (VLLM, "other-4", "fidelity")]) == [
+        "- **On humaneval**: `q4-3` on llamacpp-2222222222, named for speed, was not scored (llama-server "
+        "cannot load this GGUF), so whether it does the task as well is unknown.",
+        "- **On humaneval**: `other-4` on vllm-1111111111, named for fidelity, was not scored (the tasks "
+        "step did not serve it), so whether it does the task as well is unknown."]
 
 
 def test_a_record_without_its_fields_is_named_with_the_rerun(tmp_path):

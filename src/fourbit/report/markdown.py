@@ -13,13 +13,20 @@ from collections.abc import Mapping
 from fourbit.metrics.stats import CONFIDENCE, overlapping
 from fourbit.report.frontier import frontier_section
 from fourbit.report.runtimes import compile_note, runtime_candidates, runtime_line
-from fourbit.report.serving import Serving, serving_rules, serving_section, serving_verdicts
+from fourbit.report.serving import (
+    Serving,
+    serving_named,
+    serving_rules,
+    serving_section,
+    serving_verdicts,
+)
 from fourbit.report.tasks import TaskResult, task_rules, task_verdicts, tasks_section
 from fourbit.report.verdicts import (
     below_baseline,
     fmt_value,
     recommend,
     recommendation_rules,
+    recommended_arms,
     throughput_span,
 )
 
@@ -46,7 +53,7 @@ def render_markdown(study: dict, rows: list[dict], facts: dict, settings: Mappin
         lines += ["", "## How each arm was quantized", ""] + quantization_table(facts["quantization"])
     lines += ["", "## Recommendation for this host", ""] + recommend(rows, settings)
     lines += serving_verdicts(serving, rows)
-    lines += task_verdicts(tasks, rows)
+    lines += task_verdicts(tasks, recommended_arms(rows, settings) + serving_named(serving, rows))
     lines += ["", "## Quality per bit: the frontier", ""] + frontier_section(rows)
     if plots:
         lines += ["", "## Plots", ""] + [f"![{title}]({link})" for title, link in plots]

@@ -229,9 +229,21 @@ def serving_verdicts(serving: Serving | None, rows: list[dict]) -> list[str]:
     return [level_verdict(serving, n, unfaithful) for n in serving.concurrency]
 
 
-def level_verdict(serving: Serving, n: int, unfaithful: set[tuple[str, str]]) -> str:
-    bound = serving.tpot_bound_ms
-    head = f"For {_users(n)} within a TPOT p99 of {bound:g} ms"
+def serving_named(serving: Serving | None, rows: list[dict]) -> list[tuple[str, str, str]]:
+    """(engine id, arm id, which verdict) of each arm a concurrency level's verdict names."""
+    if serving is None:
+        return []
+    unfaithful = {(r["engine"], r["arm_id"]) for r in rows if r["control"] == "NOT faithful"}
+    named = []
+    for n in serving.concurrency:
+        _, _, within = _level_candidates(serving, n, unfaithful)
+        named += [(s.engine_id, s.arm, _users(n)) for s, _ in _level_choice(within)]
+    return named
+
+
+def _level_candidates(serving: Serving, n: int, unfaithful: set[tuple[str, str]]) -> tuple[list, list, list]:
+    """The served 4-bit arms left out of level ``n`` (with why), those timed, and those
+    timed within the TPOT p99 bound."""
     left_out, timed = [], []
     for s in (s for s in serving.served if s.arm != "baseline"):
         if s.status == "refused":
@@ -242,7 +254,24 @@ def level_verdict(serving: Serving, n: int, unfaithful: set[tuple[str, str]]) ->
             left_out.append(f"{s.label} (over capacity: {s.levels[n].reason})")
         else:
             timed.append((s, s.levels[n].summary))
-    within = [(s, m) for s, m in timed if m["tpot_ms_p99"].median <= bound]
+    return left_out, timed, [(s, m) for s, m in timed if m["tpot_ms_p99"].median <= serving.tpot_bound_ms]
+
+
+def _level_choice(within: list) -> list:
+    """What a level's verdict names: the most output tok/s within the bound, and the arms
+    whose [min–max] overlaps it (not separable); nothing when none is within."""
+    if not within:
+        return []
+    fast, best = max(within, key=lambda t: t[1]["output_tok_s"].median)
+    spread = best["output_tok_s"]
+    return [(fast, best)] + [(s, m) for s, m in within if s is not fast and overlapping(
+        (spread.low, spread.high), (m["output_tok_s"].low, m["output_tok_s"].high))]
+
+
+def level_verdict(serving: Serving, n: int, unfaithful: set[tuple[str, str]]) -> str:
+    bound = serving.tpot_bound_ms
+    head = f"For {_users(n)} within a TPOT p99 of {bound:g} ms"
+    left_out, timed, within = _level_candidates(serving, n, unfaithful)
     if not timed:
         line = f"- {head}: no served 4-bit arm was timed at this level, so none is recommended."
     elif not within:
@@ -250,10 +279,8 @@ def level_verdict(serving: Serving, n: int, unfaithful: set[tuple[str, str]]) ->
         line = (f"- {head}: no served 4-bit arm keeps within the bound, so none is recommended; "
                 f"the lowest TPOT p99 is {lowest.label}'s, {m['tpot_ms_p99'].shown()} ms.")
     else:
-        fast, best = max(within, key=lambda t: t[1]["output_tok_s"].median)
+        (fast, best), *tied = _level_choice(within)
         spread = best["output_tok_s"]
-        tied = [(s, m) for s, m in within if s is not fast
-                and overlapping((spread.low, spread.high), (m["output_tok_s"].low, m["output_tok_s"].high))]
         if tied:
             line = (f"- {head}: not separable, their output tok/s [min–max] overlap: "
                     + ", ".join(f"{s.label} ({_figures(m)})" for s, m in [(fast, best), *tied]) + ".")

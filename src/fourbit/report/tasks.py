@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fourbit import records
+from fourbit.metrics.passrate import PairedComparison, paired
 from fourbit.report.loading import WRITTEN_BY, Record, ReportInputError, read_result
-from fourbit.report.verdicts import closest_to_baseline
 
 SIGNIFICANCE = 0.05  # McNemar's two-sided p below which a difference in pass@1 is separable
 
@@ -33,6 +33,7 @@ class ScoredArm:
     command: list[str] | None  # measured only, like the rest
     pass_at_1: Mapping | None  # value, solved, problems, lower, upper (Wilson 95%)
     vs_baseline: Mapping | None  # delta_pass_at_1, newly_failed, newly_passed, mcnemar_p; None for a baseline
+    passed: Mapping[str, bool] | None  # problem id -> solved; measured only
     generation_s: float | None
     checking_s: float | None
 
@@ -78,6 +79,7 @@ def _scored(entry: dict) -> ScoredArm:
         command=entry["command"] if measured else None,
         pass_at_1=entry["pass_at_1"] if measured else None,
         vs_baseline=entry["vs_baseline"] if measured else None,
+        passed={pid: o["status"] == "passed" for pid, o in entry["outcomes"].items()} if measured else None,
         generation_s=entry["generation_s"] if measured else None,
         checking_s=entry["checking_s"] if measured else None)
 
@@ -143,32 +145,62 @@ def _ids(ids: list[str], shown: int = 5) -> str:
     return f"{len(ids)}: {listed}" + (" …" if len(ids) > shown else "")
 
 
-def task_verdicts(results: list[TaskResult] | None, rows: list[dict]) -> list[str]:
-    """Per task, whether the arm the fidelity verdict names is separably worse on it than
-    its engine's baseline; nothing when no task was enabled."""
+def separably_worse_than(arm: ScoredArm, other: ScoredArm) -> PairedComparison | None:
+    """``arm`` against ``other`` problem by problem (newly failed: problems only ``other``
+    solves), when ``arm`` solves fewer and McNemar's p is below SIGNIFICANCE; else None."""
+    comparison = paired(arm.passed, other.passed)
+    return comparison if comparison.delta < 0 and comparison.p_value < SIGNIFICANCE else None
+
+
+def task_verdicts(results: list[TaskResult] | None, named: list[tuple[str, str, str]]) -> list[str]:
+    """Per task and per arm the recommendation names (``named``: engine id, arm id and the
+    verdict naming it, in the recommendation's order), whether it is separably worse on the
+    task than its engine's baseline, and every scored 4-bit arm it is separably worse than,
+    so that the recommendation never names such an arm without its better alternative.
+    Nothing when no task was enabled."""
     if not results:
         return []
-    chosen = closest_to_baseline(rows)
+    verdicts: dict[tuple[str, str], list[str]] = {}
+    for engine_id, arm, verdict in named:
+        verdicts.setdefault((engine_id, arm), [])
+        if verdict not in verdicts[(engine_id, arm)]:
+            verdicts[(engine_id, arm)].append(verdict)
     lines = []
     for result in results:
-        if chosen is None:
-            lines.append(f"- **On {result.task}**: the fidelity verdict names no arm, so none is judged.")
-            continue
-        scored = next((a for a in result.arms
-                       if (a.engine_id, a.arm) == (chosen["engine"], chosen["arm_id"])), None)
-        label = f"`{chosen['arm_id']}` on {chosen['engine']}"
-        if scored is None or scored.status != "measured" or scored.vs_baseline is None:
-            why = scored.reason if scored is not None and scored.reason else "the tasks step did not serve it"
-            lines.append(f"- **On {result.task}**: the fidelity verdict's arm {label} was not scored ({why}).")
-            continue
-        v = scored.vs_baseline
-        figures = (f"Δpass@1 {v['delta_pass_at_1']:+.1%} against its baseline, "
-                   f"{len(v['newly_failed'])} newly failed, {len(v['newly_passed'])} newly passed, "
-                   f"McNemar p = {v['mcnemar_p']:.3g}")
-        verdict = ("**separably worse on the task**" if scored.separably_worse
-                   else "not separably worse on the task")
-        lines.append(f"- **On {result.task}**: the fidelity verdict's arm {label} is {verdict} ({figures}).")
+        if not verdicts:
+            lines.append(f"- **On {result.task}**: the recommendation names no arm, so none is judged.")
+        for (engine_id, arm), why in verdicts.items():
+            lines.append(_task_verdict(result, engine_id, arm, " and for ".join(why)))
     return lines
+
+
+def _task_verdict(result: TaskResult, engine_id: str, arm: str, why: str) -> str:
+    label = f"`{arm}` on {engine_id}"
+    head = f"- **On {result.task}**: {label}, named for {why},"
+    scored = next((a for a in result.arms if (a.engine_id, a.arm) == (engine_id, arm)), None)
+    if scored is None or scored.status != "measured":
+        reason = scored.reason if scored is not None and scored.reason else "the tasks step did not serve it"
+        return f"{head} was not scored ({reason}), so whether it does the task as well is unknown."
+    if scored.vs_baseline is None:
+        line = f"{head} has no measured baseline on its engine to be paired with."
+    else:
+        v = scored.vs_baseline
+        verdict = ("**separably worse on the task** than its baseline" if scored.separably_worse
+                   else "not separably worse on the task than its baseline")
+        line = (f"{head} is {verdict} (Δpass@1 {v['delta_pass_at_1']:+.1%}, {len(v['newly_failed'])} "
+                f"newly failed, {len(v['newly_passed'])} newly passed, McNemar p = {v['mcnemar_p']:.3g}).")
+    better = [(other, comparison) for other in result.arms
+              if other.status == "measured" and other.arm != "baseline" and other is not scored
+              for comparison in [separably_worse_than(scored, other)] if comparison is not None]
+    if better:
+        line += (" **It is separably worse on the task than** " + "; ".join(
+            f"{other.label} (pass@1 {other.pass_at_1['value']:.1%} against its "
+            f"{scored.pass_at_1['value']:.1%}: {len(c.newly_failed)} problems only that arm solves, "
+            f"{len(c.newly_passed)} only this one, McNemar p = {c.p_value:.3g})" for other, c in better)
+            + f", so for this task ship {'that arm' if len(better) == 1 else 'one of those'} instead.")
+    else:
+        line += " No other scored 4-bit arm solves separably more of the problems."
+    return line
 
 
 def task_rules(results: list[TaskResult] | None) -> list[str]:
@@ -185,4 +217,11 @@ def task_rules(results: list[TaskResult] | None) -> list[str]:
         f"- **Separably worse on the task**: Δpass@1 < 0 and McNemar p < {SIGNIFICANCE:g}. An arm "
         "that is not separably worse may still be worse: with few discordant problems the test "
         "cannot tell.",
+        "- **The task check of the recommendation**: every arm a verdict above names (for speed, "
+        "for fidelity, for N concurrent users) is paired on the task's problems with its own "
+        "engine's baseline and with every other scored 4-bit arm, of any engine (the same "
+        "prompts, the same checker); each arm it is separably worse than is named beside it as "
+        "the build to ship for that task. The verdicts themselves do not read the task: they "
+        "choose on perplexity, distributions and speed, and the task check says where the task "
+        "disagrees.",
     ]

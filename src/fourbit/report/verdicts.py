@@ -250,21 +250,39 @@ def fidelity_verdict(rows: list[dict]) -> str:
     return line + left_out
 
 
+def _speed_candidates(rows: list[dict], bound_pct: float) -> tuple[list[dict], dict | None, float]:
+    """The faithful arms, the one with the smallest |Δppl|, and the |Δppl| limit the speed
+    verdict chooses under (that smallest plus ``bound_pct`` points)."""
+    faithful = [r for r in rows if r["arm_id"] != "baseline" and r["control"] == "faithful"]
+    if not faithful:
+        return [], None, 0.0
+    cheapest = min(faithful, key=lambda r: abs(r["delta_ppl_pct"]))
+    return faithful, cheapest, abs(cheapest["delta_ppl_pct"]) + bound_pct
+
+
+def _timed_within(faithful: list[dict], limit: float) -> list[dict]:
+    return [r for r in faithful if abs(r["delta_ppl_pct"]) <= limit and r["tg128_median"] is not None]
+
+
+def fastest_within_bound(rows: list[dict], bound_pct: float) -> dict | None:
+    """The arm the speed verdict recommends (None: it names none)."""
+    faithful, _, limit = _speed_candidates(rows, bound_pct)
+    timed = _timed_within(faithful, limit)
+    return max(timed, key=lambda r: r["tg128_median"]) if timed else None
+
+
 def speed_verdict(rows: list[dict], bound_pct: float) -> str:
     arms = [r for r in rows if r["arm_id"] != "baseline"]
-    faithful = [r for r in arms if r["control"] == "faithful"]
+    faithful, cheapest, limit = _speed_candidates(rows, bound_pct)
     if not faithful:
         return "- For speed: no arm's control passed, so none is recommended."
-    cheapest = min(faithful, key=lambda r: abs(r["delta_ppl_pct"]))
-    limit = abs(cheapest["delta_ppl_pct"]) + bound_pct
-    within = [r for r in faithful if abs(r["delta_ppl_pct"]) <= limit]
     condition = (f"arms whose control passed and whose |Δppl| is within {bound_pct:g} percentage "
                  f"points (report.speed_quality_bound_pct) of the smallest "
                  f"({abs(cheapest['delta_ppl_pct']):.2f}%, {_label(cheapest)}), so at most {limit:.2f}%")
-    timed = [r for r in within if r["tg128_median"] is not None]
-    if not timed:
+    timed = _timed_within(faithful, limit)
+    fast = fastest_within_bound(rows, bound_pct)
+    if fast is None:
         return f"- For speed: no throughput was measured on this host for {condition}; none is recommended."
-    fast = max(timed, key=lambda r: r["tg128_median"])
     line = (f"- **For speed: {_label(fast)}**: the fastest decode, {fast['tg128_median']:.1f} tok/s "
             f"[{fast['tg128_min']:.1f}–{fast['tg128_max']:.1f}] (×{fast['tg128_ratio']:.2f} its "
             f"baseline), among {condition}; its {_delta(fast)}.")
@@ -328,6 +346,13 @@ def recommendation_rules(settings: Mapping) -> list[str]:
         "than the unquantized model; the report flags it as a finding about the model or the "
         "corpus, not as a better build.",
     ]
+
+
+def recommended_arms(rows: list[dict], settings: Mapping) -> list[tuple[str, str, str]]:
+    """(engine id, arm id, which verdict) of each arm the speed and fidelity verdicts name."""
+    named = [("speed", fastest_within_bound(rows, settings["speed_quality_bound_pct"])),
+             ("fidelity", closest_to_baseline(rows))]
+    return [(r["engine"], r["arm_id"], verdict) for verdict, r in named if r is not None]
 
 
 def recommend(rows: list[dict], settings: Mapping) -> list[str]:
