@@ -4,12 +4,15 @@ config schema's switch for each registered task."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
 
 from fourbit import schema
-from fourbit.tasks import registry
+from fourbit.tasks import preflight, registry
 from fourbit.tasks.registry import TaskError
 
 
@@ -28,8 +31,85 @@ def test_every_registered_task_has_a_switch_in_the_config_schema_that_defaults_t
     # the block's other keys are the tasks step's settings (problems, max_tokens, ...)
     switches = {name: key for name, key in block["properties"].items() if key.get("type") == "boolean"}
     assert set(switches) == set(registry.TASKS)
-    assert block["additionalProperties"] is False
+    # an installed task set's switch: any other key, a boolean (preflight names an unknown one)
+    assert block["additionalProperties"] == {"type": "boolean"}
     assert all(key["default"] is False for key in switches.values())
+
+
+def test_a_switch_no_registered_task_answers_to_is_refused_with_how_to_register_one():
+    with pytest.raises(TaskError, match=r"tasks: mbpp is not a registered task \(registered: humaneval\); "
+                                        r"a task set of your own registers through the fourbit.tasks entry point"):
+        preflight.enabled({"humaneval": True, "mbpp": False})
+    assert preflight.enabled({"humaneval": True, "problems": 3}) == ["humaneval"]
+
+
+PLUGIN = '''
+from fourbit.tasks.registry import Problem, PromptFormat, Task
+
+PROBLEMS = [Problem("addone/0", "def add_one(x):\\n", {"test": "assert add_one(1) == 2"})]
+
+ADDONE = Task(name="addone", load=lambda: PROBLEMS,
+              prompt_format=PromptFormat(chat_template=False, stop=("\\ndef",), max_tokens=16),
+              program=lambda problem, completion: problem.prompt + completion + "\\n" + problem.fields["test"] + "\\n",
+              source="a test's own package")
+'''
+
+CHECK = '''
+import json
+from fourbit import schema
+from fourbit.tasks import registry, scoring
+from fourbit.tasks.preflight import check_tasks
+
+settings = schema.block("tasks", {"addone": True})
+[task] = check_tasks(settings, None)
+right = scoring.score(task, {"addone/0": "    return x + 1\\n"}, parallel=1).passed()
+wrong = scoring.score(task, {"addone/0": "    return x\\n"}, parallel=1).passed()
+print(json.dumps({"registered": sorted(registry.TASKS), "settings": settings, "right": right, "wrong": wrong}))
+'''
+
+
+def _install(site, name, value):
+    """A package on ``site`` with a fourbit.tasks entry point, as pip would leave it."""
+    info = site / "mytasks-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: mytasks\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[fourbit.tasks]\n{name} = {value}\n")
+
+
+def _python(site, code):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.usefixtures("task_sandbox")
+def test_an_installed_packages_task_set_is_registered_switched_on_and_checked(tmp_path):
+    """A task set of a package installed beside fourbit (its dist-info names it under the
+    fourbit.tasks entry points): importing fourbit.tasks registers it, the schema takes its
+    switch, the preflight enables it, and the sandbox passes a right completion and fails
+    a wrong one with its checker."""
+    site = tmp_path / "site"
+    _install(site, "addone", "mytasks:ADDONE")
+    (site / "mytasks.py").write_text(PLUGIN)
+    done = _python(site, CHECK)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["registered"] == ["addone", "humaneval"]
+    assert result["settings"]["addone"] is True and result["settings"]["humaneval"] is False
+    assert result["right"] == {"addone/0": True} and result["wrong"] == {"addone/0": False}
+
+
+@pytest.mark.parametrize(("name", "value", "message"), [
+    ("addone", "mytasks:MISSING", "cannot be loaded: AttributeError"),
+    ("addone", "mytasks:PROBLEMS", "names a list, not a fourbit.tasks.registry.Task"),
+    ("other", "mytasks:ADDONE", "names the task 'addone': give the entry point the task's name"),
+])
+def test_an_entry_point_that_is_not_a_task_is_named(tmp_path, name, value, message):
+    site = tmp_path / "site"
+    _install(site, name, value)
+    (site / "mytasks.py").write_text(PLUGIN)
+    done = _python(site, "import fourbit.tasks")
+    assert done.returncode != 0 and message in done.stderr, done.stderr
+    assert f"the fourbit.tasks entry point {name}" in done.stderr
 
 
 def test_a_model_without_a_tokenizer_is_refused(tmp_path):

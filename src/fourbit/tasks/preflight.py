@@ -36,5 +36,12 @@ def check_tasks(switches: dict, model_folder: str | Path | None) -> list[Task]:
 
 
 def enabled(switches: dict) -> list[str]:
-    """The registered tasks switched on in the study's tasks block, in name order."""
+    """The registered tasks switched on in the study's tasks block, in name order; TaskError
+    for a switch no registered task answers to (the schema takes any boolean key there, so
+    that an installed task set can be switched on)."""
+    unknown = sorted(name for name, value in switches.items() if isinstance(value, bool) and name not in TASKS)
+    if unknown:
+        raise TaskError(f"tasks: {', '.join(unknown)} is not a registered task (registered: "
+                        f"{', '.join(sorted(TASKS))}); a task set of your own registers through "
+                        "the fourbit.tasks entry point group (README, \"Task accuracy\")")
     return [name for name in sorted(TASKS) if switches.get(name) is True]

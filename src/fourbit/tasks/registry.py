@@ -5,13 +5,20 @@ A task is data (its problems, loaded and checked), a prompt format (how every en
 asked, stated as data so it is the same for each) and a checker (the program that passes
 exactly when a completion solves its problem, run by fourbit.tasks.sandbox). A new task
 set is one module that builds a Task and calls ``register``; fourbit.tasks imports the
-shipped ones.
+shipped ones, then every Task an installed package names under the ``fourbit.tasks``
+entry point group (``load_plugins``), so a user's set plugs in without editing fourbit:
+
+    [project.entry-points."fourbit.tasks"]
+    mytask = "mypackage.tasks:MY_TASK"
+
+and the study switches it on like a shipped one (``tasks: {mytask: true}``).
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Callable
 
@@ -73,6 +80,30 @@ def register(task: Task) -> Task:
         raise ValueError(f"task {task.name!r} is registered twice")
     TASKS[task.name] = task
     return task
+
+
+PLUGIN_GROUP = "fourbit.tasks"  # entry points naming a Task each
+
+
+def load_plugins() -> None:
+    """Register the Task each installed ``fourbit.tasks`` entry point names (once per name:
+    importing fourbit.tasks again does not register it twice). TaskError naming the entry
+    point when it cannot be loaded, is not a Task, or its name differs from the Task's."""
+    for point in entry_points(group=PLUGIN_GROUP):
+        if point.name in TASKS:
+            continue
+        try:
+            task = point.load()
+        except Exception as error:  # noqa: BLE001 - any failure of a user's module is reported as its own
+            raise TaskError(f"the {PLUGIN_GROUP} entry point {point.name} = {point.value!r} cannot be "
+                            f"loaded: {type(error).__name__}: {error}") from error
+        if not isinstance(task, Task):
+            raise TaskError(f"the {PLUGIN_GROUP} entry point {point.name} = {point.value!r} names a "
+                            f"{type(task).__name__}, not a fourbit.tasks.registry.Task")
+        if task.name != point.name:
+            raise TaskError(f"the {PLUGIN_GROUP} entry point {point.name} = {point.value!r} names the task {task.name!r}: "
+                            "give the entry point the task's name (the study's switch is that name)")
+        register(task)
 
 
 def get(name: str) -> Task:
