@@ -94,7 +94,7 @@ def load_plugins() -> None:
             continue
         try:
             task = point.load()
-        except Exception as error:  # noqa: BLE001 - any failure of a user's module is reported as its own
+        except Exception as error:  # any failure of a user's module is reported as its own
             raise TaskError(f"the {PLUGIN_GROUP} entry point {point.name} = {point.value!r} cannot be "
                             f"loaded: {type(error).__name__}: {error}") from error
         if not isinstance(task, Task):
