@@ -11,7 +11,14 @@ from test_report import WEIGHTS, results, run_report, study  # noqa: F401  (a fi
 
 from fourbit.report.loading import ReportInputError
 from fourbit.report.plots import plot_serving
-from fourbit.report.serving import Point, pareto_front, read_serving, serving_section, serving_verdicts
+from fourbit.report.serving import (
+    Point,
+    one_user_against_bench,
+    pareto_front,
+    read_serving,
+    serving_section,
+    serving_verdicts,
+)
 
 VLLM = "vllm-1111111111"
 LLAMACPP = "llamacpp-2222222222"
@@ -245,3 +252,26 @@ def test_a_record_that_served_nothing_says_so_and_names_no_arm(tmp_path):
     paths = {name: tmp_path / file for name, file in SERVING_PLOTS.items()}
     plot_serving(serving, paths)  # each figure says it has nothing to show, rather than being absent
     assert all(path.read_bytes().startswith(b"\x89PNG") for path in paths.values())
+
+
+def test_one_user_on_the_server_is_set_beside_the_bench_decode_of_the_same_build(tmp_path):
+    """TPOT p50 20 [19–21] ms is 50.0 [47.6–52.6] tok/s, overlapping a tg128 of 49–51; 40
+    [39–41] ms is 25.0 tok/s, apart from 39–41. A build the bench did not time is left out."""
+    _, serving = read_serving(serve_record(tmp_path / "serve.json", [
+        served("int4-aaaaaaaaaa", VLLM, [level(1, 30.0, 40.0), level(8, 90.0, 80.0)]),
+        served("q4_k_m-bbbbbbbbbb", LLAMACPP, [level(1, 25.0, 80.0), level(8, 70.0, 90.0)]),
+        served("baseline", VLLM, [level(1, 20.0, 100.0), level(8, 60.0, 120.0)])]))
+    rows = [{"engine": VLLM, "arm_id": "int4-aaaaaaaaaa", "tg128_median": 50.0, "tg128_min": 49.0, "tg128_max": 51.0},
+            {"engine": LLAMACPP, "arm_id": "q4_k_m-bbbbbbbbbb", "tg128_median": 40.0, "tg128_min": 39.0,
+             "tg128_max": 41.0},
+            {"engine": VLLM, "arm_id": "baseline", "tg128_median": None}]
+    lines = one_user_against_bench(serving, rows)
+    assert lines[1] == "### One user: the server against the batch-1 bench"
+    assert lines[-2:] == [
+        f"- `int4-aaaaaaaaaa` on {VLLM}: 50.0 [47.6–52.6] tok/s served, against tg128 50.0 [49.0–51.0] in "
+        "the bench; their spreads overlap.",
+        f"- `q4_k_m-bbbbbbbbbb` on {LLAMACPP}: 25.0 [24.4–25.6] tok/s served, against tg128 40.0 "
+        "[39.0–41.0] in the bench; apart: the server decodes at ×0.62 the bench's rate."]
+    _, without_one = read_serving(serve_record(tmp_path / "eight.json", [
+        served("int4-aaaaaaaaaa", VLLM, [level(8, 90.0, 80.0)])], concurrency=(8,)))
+    assert one_user_against_bench(without_one, rows) == [] and one_user_against_bench(None, rows) == []

@@ -15,6 +15,7 @@ from fourbit.report.frontier import frontier_section
 from fourbit.report.runtimes import compile_note, runtime_candidates, runtime_line
 from fourbit.report.serving import (
     Serving,
+    one_user_against_bench,
     serving_named,
     serving_rules,
     serving_section,
@@ -47,7 +48,7 @@ def render_markdown(study: dict, rows: list[dict], facts: dict, settings: Mappin
     timing = bench_job(facts["benches"])
     if timing:
         lines += [""] + timing + compile_note(facts["benches"])
-    lines += serving_section(serving)
+    lines += serving_section(serving) + one_user_against_bench(serving, rows)
     lines += tasks_section(tasks, rows)
     if facts["quantization"]:
         lines += ["", "## How each arm was quantized", ""] + quantization_table(facts["quantization"])

@@ -198,6 +198,36 @@ def serving_section(serving: Serving | None) -> list[str]:
     return lines
 
 
+def one_user_against_bench(serving: Serving | None, rows: list[dict]) -> list[str]:
+    """Per build served to one user, its decode rate on the server (1000 / TPOT p50: prompt
+    processing is not in it) beside the bench's tg128 of the same build, and whether their
+    [min–max] over passes overlap. A server's per-request work (HTTP, detokenizing,
+    scheduling) is what separates them. Nothing when the study did not serve one user."""
+    if serving is None or 1 not in serving.concurrency:
+        return []
+    tg128 = {(r["engine"], r["arm_id"]): r for r in rows if r.get("tg128_median") is not None}
+    lines = []
+    for s in serving.served:
+        level = s.levels.get(1)
+        bench = tg128.get((s.engine_id, s.arm))
+        if s.status != "measured" or level is None or level.status != "measured" or bench is None:
+            continue
+        tpot = level.summary["tpot_ms_p50"]
+        served = Spread(1000 / tpot.median, 1000 / tpot.high, 1000 / tpot.low)
+        agree = overlapping((served.low, served.high), (bench["tg128_min"], bench["tg128_max"]))
+        verdict = ("their spreads overlap" if agree else
+                   f"apart: the server decodes at ×{served.median / bench['tg128_median']:.2f} the bench's rate")
+        lines.append(f"- {s.label}: {served.shown()} tok/s served, against tg128 "
+                     f"{bench['tg128_median']:.1f} [{bench['tg128_min']:.1f}–{bench['tg128_max']:.1f}] "
+                     f"in the bench; {verdict}.")
+    if not lines:
+        return []
+    return ["", "### One user: the server against the batch-1 bench", "",
+            "The decode rate a single user sees on the server (1000 / TPOT p50, so the prompt's "
+            "processing is left out) beside the bench's tg128 of the same build, in tok/s, median "
+            "[min–max] over each one's passes:", "", *lines]
+
+
 def level_table(serving: Serving, n: int) -> list[str]:
     """One row per served (engine, arm) at concurrency ``n``; a refused build or a level over
     the server's capacity says why instead of showing figures."""
