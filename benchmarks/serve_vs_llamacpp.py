@@ -10,7 +10,13 @@ requests of --prompt-tokens token ids of the evaluation windows, --output-tokens
 EOS ignored), all servers held open at once; every pass runs every level of every server,
 the servers' order rotated from pass to pass. Printed: output tok/s per level, median
 [min-max] over the passes, and the ratio of the best vLLM arm to llama-server, pass by
-pass; the host's load before and after. Run it under the bench lock on a quiet host:
+pass, and at one user the decode rate a user sees (1000 / TPOT p50); the host's load before
+and after. With --tg128, the servers once stopped, each model's batch-1 pp512 / tg128 as
+the bench times them (benchmarks/vllm_vs_llamacpp.py's runs: vLLM in-process with the same
+settings, llama-bench), passes rotated likewise, to set beside one user on the server.
+With --profile-batch N, then torch.profiler's table of one decode step of N sequences
+on the first vLLM checkpoint: where a batched step's time goes. Run it under the bench
+lock on a quiet host:
 
     flock /tmp/fourbit-bench.lock .venv/bin/python benchmarks/serve_vs_llamacpp.py ...
 """
@@ -47,6 +53,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--compiled", action="store_true", help="vLLM compiled (default: eager)")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--tg128", action="store_true",
+                        help="then time each model's batch-1 pp512 / tg128 as the bench does")
+    parser.add_argument("--profile-batch", type=int, default=None, metavar="N",
+                        help="then profile one decode step of N sequences on the first vLLM checkpoint")
     args = parser.parse_args()
 
     if args.tools:
@@ -68,6 +78,7 @@ def main() -> None:
           f"{args.prompt_tokens}+{args.output_tokens} tokens per level, {args.passes} passes")
     logs = Path(tempfile.mkdtemp(prefix="fourbit-serve-vs-"))
     tok_s = {name: {c: [] for c in args.concurrency} for name in served}
+    one_user = {name: [] for name in served}  # 1000 / TPOT p50 at concurrency 1, per pass
     with exit_on_sigterm(), pinned(cores), contextlib.ExitStack() as stack:
         running = {}
         for name, (kind, model, engine) in served.items():
@@ -88,10 +99,57 @@ def main() -> None:
                                         output_tokens=args.output_tokens, concurrency=level,
                                         warmup=2, extra_body=dict(served[name][0].extra_body))
                     tok_s[name][level].append(figures["output_tok_s"])
+                    if level == 1:  # inf: its tokens arrived in one chunk (a starved server)
+                        one_user[name].append(1000 / figures["tpot_ms"]["p50"] if figures["tpot_ms"]["p50"] > 0
+                                              else float("inf"))
                     print(f"pass {number + 1} {name} c={level}: {figures['output_tok_s']:.1f} "
                           f"output tok/s, TPOT p99 {figures['tpot_ms']['p99']:.1f} ms", flush=True)
     print(f"load after: {os.getloadavg()}; server logs in {logs}")
     _table(tok_s, args.concurrency)
+    if one_user[names[0]]:
+        print("one user, decode tok/s (1000 / TPOT p50), median [min-max] over passes:")
+        for name, rates in one_user.items():
+            print(f"  {name:40s} {_spread(rates)}")
+    if args.tg128:
+        _batch_one(served, args, cores, logs)
+    if args.profile_batch:
+        from vllm_profile import profile_step  # the same folder: python puts it on sys.path
+        from vllm_speed import vllm_settings
+
+        checkpoint = args.vllm[0]
+        settings = vllm_settings({"dtype": args.dtype, "enforce_eager": not args.compiled}, logs / "profile")
+        print(f"\nprofile of one decode step of {args.profile_batch} sequences on {checkpoint} "
+              "(top ops by self CPU time):", flush=True)
+        with pinned(cores):
+            print(profile_step(checkpoint, settings, "decode", len(cores), batch=args.profile_batch))
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.1f} [{min(values):.1f}-{max(values):.1f}]"
+
+
+def _batch_one(served: dict, args: argparse.Namespace, cores: list[int], logs: Path) -> None:
+    """Each model's pp512 / tg128 as the bench times them, passes rotated."""
+    from vllm_vs_llamacpp import LLAMA, one_run  # the same folder
+
+    variant = "plugin fp32 compiled" if args.compiled else "plugin fp32"
+    if args.dtype != "float32":
+        raise SystemExit("--tg128 times the float32 engine only (benchmarks/vllm_vs_llamacpp.py's variants)")
+    runs = {name: [] for name in served}
+    names = list(served)
+    for number in range(args.passes):
+        for name in names[number % len(names):] + names[:number % len(names)]:
+            _, model, _ = served[name]
+            is_llama = name.startswith("llama")
+            rates = one_run(LLAMA if is_llama else variant,
+                            {"gguf": model} if is_llama else {"vllm": model}, cores, logs / "bench")
+            runs[name].append(rates)
+            print(f"pass {number + 1} {name}: pp512 {rates['pp512_tok_s']:.1f}, tg128 "
+                  f"{rates['tg128_tok_s']:.1f} tok/s", flush=True)
+    print("batch 1 as the bench times it, tok/s, median [min-max] over passes:")
+    for name, rates in runs.items():
+        print(f"  {name:40s} pp512 {_spread([r['pp512_tok_s'] for r in rates])}   "
+              f"tg128 {_spread([r['tg128_tok_s'] for r in rates])}")
 
 
 def _table(tok_s: dict[str, dict[int, list[float]]], levels: list[int]) -> None:

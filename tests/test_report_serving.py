@@ -272,6 +272,11 @@ def test_one_user_on_the_server_is_set_beside_the_bench_decode_of_the_same_build
         "the bench; their spreads overlap.",
         f"- `q4_k_m-bbbbbbbbbb` on {LLAMACPP}: 25.0 [24.4–25.6] tok/s served, against tg128 40.0 "
         "[39.0–41.0] in the bench; apart: the server decodes at ×0.62 the bench's rate."]
+    _, bursts = read_serving(serve_record(tmp_path / "bursts.json", [
+        served("int4-aaaaaaaaaa", VLLM, [level(1, 30.0, 0.0), level(8, 90.0, 80.0)])]))
+    [burst] = one_user_against_bench(bursts, rows)[-1:]
+    assert burst.startswith(f"- `int4-aaaaaaaaaa` on {VLLM}: no decode rate from the server: in a pass its "
+                            "tokens arrived in one chunk")
     _, without_one = read_serving(serve_record(tmp_path / "eight.json", [
         served("int4-aaaaaaaaaa", VLLM, [level(8, 90.0, 80.0)])], concurrency=(8,)))
     assert one_user_against_bench(without_one, rows) == [] and one_user_against_bench(None, rows) == []

@@ -213,6 +213,12 @@ def one_user_against_bench(serving: Serving | None, rows: list[dict]) -> list[st
         if s.status != "measured" or level is None or level.status != "measured" or bench is None:
             continue
         tpot = level.summary["tpot_ms_p50"]
+        if tpot.low <= 0:  # a pass whose tokens all came in one chunk (a starved server process)
+            lines.append(f"- {s.label}: no decode rate from the server: in a pass its tokens arrived "
+                         f"in one chunk (TPOT p50 {tpot.shown()} ms), so the time between them is "
+                         "unknown; the bench's tg128 is "
+                         f"{bench['tg128_median']:.1f} [{bench['tg128_min']:.1f}–{bench['tg128_max']:.1f}].")
+            continue
         served = Spread(1000 / tpot.median, 1000 / tpot.high, 1000 / tpot.low)
         agree = overlapping((served.low, served.high), (bench["tg128_min"], bench["tg128_max"]))
         verdict = ("their spreads overlap" if agree else
