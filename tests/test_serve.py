@@ -5,6 +5,7 @@ The workflow tier (tests/test_workflow.py) serves the tiny study through both se
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -136,35 +137,51 @@ def test_a_server_killed_mid_level_fails_the_job_with_its_log_and_leaves_nothing
         served_checkpoint, tmp_path):
     arm, windows = served_checkpoint
     log = tmp_path / "servers" / "vllm-1.t-0000000000.log"
-    killed = []
-
-    def kill_when_serving():
-        # The first completion request in the server's log: a level has started.
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if log.exists() and "POST /v1/completions" in log.read_text(errors="replace"):
-                pid = _server_pid(arm)
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-                return
-            time.sleep(0.2)
-
-    killer = threading.Thread(target=kill_when_serving, daemon=True)
-    killer.start()
-    with pytest.raises(ServerError) as error:
+    with pytest.raises(ServerError) as error, killed_at_first_request(log, arm):
         _serve(tmp_path, arm, windows, VLLM)
-    killer.join(timeout=10)
-    assert killed, "the server never received a request"
     message = str(error.value)
     assert "exited with status -9 while in use" in message
     assert "command: " in message and "vllm.entrypoints.openai.api_server" in message
     assert "last lines of" in message and "POST /v1/completions" in message  # its log tail
     assert not (tmp_path / "serve.json").exists()
     assert not [name for name in os.listdir(tmp_path) if name.startswith(".serve.json")]
-    deadline = time.monotonic() + 30
-    while _server_pids(arm) and time.monotonic() < deadline:
+    assert no_server_left(arm)  # the engine core and its worker too
+
+
+@contextlib.contextmanager
+def killed_at_first_request(log: Path, model: Path):
+    """SIGKILL the API server serving ``model`` once its ``log`` shows the first completion
+    request (a level, or a task's generation, has started), from a thread, while the block
+    runs; fails the test if that never happened."""
+    killed = []
+
+    def kill_when_serving():
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not done.is_set():
+            if log.exists() and "POST /v1/completions" in log.read_text(errors="replace"):
+                pid = _server_pid(model)
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                return
+            time.sleep(0.05)
+
+    done = threading.Event()
+    killer = threading.Thread(target=kill_when_serving, daemon=True)
+    killer.start()
+    try:
+        yield
+    finally:  # asserted here, so that it also fails a block that raised for another reason
+        done.set()
+        killer.join(timeout=10)
+        assert killed, "the server never received a request"
+
+
+def no_server_left(model: Path, timeout_s: float = 30) -> bool:
+    """Whether every process serving ``model`` is gone within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while _server_pids(model) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _server_pids(arm) == []  # the engine core and its worker too
+    return _server_pids(model) == []
 
 
 def _server_pids(model: Path) -> list[int]:

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +18,7 @@ from fourbit.steps.serve import ServedArm
 from fourbit.steps.tasks import _pair_with_baselines, _problems, tasks_study
 from fourbit.tasks.humaneval import HUMANEVAL
 from fourbit.tasks.registry import TaskError
-from test_serve import SHA, TOLERANCES, VLLM, _server_pid, _server_pids
+from test_serve import SHA, TOLERANCES, VLLM, _server_pids, killed_at_first_request, no_server_left
 
 TASKS = {"humaneval": True, "problems": 6, "max_tokens": 48, "slots": 2}
 
@@ -97,31 +94,12 @@ def test_vllm_completes_every_problem_and_the_sandbox_checks_them(task_checkpoin
 def test_a_server_killed_while_generating_fails_the_job_with_its_log_and_leaves_nothing(
         task_checkpoint, tmp_path, task_sandbox):
     log = tmp_path / "servers" / "humaneval.vllm-1.t-0000000000.log"
-    killed = []
-
-    def kill_when_generating():
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if log.exists() and "POST /v1/completions" in log.read_text(errors="replace"):
-                pid = _server_pid(task_checkpoint)
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-                return
-            time.sleep(0.05)
-
-    killer = threading.Thread(target=kill_when_generating, daemon=True)
-    killer.start()
-    with pytest.raises(ServerError) as error:
+    with pytest.raises(ServerError) as error, killed_at_first_request(log, task_checkpoint):
         _score(tmp_path, task_checkpoint)
-    killer.join(timeout=10)
-    assert killed, "the server never received a request"
     message = str(error.value)
     assert "exited with status -9 while in use" in message
     assert "command: " in message and "vllm.entrypoints.openai.api_server" in message
     assert "last lines of" in message
     assert not (tmp_path / "tasks.json").exists()
     assert not [name for name in os.listdir(tmp_path) if name.startswith(".tasks.json")]
-    deadline = time.monotonic() + 30
-    while _server_pids(task_checkpoint) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert _server_pids(task_checkpoint) == []
+    assert no_server_left(task_checkpoint)
