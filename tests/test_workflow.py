@@ -191,7 +191,7 @@ def test_the_tasks_step_scores_a_vllm_and_a_llamacpp_arm_on_their_servers(tasks_
     assert "vllm.entrypoints.openai.api_server" in entries[("vllm", False)]["command"]
     assert Path(entries[("llamacpp", False)]["command"][0]).name == "llama-server"
     report = (workdir / "results/report.md").read_text()
-    assert "## Task accuracy" in report and "named for fidelity" in report
+    assert "## Task accuracy" in report and "- **On humaneval**: `" in report and "for fidelity" in report
     assert (workdir / "results/report-tasks-delta.png").stat().st_size > 0
 
 
