@@ -161,8 +161,8 @@ def tasks_study(vllm_study, tmp_path_factory):
     config["tasks"] = TASKS
     path = workdir / "with-tasks.yaml"
     path.write_text(yaml.safe_dump(config))
-    # The record is asked for by name: Snakemake sees the finished report as up to date and
-    # does not make a new input of it that is missing ("Nothing to be done"; README).
+    # The record is asked for by name: the report job gains an input and an output (the plot),
+    # and Snakemake counts it done while report.md exists ("Nothing to be done"; README).
     [eval_dir] = (workdir / "results").glob("*/eval/*")
     record = str((eval_dir / "tasks.json").relative_to(workdir))
     dry = snakemake(workdir, "-n", record, "results/report.md", config=path)
