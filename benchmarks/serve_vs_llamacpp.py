@@ -30,6 +30,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from vllm_speed import summary  # the same folder: python puts it on sys.path
+
 from fourbit.bench.pinning import choose_cores, pinned
 from fourbit.serving.load import run_level
 from fourbit.serving.process import exit_on_sigterm, free_port, running_server
@@ -109,7 +111,7 @@ def main() -> None:
     if one_user[names[0]]:
         print("one user, decode tok/s (1000 / TPOT p50), median [min-max] over passes:")
         for name, rates in one_user.items():
-            print(f"  {name:40s} {_spread(rates)}")
+            print(f"  {name:40s} {summary(rates)}")
     if args.tg128:
         _batch_one(served, args, cores, logs)
     if args.profile_batch:
@@ -122,10 +124,6 @@ def main() -> None:
               "(top ops by self CPU time):", flush=True)
         with pinned(cores):
             print(profile_step(checkpoint, settings, "decode", len(cores), batch=args.profile_batch))
-
-
-def _spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.1f} [{min(values):.1f}-{max(values):.1f}]"
 
 
 def _batch_one(served: dict, args: argparse.Namespace, cores: list[int], logs: Path) -> None:
@@ -148,8 +146,8 @@ def _batch_one(served: dict, args: argparse.Namespace, cores: list[int], logs: P
                   f"{rates['tg128_tok_s']:.1f} tok/s", flush=True)
     print("batch 1 as the bench times it, tok/s, median [min-max] over passes:")
     for name, rates in runs.items():
-        print(f"  {name:40s} pp512 {_spread([r['pp512_tok_s'] for r in rates])}   "
-              f"tg128 {_spread([r['tg128_tok_s'] for r in rates])}")
+        print(f"  {name:40s} pp512 {summary([r['pp512_tok_s'] for r in rates])}   "
+              f"tg128 {summary([r['tg128_tok_s'] for r in rates])}")
 
 
 def _table(tok_s: dict[str, dict[int, list[float]]], levels: list[int]) -> None:

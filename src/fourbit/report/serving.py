@@ -213,18 +213,17 @@ def one_user_against_bench(serving: Serving | None, rows: list[dict]) -> list[st
         if s.status != "measured" or level is None or level.status != "measured" or bench is None:
             continue
         tpot = level.summary["tpot_ms_p50"]
+        bench_rate = Spread(bench["tg128_median"], bench["tg128_min"], bench["tg128_max"])
         if tpot.low <= 0:  # a pass whose tokens all came in one chunk (a starved server process)
             lines.append(f"- {s.label}: no decode rate from the server: in a pass its tokens arrived "
                          f"in one chunk (TPOT p50 {tpot.shown()} ms), so the time between them is "
-                         "unknown; the bench's tg128 is "
-                         f"{bench['tg128_median']:.1f} [{bench['tg128_min']:.1f}–{bench['tg128_max']:.1f}].")
+                         f"unknown; the bench's tg128 is {bench_rate.shown()}.")
             continue
         served = Spread(1000 / tpot.median, 1000 / tpot.high, 1000 / tpot.low)
-        agree = overlapping((served.low, served.high), (bench["tg128_min"], bench["tg128_max"]))
+        agree = overlapping((served.low, served.high), (bench_rate.low, bench_rate.high))
         verdict = ("their spreads overlap" if agree else
-                   f"apart: the server decodes at ×{served.median / bench['tg128_median']:.2f} the bench's rate")
-        lines.append(f"- {s.label}: {served.shown()} tok/s served, against tg128 "
-                     f"{bench['tg128_median']:.1f} [{bench['tg128_min']:.1f}–{bench['tg128_max']:.1f}] "
+                   f"apart: the server decodes at ×{served.median / bench_rate.median:.2f} the bench's rate")
+        lines.append(f"- {s.label}: {served.shown()} tok/s served, against tg128 {bench_rate.shown()} "
                      f"in the bench; {verdict}.")
     if not lines:
         return []

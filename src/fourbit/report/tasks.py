@@ -43,10 +43,9 @@ class ScoredArm:
 
     @property
     def separably_worse(self) -> bool:
-        """Worse than its baseline on the task beyond chance: fewer problems solved and
-        McNemar's p below SIGNIFICANCE."""
-        return (self.vs_baseline is not None and self.vs_baseline["delta_pass_at_1"] < 0
-                and self.vs_baseline["mcnemar_p"] < SIGNIFICANCE)
+        """Worse than its baseline on the task beyond chance (separable)."""
+        return self.vs_baseline is not None and separable(self.vs_baseline["delta_pass_at_1"],
+                                                          self.vs_baseline["mcnemar_p"])
 
 
 @dataclass(frozen=True)
@@ -145,11 +144,16 @@ def _ids(ids: list[str], shown: int = 5) -> str:
     return f"{len(ids)}: {listed}" + (" …" if len(ids) > shown else "")
 
 
+def separable(delta_pass_at_1: float, mcnemar_p: float) -> bool:
+    """Worse beyond chance: fewer problems solved and McNemar's p below SIGNIFICANCE."""
+    return delta_pass_at_1 < 0 and mcnemar_p < SIGNIFICANCE
+
+
 def separably_worse_than(arm: ScoredArm, other: ScoredArm) -> PairedComparison | None:
     """``arm`` against ``other`` problem by problem (newly failed: problems only ``other``
-    solves), when ``arm`` solves fewer and McNemar's p is below SIGNIFICANCE; else None."""
+    solves), when ``arm`` is separably worse; else None."""
     comparison = paired(arm.passed, other.passed)
-    return comparison if comparison.delta < 0 and comparison.p_value < SIGNIFICANCE else None
+    return comparison if separable(comparison.delta, comparison.p_value) else None
 
 
 def task_verdicts(results: list[TaskResult] | None, named: list[tuple[str, str, str]]) -> list[str]:

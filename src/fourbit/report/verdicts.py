@@ -264,11 +264,14 @@ def _timed_within(faithful: list[dict], limit: float) -> list[dict]:
     return [r for r in faithful if abs(r["delta_ppl_pct"]) <= limit and r["tg128_median"] is not None]
 
 
+def _fastest(timed: list[dict]) -> dict | None:
+    return max(timed, key=lambda r: r["tg128_median"]) if timed else None
+
+
 def fastest_within_bound(rows: list[dict], bound_pct: float) -> dict | None:
     """The arm the speed verdict recommends (None: it names none)."""
     faithful, _, limit = _speed_candidates(rows, bound_pct)
-    timed = _timed_within(faithful, limit)
-    return max(timed, key=lambda r: r["tg128_median"]) if timed else None
+    return _fastest(_timed_within(faithful, limit))
 
 
 def speed_verdict(rows: list[dict], bound_pct: float) -> str:
@@ -280,7 +283,7 @@ def speed_verdict(rows: list[dict], bound_pct: float) -> str:
                  f"points (report.speed_quality_bound_pct) of the smallest "
                  f"({abs(cheapest['delta_ppl_pct']):.2f}%, {_label(cheapest)}), so at most {limit:.2f}%")
     timed = _timed_within(faithful, limit)
-    fast = fastest_within_bound(rows, bound_pct)
+    fast = _fastest(timed)
     if fast is None:
         return f"- For speed: no throughput was measured on this host for {condition}; none is recommended."
     line = (f"- **For speed: {_label(fast)}**: the fastest decode, {fast['tg128_median']:.1f} tok/s "
