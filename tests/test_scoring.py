@@ -10,6 +10,10 @@ from fourbit.tasks import registry, sandbox, scoring
 from fourbit.tasks.registry import TaskError
 
 ESCAPED = Path(__file__).parent / "escaped.txt"
+# Why the write fails: outside the folders the sandbox hides behind an empty tmpfs the
+# checkout is mounted read-only; a checkout under one of them (a clone in /tmp) is not there.
+HIDDEN = any(ESCAPED.is_relative_to(place) for place in sandbox.MASKED)
+REFUSED_WRITE = "No such file or directory" if HIDDEN else "Read-only file system"
 HANDFUL = [f"HumanEval/{i}" for i in (0, 2, 11, 53, 100, 162)]  # 162 imports hashlib
 
 
@@ -46,7 +50,7 @@ def test_bad_completions_fail_each_with_its_reason(humaneval, canonical):
     assert statuses == {"HumanEval/0": "failed", "HumanEval/2": "timed out", "HumanEval/11": "crashed",
                         "HumanEval/53": "failed", "HumanEval/100": "passed"}
     assert scores.outcomes["HumanEval/0"].detail == "AssertionError"
-    assert "Read-only file system" in scores.outcomes["HumanEval/53"].detail
+    assert REFUSED_WRITE in scores.outcomes["HumanEval/53"].detail
     assert not ESCAPED.exists()
 
 
