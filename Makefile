@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 CORES ?= $(shell nproc)
 # setup.py and the kernel source too: a change to either must rebuild the C++ extension.
 ENV_FILES := envs/requirements.txt envs/vllm-deps.txt envs/fourbit.post-deploy.sh pyproject.toml \
-	setup.py src/fourbit/kernels/csrc/int4_cpu.cpp
+	setup.py src/fourbit/kernels/csrc/int4_cpu.cpp src/fourbit/kernels/csrc/multirow.inc
 STAMP := $(VENV)/.installed-$(shell cat $(ENV_FILES) | sha256sum | cut -c1-16)
 
 .PHONY: venv llamacpp setup report test dry-run architectures

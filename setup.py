@@ -28,6 +28,7 @@ else:
         CppExtension(
             "fourbit.kernels._int4_cpu",
             ["src/fourbit/kernels/csrc/int4_cpu.cpp"],
+            depends=["src/fourbit/kernels/csrc/multirow.inc"],  # included by int4_cpu.cpp
             extra_compile_args=["-O3", "-fopenmp"],
             extra_link_args=["-fopenmp"],
             optional=True,  # a failed compile warns and installs the rest

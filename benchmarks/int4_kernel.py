@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/int4_kernel.py [--threads 2] [--group-size 128] [--json out.json]
     .venv/bin/python benchmarks/int4_kernel.py --instructions   # callgrind counts instead
     .venv/bin/python benchmarks/int4_kernel.py --activation-error  # W4A8's roundings vs ggml's
+    .venv/bin/python benchmarks/int4_kernel.py --rows 4 8 16  # steps of several rows
 
 For each linear shape of Qwen2.5-0.5B as vLLM runs it (q/k/v merged: 1152 x 896, o: 896 x
 896, gate/up merged: 9728 x 896, down: 896 x 4864, the untied lm_head: 151936 x 896) it
@@ -19,6 +20,11 @@ that they cannot stay in the last-level cache; otherwise a 0.5 MB layer would be
 from L2. It then prints a whole token's linears (24 layers + head), the effective weight
 bandwidth (resident bytes / time) against the triad bandwidth of fourbit.bench.bandwidth
 measured in the same run and threads, and the resident bytes of each layout against bf16.
+
+With ``--rows M ...``, steps of M activation rows instead (a batched decode step: one row
+per running sequence): per shape and for fourbit's W4A16, W4A8_GROUP and W8A16, the
+multi-row kernels against the one-row kernels on the same step (FOURBIT_INT4_MULTIROW_MIN
+raised past M), the two alternated in one process, and a whole step's linears.
 
 Wall-clock numbers mean something only on idle cores: the load average is printed before
 and after, and the run says when it was above a quarter of the threads. On a busy host,
@@ -231,6 +237,58 @@ def activation_error() -> None:
             print(f"  {name:<18} {label:<28} relative output error {err:.2e}")
 
 
+ROW_METHODS = ("fourbit W4A16", "fourbit W4A8_GROUP", "fourbit W8A16")
+ONE_ROW_ONLY = str(1 << 30)  # FOURBIT_INT4_MULTIROW_MIN past any step: the one-row kernels
+
+
+def time_steps(rows: list[int], group_size: int, llc: int, min_time: float, max_time: float,
+               passes: int = 3) -> dict:
+    """Seconds per call of each ROW_METHODS kernel at each shape and step of M rows, with
+    the multi-row kernels and with the one-row kernels, alternated pass by pass (min over
+    passes of each measurement's median)."""
+    results: dict = {}
+    for i, (name, n, k, _) in enumerate(SHAPES):
+        qw = random_qweight(n, k, group_size, seed=i)
+        for m in rows:
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            for method in ROW_METHODS:
+                times = {"multi-row": [], "one-row": []}
+                for number in range(passes):
+                    order = ("multi-row", "one-row") if number % 2 == 0 else ("one-row", "multi-row")
+                    for kind in order:
+                        if kind == "one-row":
+                            os.environ["FOURBIT_INT4_MULTIROW_MIN"] = ONE_ROW_ONLY
+                        try:
+                            times[kind].append(
+                                time_method(method, qw, x, llc, min_time, max_time)["seconds"])
+                        finally:
+                            os.environ.pop("FOURBIT_INT4_MULTIROW_MIN", None)
+                results[(name, m, method)] = {kind: min(t) for kind, t in times.items()}
+        del qw
+    return results
+
+
+def print_steps(results: dict, rows: list[int]) -> None:
+    print("\nsteps of M rows, ms per call (min over passes of the median), one-row / multi-row:")
+    print(f"{'shape':<26}{'M':>4}" + "".join(f"{m:>36}" for m in ROW_METHODS))
+    for name, n, k, _ in SHAPES:
+        for m in rows:
+            cells = []
+            for method in ROW_METHODS:
+                r = results[(name, m, method)]
+                cells.append(f"{r['one-row'] * 1e3:.3f} / {r['multi-row'] * 1e3:.3f} "
+                             f"({r['one-row'] / r['multi-row']:.2f}x)")
+            print(f"{name + f' {n}x{k}':<26}{m:>4}" + "".join(f"{c:>36}" for c in cells))
+    for m in rows:
+        cells = []
+        for method in ROW_METHODS:
+            step = {kind: sum(results[(name, m, method)][kind] * per for name, _, _, per in SHAPES)
+                    for kind in ("one-row", "multi-row")}
+            cells.append(f"{step['one-row'] * 1e3:.1f} / {step['multi-row'] * 1e3:.1f} "
+                         f"({step['one-row'] / step['multi-row']:.2f}x)")
+        print(f"{'one step (24 layers+head)':<26}{m:>4}" + "".join(f"{c:>36}" for c in cells))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -245,6 +303,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="count instructions per weight under callgrind instead of timing")
     parser.add_argument("--activation-error", action="store_true",
                         help="the int8 activation roundings' error against llama.cpp's Q8_0/Q8_K")
+    parser.add_argument("--rows", type=int, nargs="+", metavar="M",
+                        help="time steps of M rows: the multi-row kernels against the one-row ones")
     args = parser.parse_args(argv)
     if args.activation_error:
         n, k = COUNT_SHAPE
@@ -279,6 +339,17 @@ def main(argv: list[str] | None = None) -> None:
     if int4_cpu.isa() == "none":
         args.methods = [m for m in args.methods if not m.startswith("fourbit")]
         print("fourbit's kernel does not run here (no AVX2+FMA): its columns are left out")
+
+    if args.rows:
+        if int4_cpu.isa() == "none":
+            raise SystemExit("fourbit's kernel does not run here (no AVX2+FMA): nothing to time")
+        print_steps(time_steps(args.rows, args.group_size, llc, args.min_time, args.max_time),
+                    args.rows)
+        load_after = load_average()
+        print(f"load average after: {load_after:.2f}"
+              + (" (busy cores: not a measurement of the kernels alone)"
+                 if max(load_before, load_after) > 0.25 * args.threads else ""))
+        return
 
     x = torch.randn(1, max(k for _, _, k, _ in SHAPES), generator=torch.Generator().manual_seed(0))
     results: dict[str, dict[str, dict]] = {}

@@ -2,7 +2,8 @@
 
 Shapes sweep odd N (a last row block shorter than the kernel's 4 rows), K at every group
 size including K % 64 == 32 (the half chunk at G = 32), symmetric and asymmetric zeros,
-and batches of 1 to 9 rows. W4A16 is held to float32 summation error of x @ W_hat.T;
+and batches of 1 to 17 rows (one row; the multi-row kernels' passes of 4 or 8 rows, full
+and short). W4A16 is held to float32 summation error of x @ W_hat.T;
 W4A8 and W4A8_GROUP to the same bound against x_rounded @ W_hat.T, where x_rounded is
 recomputed here from Q8_0's definition (per 32 columns, or per group), so both the
 kernel's integer arithmetic and its rounding are checked. Every numerics is checked on
@@ -27,9 +28,10 @@ PATHS = [
         int4_cpu.isa() != "avx512_vnni", reason="this host has no AVX-512 VNNI")),
 ]
 
-# (N, K, G): odd and small N, K with the half chunk (96, 160 at G=32), every group size
+# (N, K, G): odd and small N, K with the half chunk (96, 160, 1120 at G=32), every group
+# size, K over several of the multi-row kernels' 512-column slices (1120, 1152)
 SHAPES = [(1, 32, 32), (7, 96, 32), (33, 160, 32), (5, 64, 64), (13, 192, 64), (9, 256, 128),
-          (130, 384, 128), (3, 512, 256)]
+          (130, 384, 128), (3, 512, 256), (6, 1120, 32), (5, 1152, 64)]
 
 
 def random_qweight(n: int, k: int, g: int, sym: bool, seed: int) -> QuantizedWeight:
@@ -106,7 +108,7 @@ def test_all_zero_group_and_extreme_codes():
 @needs_kernel
 @pytest.mark.parametrize(("n", "k", "g"), SHAPES)
 @pytest.mark.parametrize("sym", [True, False])
-@pytest.mark.parametrize("rows", [1, 2, 9])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 8, 17])
 @pytest.mark.parametrize("on", PATHS)
 def test_w4a16_matches_float_reference(n, k, g, sym, rows, on):
     qw = random_qweight(n, k, g, sym, seed=7 * n + k)
@@ -135,15 +137,15 @@ def test_int8_rounding_is_q8_0_per_block(block):
 @needs_kernel
 @pytest.mark.parametrize(("n", "k", "g"), SHAPES)
 @pytest.mark.parametrize("sym", [True, False])
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 17])
 @pytest.mark.parametrize("numerics", ["w4a8", "w4a8_group"])
 @pytest.mark.parametrize("on", PATHS)
 def test_int8_numerics_match_rounded_reference(n, k, g, sym, rows, numerics, on):
     qw = random_qweight(n, k, g, sym, seed=11 * n + k)
     w_hat = qw.dequantize()
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + 5))
-    if on != int4_cpu.path(numerics, g) and on != "avx2":  # VNNI covers groups of 128 * n
-        assert g % 128
+    if on != int4_cpu.path(numerics, g, rows) and on != "avx2":
+        assert g % 128  # one row: VNNI covers groups of 128 * n; several: w4a8_group at 64 * n
         with pytest.raises(RuntimeError, match="it runs 'avx2'"):
             int4_cpu.linear(x, int4_cpu.repack(qw), numerics, on)
         return
@@ -224,9 +226,14 @@ def random_int8(n: int, k: int, g: int, seed: int):
 
 @needs_kernel
 @pytest.mark.parametrize(("n", "k", "g"), [(1, 32, 32), (7, 96, 32), (13, 192, 64), (130, 384, 128),
-                                           (3, 512, 256), (5, 48, 16)])
-@pytest.mark.parametrize("rows", [1, 2, 9])
-def test_w8a16_matches_float_reference(n, k, g, rows):
+                                           (3, 512, 256), (5, 48, 16), (6, 1152, 64)])
+@pytest.mark.parametrize("rows", [1, 2, 4, 9, 17])
+@pytest.mark.parametrize("on", PATHS)
+def test_w8a16_matches_float_reference(n, k, g, rows, on, monkeypatch):
+    """On each ISA path (linear_int8 runs the host's; FOURBIT_INT4_ISA caps it at AVX2);
+    K = 1152 spans three of the multi-row kernels' 512-column slices."""
+    monkeypatch.setenv("FOURBIT_INT4_ISA", on)
+    assert int4_cpu.path_int8(rows) == ("avx2" if rows < int4_cpu.multirow_min() else on)
     qw, scales = random_int8(n, k, g, seed=n + k)
     w_hat = qw.dequantize()
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
@@ -258,18 +265,29 @@ def test_w8a16_splits_rows_over_threads_and_names_bad_inputs():
 
 @needs_kernel
 def test_each_call_names_its_path(monkeypatch):
-    """Where the host has AVX-512 VNNI, it runs the int8 numerics at groups of 128 * n and
-    W4A16 at every group; every other call (and 8-bit weights) runs AVX2;
-    FOURBIT_INT4_ISA=avx2 caps a whole process at AVX2."""
+    """One row: where the host has AVX-512 VNNI, it runs the int8 numerics at groups of
+    128 * n and W4A16 at every group, AVX2 every other call and 8-bit weights. Several rows
+    (the multi-row kernels: W4A16, W4A8_GROUP at groups of 64 * n, W8A16) run the host's
+    ISA; W4A8 and G = 32 int8 stay on the one-row path. FOURBIT_INT4_ISA=avx2 caps a whole
+    process at AVX2."""
     host = int4_cpu.isa()
     assert host in ("avx2", "avx512_vnni")
     for numerics in ("w4a8", "w4a8_group"):
         assert int4_cpu.path(numerics, 128) == int4_cpu.path(numerics, 256) == host
         assert int4_cpu.path(numerics, 64) == int4_cpu.path(numerics, 32) == "avx2"
-    assert all(int4_cpu.path("w4a16", g) == host for g in (32, 64, 128, 256))
+        assert int4_cpu.path(numerics, 32, rows=8) == "avx2"
+    several = int4_cpu.multirow_min()
+    assert int4_cpu.path("w4a8_group", 64, rows=several) == host
+    assert int4_cpu.path("w4a8_group", 64, rows=several - 1) == "avx2"
+    assert int4_cpu.path("w4a8", 64, rows=8) == "avx2"
+    assert all(int4_cpu.path("w4a16", g, rows) == host for g in (32, 64, 128, 256) for rows in (1, 9))
     assert int4_cpu.paths("w4a16") == host
-    assert int4_cpu.path_int8() == "avx2"
+    assert int4_cpu.path_int8() == "avx2" and int4_cpu.path_int8(rows=several) == host
     wide = "avx512_vnni at groups that are multiples of 128, avx2 at others"
-    assert int4_cpu.paths("w4a8_group") == (wide if host == "avx512_vnni" else "avx2")
+    rows = "; several rows: avx512_vnni at groups that are multiples of 64"
+    assert int4_cpu.paths("w4a8_group") == (f"one row: {wide}{rows}" if host == "avx512_vnni"
+                                            else "avx2")
+    assert int4_cpu.paths("w4a8") == (wide if host == "avx512_vnni" else "avx2")
     monkeypatch.setenv("FOURBIT_INT4_ISA", "avx2")
     assert int4_cpu.isa() == int4_cpu.path("w4a8_group", 128) == "avx2"
+    assert int4_cpu.path("w4a16", 64, rows=8) == int4_cpu.path_int8(rows=8) == "avx2"

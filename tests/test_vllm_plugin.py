@@ -192,6 +192,28 @@ def test_op_paths_agree_with_dense_expansion():
             assert ops.path_calls() == {path: 1}
 
 
+def test_dense_path_expands_a_block_of_rows_at_a_time(monkeypatch):
+    """The dense path over fourbit's layout in blocks of rows gives one whole expansion's
+    product up to float32 summation order (the BLAS may block a narrower product
+    differently), for N neither a multiple of the layout's 4 rows nor of the block."""
+    from fourbit.kernels import int4_cpu
+    from fourbit.vllm_plugin import ops
+
+    if int4_cpu.isa() == "none":
+        pytest.skip("no fourbit kernel on this host")
+    gen = torch.Generator().manual_seed(3)
+    qw = _random_qweight(99, 256, sym=False, gen=gen)
+    mine = int4_cpu.repack(qw)
+    x = torch.randn(9, 256, generator=gen)
+    w = qw.dequantize(torch.float32)
+    whole = ops.dense_blocks(x, mine.packed, mine.scales, mine.zeros, GROUP)
+    assert torch.equal(whole, torch.nn.functional.linear(x, w))  # one block: the whole W_hat
+    monkeypatch.setattr(ops, "DENSE_BLOCK_BYTES", 4 * 256 * 10)  # blocks of 8 rows
+    blocked = ops.dense_blocks(x, mine.packed, mine.scales, mine.zeros, GROUP)
+    bound = 1e-6 * 256 * (x.abs() @ w.abs().T)  # float32 sums of 256 products
+    assert blocked.shape == (9, 99) and torch.all((blocked - whole).abs() <= bound)
+
+
 def test_op_is_the_extensions_with_the_general_ops_arguments():
     """With the kernel built, fourbit::int4_linear is the extension's C++ op (the decode path
     without a Python round trip); its arguments are those of the Python op it hands the

@@ -1,5 +1,5 @@
 """fourbit's own CPU 4-bit linear for decode: W4A16 and W4A8 on AVX2 and on AVX-512
-(csrc/int4_cpu.cpp), and the 8-bit W8A16 beside it.
+(csrc/int4_cpu.cpp, csrc/multirow.inc), and the 8-bit W8A16 beside it.
 
 Why its own kernel. PyTorch's tinygemm (kernels/tinygemm.py) is vectorized on x86 only
 for bfloat16 activations, and vLLM has no 4-bit CPU path on AVX2 hosts at all. At batch 1
@@ -81,6 +81,23 @@ for one call (benchmarks and tests time and check both paths in one process). Wh
 ISA is missing or a shape is not covered (``unsupported``), callers fall back to tinygemm
 by name.
 
+Steps of several rows (csrc/multirow.inc). A batched decode step (one row per running
+sequence, what a server runs) or a short prefill has M > 1 activation rows. The one-row
+kernels above then unpack each weight again for every row; from ``multirow_min()`` rows
+(4) the multi-row kernels unpack a weight row once per pass of 8 activation rows (4 on
+AVX2, which has half the registers) and multiply it into each: W4A16 forms W_hat = s * (q -
+z) per 8 columns (exactly the dense control's value) and accumulates W_hat * x by FMA;
+W4A8_GROUP (groups of 64 * n) sums each group in int32 per activation row (vpdpbusd on
+AVX-512 VNNI, maddubs + madd on AVX2) and scales the pass's rows in one vector; W8A16
+as W4A16 with 8-bit codes. The activations are interleaved per pass ([K/8][rows][8]) so
+every load is a constant offset from one pointer, and the columns are taken in slices of
+512 so a pass's activations stay in L1 across a row block's 4 output rows. Each output
+is the same sum as the one-row kernel's up to float32 summation order. The gain is in
+the instructions per weight per row, not in the weights' reads (they are shared either
+way); docs/engines.md has the measurements. FOURBIT_INT4_MULTIROW_MIN moves the
+threshold, so ``benchmarks/int4_kernel.py --rows`` times both kernels on one step.
+W4A8 (per 32 columns) and the int8 numerics at G = 32 keep the one-row kernels.
+
 Prefetch. Each row block asks for the weights 4 KiB past its own before it starts
 (csrc PREFETCH_AHEAD): a 4-row block is four short streams that the hardware prefetchers
 restart at each 4 KiB page, which without it held every 4-bit kernel far below the
@@ -133,23 +150,35 @@ def isa() -> str:
     return "none" if ext is None else ext.isa()
 
 
-def path(numerics: str, group_size: int) -> str:
-    """The ISA path a call with these numerics and group size runs on this CPU."""
+def multirow_min() -> int:
+    """Rows from which a step runs the multi-row kernels (module doc, "Steps of several
+    rows"); FOURBIT_INT4_MULTIROW_MIN sets it (read at every call)."""
+    return _ext().multirow_min()
+
+
+def path(numerics: str, group_size: int, rows: int = 1) -> str:
+    """The ISA path a call of ``rows`` activation rows with these numerics and group size
+    runs on this CPU."""
     ext = _ext()
-    return "none" if ext is None else ext.path(_NUMERICS_CODE[numerics], group_size)
+    return "none" if ext is None else ext.path(_NUMERICS_CODE[numerics], group_size, rows)
 
 
 def paths(numerics: str) -> str:
     """Which path runs ``numerics`` here, by group size, for a runtime string."""
     wide = path(numerics, 2 * CHUNK)
-    if wide == path(numerics, CHUNK):
-        return wide
-    return f"{wide} at groups that are multiples of 128, {path(numerics, CHUNK)} at others"
+    one = wide if wide == path(numerics, CHUNK) else (
+        f"{wide} at groups that are multiples of 128, {path(numerics, CHUNK)} at others")
+    several = path(numerics, CHUNK, multirow_min())
+    if several == path(numerics, CHUNK):  # no multi-row kernel, or the same ISA as one row
+        return one
+    return f"one row: {one}; several rows: {several} at groups that are multiples of 64"
 
 
-def path_int8() -> str:
-    """The ISA path of the 8-bit kernel (linear_int8): AVX2 code wherever the kernel runs."""
-    return "none" if isa() == "none" else "avx2"
+def path_int8(rows: int = 1) -> str:
+    """The ISA path of the 8-bit kernel (linear_int8): AVX2 code for one row, the host's
+    ISA for several (module doc, "Steps of several rows")."""
+    host = isa()
+    return host if host == "none" or rows >= multirow_min() else "avx2"
 
 
 def unsupported(out_features: int, in_features: int, group_size: int) -> str | None:

@@ -30,8 +30,8 @@ Kernels (knobs[3]), one set of weights each:
 Paths:
     rows <  threshold (or mode NEVER)  the kernel
     rows >= threshold, mode DIRECT     W_hat read out of the kernel's own packed tensors
-                                       (int4_cpu.dequantize / tinygemm.dequantize_packed),
-                                       dense matmul
+                                       (int4_cpu.dequantize, a block of rows at a time /
+                                       tinygemm.dequantize_packed), dense matmul
     rows >= threshold, mode KEPT       W_hat from a kept copy of the codes, dense matmul
                                        (tinygemm layouts the reader does not know)
     mode KEPT with threshold 0         dense only (shapes no kernel can take)
@@ -90,10 +90,31 @@ def dequantize_kept(
     return w.view(n, k)  # [N, K/G, G] -> [N, K]
 
 
-def _dense_weight(packed, scales_and_zeros, codes, scales, offsets, zeros, mode, kernel,
-                  group_size, in_features):
-    if mode == MODE_DIRECT and kernel != KERNEL_TINYGEMM:
-        return int4_cpu.dequantize(packed, scales, zeros, group_size)
+# fourbit's layout is expanded to W_hat at most this many float32 bytes at a time. A whole
+# large matrix (gate_up at Qwen2.5-0.5B's shapes: 35 MB) is above glibc's largest mmap
+# threshold (32 MB), so every call would map it afresh and fault its pages in: 10 of the
+# 11 ms its expansion took (docs/engines.md).
+DENSE_BLOCK_BYTES = 16 << 20
+
+
+def dense_blocks(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 group_size: int) -> torch.Tensor:
+    """x [M, K] @ W_hat.T -> [M, N] in x's dtype, W_hat read out of fourbit's layout a block
+    of rows (a multiple of the layout's 4) at a time."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    step = max(int4_cpu.ROWS, DENSE_BLOCK_BYTES // (4 * k) // int4_cpu.ROWS * int4_cpu.ROWS)
+    parts = []
+    for first in range(0, n, step):
+        last = min(n, first + step)
+        blocks = slice(first // int4_cpu.ROWS, -(-last // int4_cpu.ROWS))  # [N/4, K/G, 4] rows
+        w = int4_cpu.dequantize(packed[first:last], scales[blocks], zeros[blocks], group_size)
+        parts.append(F.linear(x, w.to(x.dtype)))  # [M, K] x [rows, K] -> [M, rows]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _dense_weight(packed, scales_and_zeros, codes, scales, offsets, zeros, mode, group_size,
+                  in_features):
+    """W_hat of the tinygemm kernel's tensors (DIRECT) or of the kept copy (KEPT)."""
     if mode == MODE_DIRECT:
         n = packed.shape[0]
         w = tinygemm.dequantize_packed(packed, scales_and_zeros, group_size, n, in_features)
@@ -126,9 +147,12 @@ def int4_linear_impl(
     if use_dense:
         compute = knobs_dtype(knobs)
         calls["direct" if mode == MODE_DIRECT else "kept"] += 1
-        w = _dense_weight(packed, scales_and_zeros, codes, scales, offsets, zeros, mode, kernel,
-                          group_size, in_features)
-        y = F.linear(x.to(compute), w.to(compute))  # [M, K] x [N', K] -> [M, N']
+        if mode == MODE_DIRECT and kernel != KERNEL_TINYGEMM:
+            y = dense_blocks(x.to(compute), packed, scales, zeros, group_size)  # [M, N]
+        else:
+            w = _dense_weight(packed, scales_and_zeros, codes, scales, offsets, zeros, mode,
+                              group_size, in_features)
+            y = F.linear(x.to(compute), w.to(compute))  # [M, K] x [N', K] -> [M, N']
     elif kernel != KERNEL_TINYGEMM:
         calls[KERNEL_NAME[kernel]] += 1
         numerics = int4_cpu.numerics_code(KERNEL_NAME[kernel])

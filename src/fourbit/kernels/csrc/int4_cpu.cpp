@@ -1,4 +1,4 @@
-// fourbit's CPU 4-bit linear: y[M, N] = x[M, K] @ W_hat[N, K]^T for small M (decode).
+// fourbit's CPU 4-bit linear: y[M, N] = x[M, K] @ W_hat[N, K]^T for small M (decode, batched decode).
 //
 // The layout and the numerics are described once, in src/fourbit/kernels/int4_cpu.py;
 // this file follows it:
@@ -30,6 +30,9 @@
 // size; where AVX-512 VNNI (avx512f/bw/vl/vnni) is present, it for W4A16 at every G and
 // for W4A8 and W4A8_GROUP at G = 128 * n. Without AVX2+FMA, isa() says "none" and the Python side falls back to
 // tinygemm.
+//
+// Steps of several activation rows (from multirow_min()) run the kernels of multirow.inc,
+// which unpack each weight once per pass of rows instead of once per row.
 //
 // Threads: at::parallel_for over blocks of output rows (torch's intra-op threads).
 
@@ -79,10 +82,27 @@ std::string isa() {
   return cap == "avx2" || !cpu_has_avx512_vnni() ? "avx2" : "avx512_vnni";
 }
 
-// The path one call runs: AVX-512 covers W4A16 at every group size and the int8 numerics
-// at groups of 128 * n.
-std::string path(int64_t numerics, int64_t g) {
+// Rows from which a step runs the multi-row kernels (multirow.inc): 4, below which the
+// one-row kernels, whose 4 output rows share each activation load, are as fast or faster
+// (docs/engines.md has the measurements). FOURBIT_INT4_MULTIROW_MIN sets it, read per
+// call, so a benchmark can time both kernels on one step in one process.
+int64_t multirow_min() {
+  const char* env = std::getenv("FOURBIT_INT4_MULTIROW_MIN");
+  return env && *env ? std::max<int64_t>(2, std::atoll(env)) : 4;
+}
+
+// Whether a step of `rows` activation rows runs the multi-row kernels: W4A16 at every
+// group size, W4A8_GROUP at groups of 64 * n (and W8A16, linear_int8).
+bool multirow(int64_t numerics, int64_t g, int64_t rows) {
+  return rows >= multirow_min() &&
+         (numerics == W4A16 || (numerics == W4A8_GROUP && g % CHUNK == 0));
+}
+
+// The path one call runs: the multi-row kernels run on the host's ISA; one row runs
+// AVX-512 for W4A16 at every group size and for the int8 numerics at groups of 128 * n.
+std::string path(int64_t numerics, int64_t g, int64_t rows) {
   const std::string host = isa();
+  if (multirow(numerics, g, rows)) return host;
   if (host == "avx512_vnni" && numerics != W4A16 && g % (2 * CHUNK) != 0) return "avx2";
   return host;
 }
@@ -689,6 +709,93 @@ void over_row_blocks(int64_t m, int64_t n, float* yp, const void* weights, int64
   });
 }
 
+// Columns a multi-row kernel covers at a time: a pass's activations for them (8 rows x 512
+// float32 = 16 KiB) stay in L1 while the block's 4 output rows use them, where whole rows
+// of down_proj's K = 4864 would be 155 KiB, read from L2 once per output row.
+constexpr int64_t SLICE_COLUMNS = 512;
+
+// What the multi-row kernels' loops need of a step: M activation rows, N output rows in
+// blocks of ROWS whose weights are `block_bytes` each from `weights`.
+struct Step {
+  int64_t m, n, k, g;
+  const void* weights;
+  int64_t block_bytes;
+};
+
+// Row block b's weights, requested PREFETCH_AHEAD past its start (over_row_blocks).
+inline void prefetch_block(const Step& step, int64_t b) {
+  const char* next = static_cast<const char*>(step.weights) + PREFETCH_AHEAD + b * step.block_bytes;
+  for (int64_t j = 0; j < step.block_bytes; j += 64) _mm_prefetch(next + j, _MM_HINT_T0);
+}
+
+// ---- steps of several activation rows (multirow.inc), once per ISA region ----------
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace multirow_avx2 {
+#define FOURBIT_MULTIROW_MR 4
+#define FOURBIT_MULTIROW_VNNI 0
+#include "multirow.inc"
+#undef FOURBIT_MULTIROW_MR
+#undef FOURBIT_MULTIROW_VNNI
+}  // namespace multirow_avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+namespace multirow_avx512 {
+#define FOURBIT_MULTIROW_MR 8
+#define FOURBIT_MULTIROW_VNNI 1
+#include "multirow.inc"
+#undef FOURBIT_MULTIROW_MR
+#undef FOURBIT_MULTIROW_VNNI
+}  // namespace multirow_avx512
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
+
+// x [M, K] -> the multi-row kernels' order: the rows in passes of `per_pass` (the last may
+// be shorter), each pass's rows as [K / width][rows][width] (multirow.inc), pass p from
+// element p * per_pass * K. K is a multiple of width.
+template <typename T>
+std::vector<T> interleave_rows(const T* x, int64_t m, int64_t k, int per_pass, int width) {
+  std::vector<T> out(m * k);
+  for (int64_t i0 = 0; i0 < m; i0 += per_pass) {
+    const int64_t rows = std::min<int64_t>(per_pass, m - i0);
+    T* pass = out.data() + i0 * k;
+    for (int64_t c = 0; c < k / width; ++c) {
+      for (int64_t i = 0; i < rows; ++i) {
+        std::memcpy(pass + (c * rows + i) * width, x + (i0 + i) * k + c * width, width * sizeof(T));
+      }
+    }
+  }
+  return out;
+}
+
+// v [M, G'] (one value per activation row and group) -> per pass of `per_pass` rows
+// [G'][8], row i of the pass in lane i, lanes past the pass's rows zero: what the multi-row
+// W4A8_GROUP kernel loads for a group's rows in one vector.
+std::vector<float> group_lanes(const float* v, int64_t m, int64_t groups, int per_pass) {
+  const int64_t passes = (m + per_pass - 1) / per_pass;
+  std::vector<float> out(passes * groups * 8, 0.f);
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      out[((i / per_pass) * groups + gi) * 8 + i % per_pass] = v[i * groups + gi];
+    }
+  }
+  return out;
+}
+
+// Steps of 2 or more activation rows: the row blocks over torch's threads, each thread's
+// range to `blocks(b0, b1)` (a multirow kernel's entry point).
+template <typename Blocks>
+void over_rows_multi(const Step& step, Blocks&& blocks) {
+  const int64_t count = (step.n + ROWS - 1) / ROWS;
+  at::parallel_for(0, count, std::max<int64_t>(1, std::min<int64_t>(64, count / 8)), blocks);
+}
+
 // x [M, K] float32 -> [M, N] float32 with 8-bit weights.
 at::Tensor linear_int8(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
                        int64_t g) {
@@ -709,6 +816,18 @@ at::Tensor linear_int8(const at::Tensor& x_in, const at::Tensor& codes, const at
   const int8_t* cp = codes.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
+  if (m >= multirow_min()) {
+    const bool wide = isa() == "avx512_vnni";
+    const int per_pass = wide ? multirow_avx512::MR : multirow_avx2::MR;
+    const std::vector<float> xi = interleave_rows(xp, m, k, per_pass, 8);
+    y.zero_();
+    float* yp = y.data_ptr<float>();
+    const Step step{m, n, k, g, cp, ROWS * k};
+    over_rows_multi(step, [&](int64_t b0, int64_t b1) {
+      (wide ? multirow_avx512::w8a16 : multirow_avx2::w8a16)(step, b0, b1, cp, sp, xi.data(), yp);
+    });
+    return y;
+  }
   over_row_blocks(m, n, y.data_ptr<float>(), cp, ROWS * k,
                   [&](int64_t, const int64_t* row, int64_t i, float* out) {
     const int8_t* w[ROWS];
@@ -742,7 +861,7 @@ void check(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor&
               "fourbit int4: zeros must be contiguous uint8 [ceil(N/4), K/G, 4]");
 }
 
-// x [M, K] float32 -> [M, N] float32. `on`: the ISA path to run, "" for path(numerics, g);
+// x [M, K] float32 -> [M, N] float32. `on`: the ISA path to run, "" for path(numerics, g, M);
 // "avx2" on an AVX-512 host lets a benchmark or a test time or check both in one process.
 at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scales,
                   const at::Tensor& zeros, int64_t g, int64_t numerics, const std::string& on) {
@@ -750,14 +869,15 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Te
   check(packed, scales, zeros, g);
   TORCH_CHECK(numerics == W4A16 || numerics == W4A8 || numerics == W4A8_GROUP,
               "fourbit int4: numerics ", numerics);
-  const std::string own = path(numerics, g);
-  const std::string runs = on.empty() ? own : on;
-  TORCH_CHECK(runs == "avx2" || runs == own, "fourbit int4: path '", on, "' does not run numerics ",
-              numerics, " at group ", g, " on this CPU (it runs '", own, "'; 'avx2' always does)");
   const int64_t n = packed.size(0), k = packed.size(1) * 2;
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "fourbit int4: x must be [M, ", k, "]");
   const at::Tensor x = x_in.to(at::kFloat).contiguous();
   const int64_t m = x.size(0);
+  const std::string own = path(numerics, g, m);
+  const std::string runs = on.empty() ? own : on;
+  TORCH_CHECK(runs == "avx2" || runs == own, "fourbit int4: path '", on, "' does not run numerics ",
+              numerics, " at group ", g, " for ", m, " rows on this CPU (it runs '", own,
+              "'; 'avx2' always does)");
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
   const int64_t groups = k / g;
@@ -783,6 +903,28 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Te
   const float* sp = scales.data_ptr<float>();
   const uint8_t* zp = zeros.data_ptr<uint8_t>();
   const bool vnni = runs == "avx512_vnni";
+  if (multirow(numerics, g, m)) {
+    const int per_pass = vnni ? multirow_avx512::MR : multirow_avx2::MR;
+    const std::vector<float> xi = int8 ? std::vector<float>() : interleave_rows(xp, m, k, per_pass, 8);
+    const std::vector<int8_t> qi = int8 ? interleave_rows(qy.data(), m, k, per_pass, QK)
+                                        : std::vector<int8_t>();
+    const std::vector<float> d_lanes = int8 ? group_lanes(d.data(), m, groups, per_pass)
+                                            : std::vector<float>();
+    const std::vector<float> xsum_lanes = int8 ? group_lanes(xsum.data(), m, groups, per_pass)
+                                               : std::vector<float>();
+    y.zero_();
+    float* yp = y.data_ptr<float>();
+    const Step step{m, n, k, g, wp, ROWS * (k / 2)};
+    over_rows_multi(step, [&](int64_t b0, int64_t b1) {
+      if (numerics == W4A16) {
+        (vnni ? multirow_avx512::w4a16 : multirow_avx2::w4a16)(step, b0, b1, wp, sp, zp, xi.data(), yp);
+      } else {
+        (vnni ? multirow_avx512::w4a8_group : multirow_avx2::w4a8_group)(
+            step, b0, b1, wp, sp, zp, qi.data(), d_lanes.data(), xsum_lanes.data(), yp);
+      }
+    });
+    return y;
+  }
   over_row_blocks(m, n, y.data_ptr<float>(), wp, ROWS * (k / 2),
                   [&](int64_t b, const int64_t* row, int64_t i, float* out) {
     const uint8_t* w[ROWS];
@@ -809,43 +951,24 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Te
 }
 
 // W_hat float32 [N, K] from the packed layout (the dense path for large batches); exact:
-// (q - z) is an integer of at most 4 bits and s * (q - z) is formed in one rounding-free
+// (q - z) is an integer of at most 5 bits and s * (q - z) is formed in one rounding-free
 // float32 product when s comes from a float16 or bfloat16 scale (see quant/qweight.py).
 at::Tensor dequantize(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& zeros,
                       int64_t g) {
+  TORCH_CHECK(isa() != "none", "fourbit int4: this CPU has no AVX2+FMA; use the fallback");
   check(packed, scales, zeros, g);
-  const int64_t n = packed.size(0), k = packed.size(1) * 2;
+  const int64_t n = packed.size(0), k = packed.size(1) * 2, groups = k / g;
   at::Tensor w = at::empty({n, k}, scales.options());
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   const uint8_t* zp = zeros.data_ptr<uint8_t>();
   float* out = w.data_ptr<float>();
-  const int64_t groups = k / g, full = k / CHUNK;
+  const bool wide = isa() == "avx512_vnni";
   at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
-    std::vector<uint8_t> codes(k);
     for (int64_t row = n0; row < n1; ++row) {
-      const uint8_t* src = wp + row * (k / 2);
-      for (int64_t c = 0; c < full; ++c) {
-        for (int i = 0; i < 32; ++i) {
-          codes[c * CHUNK + i] = src[c * 32 + i] & 0x0F;
-          codes[c * CHUNK + 32 + i] = src[c * 32 + i] >> 4;
-        }
-      }
-      if (k % CHUNK) {
-        for (int i = 0; i < 16; ++i) {
-          codes[full * CHUNK + i] = src[full * 32 + i] & 0x0F;
-          codes[full * CHUNK + 16 + i] = src[full * 32 + i] >> 4;
-        }
-      }
-      float* dst = out + row * k;
-      for (int64_t gi = 0; gi < groups; ++gi) {
-        const int64_t at = ((row / ROWS) * groups + gi) * ROWS + row % ROWS;  // [N/4, K/G, 4]
-        const float s = sp[at];
-        const int z = zp[at];
-        for (int64_t i = gi * g; i < (gi + 1) * g; ++i) {
-          dst[i] = s * static_cast<float>(static_cast<int>(codes[i]) - z);
-        }
-      }
+      const int64_t lane = (row / ROWS) * groups * ROWS + row % ROWS;  // [N/4, K/G, 4]
+      (wide ? multirow_avx512::dequantize_row : multirow_avx2::dequantize_row)(
+          wp + row * (k / 2), sp + lane, zp + lane, k, g, out + row * k);
     }
   });
   return w;
@@ -934,12 +1057,14 @@ TORCH_LIBRARY_FRAGMENT(fourbit, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fourbit's CPU 4-bit linear (W4A16 / W4A8 / W4A8_GROUP on AVX2 and AVX-512 VNNI) and 8-bit W8A16; see fourbit/kernels/int4_cpu.py";
   m.def("isa", &isa, "the best ISA path this CPU has: 'avx512_vnni', 'avx2' or 'none'");
-  m.def("path", &path, "the ISA path a call with these numerics and group size runs");
+  m.def("path", &path, "the ISA path a call with these numerics, group size and rows runs",
+        py::arg("numerics"), py::arg("g"), py::arg("rows") = 1);
   m.def("linear", &linear, "x [M, K] @ W_hat^T -> [M, N] float32, on an ISA path ('' = path())",
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("zeros"), py::arg("g"),
         py::arg("numerics"), py::arg("on") = "");
   m.def("dequantize", &dequantize, "W_hat float32 [N, K] from the packed layout");
   m.def("quantize_activations", &quantize_activations, "the int8 rounding of x [M, K] per block columns");
+  m.def("multirow_min", &multirow_min, "rows from which a step runs the multi-row kernels");
   m.def("op_kernel_calls", &op_kernel_calls, "fourbit::int4_linear's decode-path calls per numerics",
         py::arg("reset") = false);
   m.def("linear_int8", &linear_int8, "x [M, K] @ W_hat^T -> [M, N] float32, 8-bit weights (W8A16)");
