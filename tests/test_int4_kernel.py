@@ -291,3 +291,31 @@ def test_each_call_names_its_path(monkeypatch):
     monkeypatch.setenv("FOURBIT_INT4_ISA", "avx2")
     assert int4_cpu.isa() == int4_cpu.path("w4a8_group", 128) == "avx2"
     assert int4_cpu.path("w4a16", 64, rows=8) == int4_cpu.path_int8(rows=8) == "avx2"
+
+
+def test_avx2_code_has_no_avx512_instructions():
+    """The AVX2 functions (the one-row kernels' and multirow.inc's AVX2 region) must run on
+    an AVX2-only host; an AVX-512 host runs them without noticing an EVEX instruction in
+    them, so the built extension's disassembly is read instead: no zmm, no ymm16-31, no
+    mask registers, no vpdpbusd in any of them."""
+    import re
+    import shutil
+    import subprocess
+
+    ext = int4_cpu._ext()
+    if ext is None or shutil.which("objdump") is None:
+        pytest.skip("no built extension or no objdump")
+    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", ext.__file__],
+                             capture_output=True, text=True, check=True).stdout
+    avx2 = re.compile(r"<\(anonymous namespace\)::(multirow_avx2::\w+|rows_w4a8\w*|rows_w4a16|"
+                      r"rows_w8a16|quantize_q8_avx2)[<(]")
+    wide = re.compile(r"%zmm|%[xy]mm(1[6-9]|2\d|3[01])\b|%k[0-7]\b|vpdpbusd")
+    functions, current, offending = 0, None, []
+    for line in listing.splitlines():
+        if line and not line.startswith(" "):  # "<address> <name>:" starts a function
+            current = line if avx2.search(line) else None
+            functions += current is not None
+        elif current and wide.search(line):
+            offending.append((current, line.strip()))
+    assert functions >= 8, "the AVX2 functions were not found by name"
+    assert not offending, offending[:5]
