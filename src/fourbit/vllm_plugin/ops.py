@@ -97,19 +97,26 @@ def dequantize_kept(
 DENSE_BLOCK_BYTES = 16 << 20
 
 
+def linear_by_row_blocks(x: torch.Tensor, n: int, step: int, expand) -> torch.Tensor:
+    """x [M, K] @ W_hat.T -> [M, N] in x's dtype, W_hat expanded `step` of its N rows at a
+    time by expand(first, last) -> [last - first, K], so no whole expansion is held."""
+    parts = [F.linear(x, expand(first, min(n, first + step)).to(x.dtype))  # -> [M, rows]
+             for first in range(0, n, step)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
 def dense_blocks(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  group_size: int) -> torch.Tensor:
     """x [M, K] @ W_hat.T -> [M, N] in x's dtype, W_hat read out of fourbit's layout a block
     of rows (a multiple of the layout's 4) at a time."""
     n, k = packed.shape[0], packed.shape[1] * 2
     step = max(int4_cpu.ROWS, DENSE_BLOCK_BYTES // (4 * k) // int4_cpu.ROWS * int4_cpu.ROWS)
-    parts = []
-    for first in range(0, n, step):
-        last = min(n, first + step)
+
+    def expand(first: int, last: int) -> torch.Tensor:
         blocks = slice(first // int4_cpu.ROWS, -(-last // int4_cpu.ROWS))  # [N/4, K/G, 4] rows
-        w = int4_cpu.dequantize(packed[first:last], scales[blocks], zeros[blocks], group_size)
-        parts.append(F.linear(x, w.to(x.dtype)))  # [M, K] x [rows, K] -> [M, rows]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        return int4_cpu.dequantize(packed[first:last], scales[blocks], zeros[blocks], group_size)
+
+    return linear_by_row_blocks(x, n, step, expand)
 
 
 def _dense_weight(packed, scales_and_zeros, codes, scales, offsets, zeros, mode, group_size,
@@ -223,9 +230,9 @@ def int8_linear_impl(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
         y = int4_cpu.linear_int8(x, codes, scales, group_size)  # [M, N] float32
         return y if y.dtype == x.dtype else y.to(x.dtype)
     calls["int8_dense"] += 1
-    blocks = [Int8Weight(codes[i : i + INT8_BLOCK_ROWS], scales[i : i + INT8_BLOCK_ROWS], group_size)
-              for i in range(0, codes.shape[0], INT8_BLOCK_ROWS)]
-    return torch.cat([F.linear(x, b.dequantize(x.dtype)) for b in blocks], dim=1)  # [M, N]
+    return linear_by_row_blocks(  # [M, N]
+        x, codes.shape[0], INT8_BLOCK_ROWS,
+        lambda first, last: Int8Weight(codes[first:last], scales[first:last], group_size).dequantize(x.dtype))
 
 
 int8_linear = torch.library.custom_op("fourbit::int8_linear", mutates_args=())(int8_linear_impl)

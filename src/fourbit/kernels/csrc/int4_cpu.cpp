@@ -679,27 +679,35 @@ FOURBIT_AVX2 void rows_w8a16(const int8_t* const* w, const float* const* s, cons
 // 8 KiB does as well as 4 (docs/engines.md has the measurements).
 constexpr int64_t PREFETCH_AHEAD = 4096;
 
-// Output rows in blocks of ROWS over torch's threads, each block's rows (a short last
-// block repeating its last row) handed to `rows(block start, rows, x row, out)`. Row
-// block b's weights are the `block_bytes` bytes from weights + b * block_bytes; each
-// block requests the bytes PREFETCH_AHEAD past its own into the cache before it starts
-// (a prefetch past the tensor's end is harmless: it never faults).
+// Row block b's weights (`block_bytes` each from `weights`), requested PREFETCH_AHEAD past
+// its start, before the block is computed (a prefetch past the tensor's end is harmless:
+// it never faults).
+inline void prefetch_block(const void* weights, int64_t block_bytes, int64_t b) {
+  const char* next = static_cast<const char*>(weights) + PREFETCH_AHEAD + b * block_bytes;
+  for (int64_t j = 0; j < block_bytes; j += 64) _mm_prefetch(next + j, _MM_HINT_T0);
+}
+
+// The blocks of ROWS output rows of N over torch's threads, each thread's range to
+// `blocks(b0, b1)`: enough blocks per task that a task is not dominated by its start-up;
+// small layers (k_proj's 128 rows) still split in two.
+template <typename Blocks>
+void over_blocks(int64_t n, Blocks&& blocks) {
+  const int64_t count = (n + ROWS - 1) / ROWS;
+  at::parallel_for(0, count, std::max<int64_t>(1, std::min<int64_t>(64, count / 8)), blocks);
+}
+
+// One activation row at a time: each block's rows (a short last block repeating its last
+// row) handed to `rows(block start, rows, x row, out)`.
 template <typename Rows>
 void over_row_blocks(int64_t m, int64_t n, float* yp, const void* weights, int64_t block_bytes,
                      Rows&& rows) {
-  const char* base = static_cast<const char*>(weights) + PREFETCH_AHEAD;
-  const int64_t blocks = (n + ROWS - 1) / ROWS;
-  // Enough blocks per task that a task is not dominated by its start-up; small layers
-  // (k_proj's 128 rows) still split in two.
-  const int64_t grain = std::max<int64_t>(1, std::min<int64_t>(64, blocks / 8));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+  over_blocks(n, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t r0 = b * ROWS;
       const int count = static_cast<int>(std::min<int64_t>(ROWS, n - r0));
       int64_t row[ROWS];
       for (int r = 0; r < ROWS; ++r) row[r] = r0 + std::min(r, count - 1);
-      const char* next = base + b * block_bytes;
-      for (int64_t j = 0; j < block_bytes; j += 64) _mm_prefetch(next + j, _MM_HINT_T0);
+      prefetch_block(weights, block_bytes, b);
       for (int64_t i = 0; i < m; ++i) {
         float out[ROWS];
         rows(b, row, i, out);
@@ -721,12 +729,6 @@ struct Step {
   const void* weights;
   int64_t block_bytes;
 };
-
-// Row block b's weights, requested PREFETCH_AHEAD past its start (over_row_blocks).
-inline void prefetch_block(const Step& step, int64_t b) {
-  const char* next = static_cast<const char*>(step.weights) + PREFETCH_AHEAD + b * step.block_bytes;
-  for (int64_t j = 0; j < step.block_bytes; j += 64) _mm_prefetch(next + j, _MM_HINT_T0);
-}
 
 // ---- steps of several activation rows (multirow.inc), once per ISA region ----------
 
@@ -788,14 +790,6 @@ std::vector<float> group_lanes(const float* v, int64_t m, int64_t groups, int pe
   return out;
 }
 
-// Steps of 2 or more activation rows: the row blocks over torch's threads, each thread's
-// range to `blocks(b0, b1)` (a multirow kernel's entry point).
-template <typename Blocks>
-void over_rows_multi(const Step& step, Blocks&& blocks) {
-  const int64_t count = (step.n + ROWS - 1) / ROWS;
-  at::parallel_for(0, count, std::max<int64_t>(1, std::min<int64_t>(64, count / 8)), blocks);
-}
-
 // x [M, K] float32 -> [M, N] float32 with 8-bit weights.
 at::Tensor linear_int8(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
                        int64_t g) {
@@ -823,7 +817,7 @@ at::Tensor linear_int8(const at::Tensor& x_in, const at::Tensor& codes, const at
     y.zero_();
     float* yp = y.data_ptr<float>();
     const Step step{m, n, k, g, cp, ROWS * k};
-    over_rows_multi(step, [&](int64_t b0, int64_t b1) {
+    over_blocks(n, [&](int64_t b0, int64_t b1) {
       (wide ? multirow_avx512::w8a16 : multirow_avx2::w8a16)(step, b0, b1, cp, sp, xi.data(), yp);
     });
     return y;
@@ -883,18 +877,20 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Te
   const int64_t groups = k / g;
 
   // Per activation row: the int8 values and block scales (W4A8: per 32 columns,
-  // W4A8_GROUP: per group), and every numerics' group sums.
+  // W4A8_GROUP: per group), and the group sums of the zero-point term (every kernel but
+  // the multi-row W4A16, which forms W_hat itself).
   const bool int8 = numerics != W4A16;
+  const bool multi = multirow(numerics, g, m);
   const int64_t block = numerics == W4A8_GROUP ? g : QK;
   std::vector<int8_t> qy(int8 ? m * k : 0);
   std::vector<float> d(int8 ? m * (k / block) : 0);
-  std::vector<float> xsum(m * groups);
+  std::vector<float> xsum(int8 || !multi ? m * groups : 0);
   const float* xp = x.data_ptr<float>();
   for (int64_t i = 0; i < m; ++i) {
     if (int8) {
       quantize_q8_avx2(xp + i * k, k, block, g, qy.data() + i * k, d.data() + i * (k / block),
                        xsum.data() + i * groups);
-    } else {
+    } else if (!multi) {
       group_sums(xp + i * k, k, g, xsum.data() + i * groups);
     }
   }
@@ -903,7 +899,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Te
   const float* sp = scales.data_ptr<float>();
   const uint8_t* zp = zeros.data_ptr<uint8_t>();
   const bool vnni = runs == "avx512_vnni";
-  if (multirow(numerics, g, m)) {
+  if (multi) {
     const int per_pass = vnni ? multirow_avx512::MR : multirow_avx2::MR;
     const std::vector<float> xi = int8 ? std::vector<float>() : interleave_rows(xp, m, k, per_pass, 8);
     const std::vector<int8_t> qi = int8 ? interleave_rows(qy.data(), m, k, per_pass, QK)
@@ -915,7 +911,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Te
     y.zero_();
     float* yp = y.data_ptr<float>();
     const Step step{m, n, k, g, wp, ROWS * (k / 2)};
-    over_rows_multi(step, [&](int64_t b0, int64_t b1) {
+    over_blocks(n, [&](int64_t b0, int64_t b1) {
       if (numerics == W4A16) {
         (vnni ? multirow_avx512::w4a16 : multirow_avx2::w4a16)(step, b0, b1, wp, sp, zp, xi.data(), yp);
       } else {
