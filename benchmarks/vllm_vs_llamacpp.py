@@ -72,6 +72,8 @@ VLLM_VARIANTS = {
     # inside, bfloat16 out)
     "plugin bf16 compiled": ("vllm", "vllm", {"dtype": "bfloat16", "enforce_eager": False}),
     "plugin bf16 w4a8 compiled": ("vllm_w4a8", "vllm", {"dtype": "bfloat16", "enforce_eager": False}),
+    "plugin bf16 w4a8_group compiled": ("vllm_w4a8_group", "vllm",
+                                        {"dtype": "bfloat16", "enforce_eager": False}),
     "native bf16": ("gptq", "vllm_native", {"dtype": "bfloat16"}),
 }
 LLAMA = "llama.cpp Q4_K_M"

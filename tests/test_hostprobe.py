@@ -108,7 +108,7 @@ def ran(flags):
 
 
 FOURBIT_FP32 = ["vllm float32 w4a16", "vllm float32 w4a8", "vllm float32 w4a8_group"]
-FOURBIT_BF16 = ["vllm bfloat16 w4a16", "vllm bfloat16 w4a8"]
+FOURBIT_BF16 = ["vllm bfloat16 w4a16", "vllm bfloat16 w4a8", "vllm bfloat16 w4a8_group"]
 
 
 def test_an_amx_host_runs_every_vllm_runtime_the_bfloat16_ones_on_amx():

@@ -117,7 +117,7 @@ VLLM_RUNTIMES = (
                   f"fourbit's {kernel.upper()} kernel for single rows, dense bfloat16 GEMM "
                   "(oneDNN) for multi-row batches, which needs avx512_bf16 (or AMX) to run in "
                   "bfloat16 rather than converting to float32 and back")
-      for kernel in ("w4a16", "w4a8")),
+      for kernel in ("w4a16", "w4a8", "w4a8_group")),
     VllmRuntime("vllm_native", "bfloat16", "cpu_gemm_wna16", ("avx512f",),
                 "vLLM's own W4A16 op (cpu_gemm_wna16), in its AVX-512 ops libraries only"),
     VllmRuntime("vllm_native_w4a8", "bfloat16", "int4_scaled_mm_cpu",
