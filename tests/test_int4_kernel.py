@@ -84,7 +84,11 @@ def test_dequantize_is_exact(n, k, g, sym):
     qw = random_qweight(n, k, g, sym, seed=n * k + g)
     w = int4_cpu.repack(qw)
     assert w.shape == (n, k)
-    assert torch.equal(int4_cpu.dequantize(w.packed, w.scales, w.zeros, g), qw.dequantize())
+    exact = qw.dequantize()
+    assert torch.equal(int4_cpu.dequantize(w.packed, w.scales, w.zeros, g), exact)
+    # bfloat16 (a bfloat16 prefill's dense path): the exact W_hat rounded once, as .to() does
+    narrow = int4_cpu.dequantize(w.packed, w.scales, w.zeros, g, torch.bfloat16)
+    assert narrow.dtype == torch.bfloat16 and torch.equal(narrow, exact.bfloat16())
 
 
 @needs_kernel

@@ -192,6 +192,30 @@ def test_op_paths_agree_with_dense_expansion():
             assert ops.path_calls() == {path: 1}
 
 
+def test_bfloat16_decode_gives_the_float32_result_rounded_once():
+    """A bfloat16 engine's decode step: the op widens x and narrows y itself (its own loops
+    for decode-sized tensors, aten's copy for larger ones), and gives exactly the float32
+    op's result rounded to bfloat16, for every numerics of fourbit's kernel."""
+    from fourbit.kernels import int4_cpu
+    from fourbit.vllm_plugin import ops
+
+    if int4_cpu.isa() == "none":
+        pytest.skip("no fourbit kernel on this host")
+    gen = torch.Generator().manual_seed(4)
+    mine = int4_cpu.repack(_random_qweight(96, 256, sym=False, gen=gen))
+    e8, ef = torch.empty(0, dtype=torch.uint8), torch.empty(0)
+    tensors = (mine.packed, ef, e8, mine.scales, ef, mine.zeros)
+    # 1 and 7 rows: decode-sized; 700 rows x 256 columns: above the op's own loops' limit
+    for rows, threshold in ((1, 8), (7, 8), (700, ops.NO_THRESHOLD)):
+        x = torch.randn(rows, 256, generator=gen).bfloat16()
+        for name in int4_cpu.NUMERICS:
+            knobs = torch.tensor([threshold, ops.MODE_DIRECT, ops.DTYPE_CODE[torch.bfloat16],
+                                  ops.KERNEL_CODE[name]])
+            y = torch.ops.fourbit.int4_linear(x, *tensors, knobs, GROUP, 96)
+            wide = torch.ops.fourbit.int4_linear(x.float(), *tensors, knobs, GROUP, 96)
+            assert y.dtype == torch.bfloat16 and torch.equal(y, wide.bfloat16()), (rows, name)
+
+
 def test_dense_path_expands_a_block_of_rows_at_a_time(monkeypatch):
     """The dense path over fourbit's layout in blocks of rows gives one whole expansion's
     product up to float32 summation order (the BLAS may block a narrower product

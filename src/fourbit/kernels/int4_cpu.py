@@ -266,9 +266,12 @@ def numerics_code(numerics: str) -> int:
 
 
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-               group_size: int) -> torch.Tensor:
-    """W_hat float32 [N, K] read from the layout; bit for bit QuantizedWeight.dequantize()."""
-    return _ext().dequantize(packed, scales, zeros, group_size)
+               group_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """W_hat [N, K] in ``dtype`` read from the layout; in float32 bit for bit
+    QuantizedWeight.dequantize(), in another dtype that rounded once (bfloat16 in the
+    kernel's own loop, others by .to())."""
+    w = _ext().dequantize(packed, scales, zeros, group_size, bfloat16=dtype == torch.bfloat16)
+    return w if w.dtype == dtype else w.to(dtype)
 
 
 def quantize_activations(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:

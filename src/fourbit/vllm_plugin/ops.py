@@ -37,7 +37,7 @@ Paths:
     mode KEPT with threshold 0         dense only (shapes no kernel can take)
 The dense paths compute W_hat in float32 (exact, see quant/qweight.py; from tinygemm's
 tensors only when they are float32), cast it to the compute dtype knobs[2] and multiply
-there. Inputs are cast to the kernel's dtype and outputs back to x's.
+there (fourbit's layout is expanded straight to bfloat16, each row rounded once). Inputs are cast to the kernel's dtype and outputs back to x's.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def dequantize_kept(
     return w.view(n, k)  # [N, K/G, G] -> [N, K]
 
 
-# fourbit's layout is expanded to W_hat at most this many float32 bytes at a time. A whole
+# fourbit's layout is expanded to W_hat at most this many bytes at a time. A whole
 # large matrix (gate_up at Qwen2.5-0.5B's shapes: 35 MB) is above glibc's largest mmap
 # threshold (32 MB), so every call would map it afresh and fault its pages in: 10 of the
 # 11 ms its expansion took (docs/engines.md).
@@ -107,14 +107,16 @@ def linear_by_row_blocks(x: torch.Tensor, n: int, step: int, expand) -> torch.Te
 
 def dense_blocks(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                  group_size: int) -> torch.Tensor:
-    """x [M, K] @ W_hat.T -> [M, N] in x's dtype, W_hat read out of fourbit's layout a block
-    of rows (a multiple of the layout's 4) at a time."""
+    """x [M, K] @ W_hat.T -> [M, N] in x's dtype, W_hat read out of fourbit's layout in x's
+    dtype a block of rows (a multiple of the layout's 4) at a time."""
     n, k = packed.shape[0], packed.shape[1] * 2
-    step = max(int4_cpu.ROWS, DENSE_BLOCK_BYTES // (4 * k) // int4_cpu.ROWS * int4_cpu.ROWS)
+    row_bytes = x.element_size() * k
+    step = max(int4_cpu.ROWS, DENSE_BLOCK_BYTES // row_bytes // int4_cpu.ROWS * int4_cpu.ROWS)
 
     def expand(first: int, last: int) -> torch.Tensor:
         blocks = slice(first // int4_cpu.ROWS, -(-last // int4_cpu.ROWS))  # [N/4, K/G, 4] rows
-        return int4_cpu.dequantize(packed[first:last], scales[blocks], zeros[blocks], group_size)
+        return int4_cpu.dequantize(packed[first:last], scales[blocks], zeros[blocks], group_size,
+                                   x.dtype)
 
     return linear_by_row_blocks(x, n, step, expand)
 

@@ -790,6 +790,56 @@ std::vector<float> group_lanes(const float* v, int64_t m, int64_t groups, int pe
   return out;
 }
 
+// Decode-sized activations (at most this many elements) cross between bfloat16 and float32
+// in the loops below rather than through x.to(): each aten conversion is four dispatched
+// ops (to, _to_copy, empty_strided, copy_), and a bfloat16 engine's decode step makes two
+// per linear (docs/engines.md has what that cost). Larger tensors take aten's parallel copy.
+constexpr int64_t SMALL_CONVERSION = 1 << 16;
+
+// x as contiguous float32; exact (every bfloat16 is a float32).
+at::Tensor as_float(const at::Tensor& x) {
+  if (x.scalar_type() != at::kBFloat16 || !x.is_contiguous() || x.numel() > SMALL_CONVERSION) {
+    return x.to(at::kFloat).contiguous();
+  }
+  at::Tensor wide = at::empty(x.sizes(), x.options().dtype(at::kFloat));
+  const at::BFloat16* src = x.data_ptr<at::BFloat16>();
+  float* dst = wide.data_ptr<float>();
+  for (int64_t i = 0; i < x.numel(); ++i) dst[i] = static_cast<float>(src[i]);
+  return wide;
+}
+
+// n (a multiple of 8) float32 to bfloat16, rounded to nearest even as c10::BFloat16 does:
+// bits + 0x7fff + (bit 16 of bits), the top half; a NaN becomes the quiet NaN 0x7fc0.
+FOURBIT_AVX2 void narrow_bf16(const float* src, int64_t n, uint16_t* dst) {
+  const __m256i bias = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1);
+  const __m256i quiet_nan = _mm256_set1_epi32(0x7fc0);
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(src + i);
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
+    __m256i top = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(bias, odd)), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    top = _mm256_blendv_epi8(top, quiet_nan, nan);  // [8 x int32], each < 65536
+    // pack 8 int32 to 8 uint16: packus works per 128-bit lane, so pack then fix the order
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(top),
+                                            _mm256_extracti128_si256(top, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), packed);
+  }
+}
+
+// y (contiguous float32) in `dtype`; to bfloat16 rounded to nearest even, as y.to() does.
+at::Tensor narrowed(const at::Tensor& y, at::ScalarType dtype) {
+  if (dtype == at::kFloat) return y;
+  if (dtype != at::kBFloat16 || y.numel() > SMALL_CONVERSION) return y.to(dtype);
+  at::Tensor narrow = at::empty(y.sizes(), y.options().dtype(at::kBFloat16));
+  const float* src = y.data_ptr<float>();
+  at::BFloat16* dst = narrow.data_ptr<at::BFloat16>();
+  const int64_t whole = y.numel() / 8 * 8;
+  narrow_bf16(src, whole, reinterpret_cast<uint16_t*>(dst));
+  for (int64_t i = whole; i < y.numel(); ++i) dst[i] = at::BFloat16(src[i]);
+  return narrow;
+}
+
 // x [M, K] float32 -> [M, N] float32 with 8-bit weights.
 at::Tensor linear_int8(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
                        int64_t g) {
@@ -803,7 +853,7 @@ at::Tensor linear_int8(const at::Tensor& x_in, const at::Tensor& codes, const at
                   scales.sizes() == at::IntArrayRef({n, k / g}),
               "fourbit int8: scales must be contiguous float32 [N, K/G] = [", n, ", ", k / g, "]");
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "fourbit int8: x must be [M, ", k, "]");
-  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const at::Tensor x = as_float(x_in);
   const int64_t m = x.size(0);
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return y;
@@ -865,7 +915,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Te
               "fourbit int4: numerics ", numerics);
   const int64_t n = packed.size(0), k = packed.size(1) * 2;
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "fourbit int4: x must be [M, ", k, "]");
-  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const at::Tensor x = as_float(x_in);
   const int64_t m = x.size(0);
   const std::string own = path(numerics, g, m);
   const std::string runs = on.empty() ? own : on;
@@ -949,22 +999,28 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Te
 // W_hat float32 [N, K] from the packed layout (the dense path for large batches); exact:
 // (q - z) is an integer of at most 5 bits and s * (q - z) is formed in one rounding-free
 // float32 product when s comes from a float16 or bfloat16 scale (see quant/qweight.py).
+// With bfloat16, each row is formed in float32 and rounded once (as W_hat.to(bfloat16)),
+// so a bfloat16 prefill's dense product never holds, or copies, the float32 W_hat.
 at::Tensor dequantize(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& zeros,
-                      int64_t g) {
+                      int64_t g, bool bfloat16) {
   TORCH_CHECK(isa() != "none", "fourbit int4: this CPU has no AVX2+FMA; use the fallback");
   check(packed, scales, zeros, g);
   const int64_t n = packed.size(0), k = packed.size(1) * 2, groups = k / g;
-  at::Tensor w = at::empty({n, k}, scales.options());
+  at::Tensor w = at::empty({n, k}, scales.options().dtype(bfloat16 ? at::kBFloat16 : at::kFloat));
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   const uint8_t* zp = zeros.data_ptr<uint8_t>();
-  float* out = w.data_ptr<float>();
   const bool wide = isa() == "avx512_vnni";
   at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
+    std::vector<float> row_f32(bfloat16 ? k : 0);  // K is a multiple of 32 (check)
     for (int64_t row = n0; row < n1; ++row) {
       const int64_t lane = (row / ROWS) * groups * ROWS + row % ROWS;  // [N/4, K/G, 4]
+      float* out = bfloat16 ? row_f32.data() : w.data_ptr<float>() + row * k;
       (wide ? multirow_avx512::dequantize_row : multirow_avx2::dequantize_row)(
-          wp + row * (k / 2), sp + lane, zp + lane, k, g, out + row * k);
+          wp + row * (k / 2), sp + lane, zp + lane, k, g, out);
+      if (bfloat16) {
+        narrow_bf16(out, k, reinterpret_cast<uint16_t*>(w.data_ptr<at::BFloat16>()) + row * k);
+      }
     }
   });
   return w;
@@ -976,7 +1032,7 @@ at::Tensor dequantize(const at::Tensor& packed, const at::Tensor& scales, const 
 std::vector<at::Tensor> quantize_activations(const at::Tensor& x_in, int64_t block) {
   TORCH_CHECK(isa() != "none", "fourbit int4: this CPU has no AVX2+FMA");
   TORCH_CHECK(block > 0 && block % QK == 0, "fourbit int4: block ", block, " is not a multiple of 32");
-  const at::Tensor x = x_in.to(at::kFloat).contiguous();
+  const at::Tensor x = as_float(x_in);
   TORCH_CHECK(x.dim() == 2 && x.size(1) % block == 0,
               "fourbit int4: x must be [M, K] with K a multiple of ", block);
   const int64_t m = x.size(0), k = x.size(1);
@@ -1022,7 +1078,7 @@ at::Tensor int4_linear_op(const at::Tensor& x, const at::Tensor& packed,
     at::Tensor y = linear(x, packed, scales, zeros, group_size, numerics, "");  // [M, N] float32
     TORCH_CHECK(y.size(1) == out_features, "fourbit int4_linear: ", y.size(1),
                 " packed rows, out_features ", out_features);
-    return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
+    return narrowed(y, x.scalar_type());
   }
   static const auto general =
       c10::Dispatcher::singleton()
@@ -1058,7 +1114,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x [M, K] @ W_hat^T -> [M, N] float32, on an ISA path ('' = path())",
         py::arg("x"), py::arg("packed"), py::arg("scales"), py::arg("zeros"), py::arg("g"),
         py::arg("numerics"), py::arg("on") = "");
-  m.def("dequantize", &dequantize, "W_hat float32 [N, K] from the packed layout");
+  m.def("dequantize", &dequantize, "W_hat [N, K] from the packed layout, float32 or bfloat16",
+        py::arg("packed"), py::arg("scales"), py::arg("zeros"), py::arg("g"),
+        py::arg("bfloat16") = false);
   m.def("quantize_activations", &quantize_activations, "the int8 rounding of x [M, K] per block columns");
   m.def("multirow_min", &multirow_min, "rows from which a step runs the multi-row kernels");
   m.def("op_kernel_calls", &op_kernel_calls, "fourbit::int4_linear's decode-path calls per numerics",
