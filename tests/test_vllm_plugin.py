@@ -515,6 +515,43 @@ def test_compiled_mode_runs_the_op(root, cache_root):
 
 
 @pytest.mark.slow
+def test_bfloat16_compiled_engine_passes_its_control(root, cache_root):
+    """The runtime issue 36 asks for where the host has avx512_bf16: the plugin in a
+    bfloat16 engine, compiled, every numerics of fourbit's kernel and the dense bfloat16
+    path, each within the control tolerance of what it rounds (knobs.numerics) of the
+    dense expansion in the same bfloat16 engine, on the study's measure (|mean NLL
+    difference|, report.rows.control)."""
+    from fourbit.engines.vllm import prompt_logprobs
+    from fourbit.kernels import int4_cpu
+    from fourbit.schema import block
+    from fourbit.vllm_plugin import DEFAULTS, numerics, ops
+
+    if int4_cpu.isa() == "none":
+        pytest.skip("no fourbit kernel on this host (it needs AVX2 and FMA)")
+    quant_dir, dense_dir = build_pair(root, "cpu_int4")
+    tolerances = block("evaluation")["control_tolerance"]
+
+    def mean_nll(folder, cache, **overrides):
+        records = prompt_logprobs(folder, WINDOWS, dtype="bfloat16", kv_cache_bytes=32 << 20,
+                                  cache_root=cache, enforce_eager=False, **overrides)
+        logprobs = [x for r in records for x in r["token_logprobs"]]
+        return -sum(logprobs) / len(logprobs)
+
+    dense = mean_nll(dense_dir, cache_root / "bf16_dense")
+    # (knobs, the one op path the windows take): each numerics of the kernel for every
+    # forward, then the dense bfloat16 path for every forward
+    runs = [({"kernel": kernel, "prefill_dequant": False}, kernel) for kernel in int4_cpu.NUMERICS]
+    runs.append(({"kernel": "w4a8_group", "dequant_threshold": 1}, "direct"))
+    for overrides, path in runs:
+        ops.clear_calls()
+        quant = mean_nll(quant_dir, cache_root / "bf16_quant", quant_overrides=overrides)
+        assert set(ops.path_calls()) == {path}, (overrides, dict(ops.path_calls()))
+        rounds = numerics({**DEFAULTS, **overrides}, "bfloat16", rows=len(WINDOWS[0]))
+        assert rounds == ("int8_activations" if path.startswith("w4a8") else "bf16_activations")
+        assert abs(quant - dense) <= tolerances[rounds], (overrides, quant, dense)
+
+
+@pytest.mark.slow
 def test_kernels_and_dequant_paths_agree(root, cache_root):
     """Every exact path through the op gives the same logprobs to float32 summation order:
     fourbit's W4A16 kernel, tinygemm in float32 (asked for by name), and the dense paths
