@@ -31,7 +31,7 @@ else:
             depends=["src/fourbit/kernels/csrc/multirow.inc"],  # included by int4_cpu.cpp
             # -fno-wrapv undoes the -fwrapv of Python's own CFLAGS (sysconfig), which
             # setuptools puts first: defined signed overflow keeps GCC from simplifying the
-            # kernel's int64 index arithmetic, and cost its decode 8-10% (docs/engines.md)
+            # kernel's int64 index arithmetic, and cost its decode 8-20% (docs/engines.md)
             extra_compile_args=["-O3", "-fno-wrapv", "-fopenmp"],
             extra_link_args=["-fopenmp"],
             optional=True,  # a failed compile warns and installs the rest

@@ -37,7 +37,8 @@ Paths:
     mode KEPT with threshold 0         dense only (shapes no kernel can take)
 The dense paths compute W_hat in float32 (exact, see quant/qweight.py; from tinygemm's
 tensors only when they are float32), cast it to the compute dtype knobs[2] and multiply
-there (fourbit's layout is expanded straight to bfloat16, each row rounded once). Inputs are cast to the kernel's dtype and outputs back to x's.
+there (fourbit's layout is expanded straight to bfloat16, each row rounded once). Inputs
+are cast to the kernel's dtype and outputs back to x's.
 """
 
 from __future__ import annotations

@@ -808,12 +808,15 @@ at::Tensor as_float(const at::Tensor& x) {
   return wide;
 }
 
-// n (a multiple of 8) float32 to bfloat16, rounded to nearest even as c10::BFloat16 does:
-// bits + 0x7fff + (bit 16 of bits), the top half; a NaN becomes the quiet NaN 0x7fc0.
-FOURBIT_AVX2 void narrow_bf16(const float* src, int64_t n, uint16_t* dst) {
+// n float32 to bfloat16, rounded to nearest even as c10::BFloat16 does: bits + 0x7fff +
+// (bit 16 of bits), the top half; a NaN becomes the quiet NaN 0x7fc0. Eight at a time,
+// the last n % 8 by c10::BFloat16 itself.
+FOURBIT_AVX2 void narrow_bf16(const float* src, int64_t n, at::BFloat16* out) {
+  uint16_t* dst = reinterpret_cast<uint16_t*>(out);
   const __m256i bias = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1);
   const __m256i quiet_nan = _mm256_set1_epi32(0x7fc0);
-  for (int64_t i = 0; i < n; i += 8) {
+  const int64_t whole = n / 8 * 8;
+  for (int64_t i = 0; i < whole; i += 8) {
     const __m256 v = _mm256_loadu_ps(src + i);
     const __m256i bits = _mm256_castps_si256(v);
     const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
@@ -825,6 +828,7 @@ FOURBIT_AVX2 void narrow_bf16(const float* src, int64_t n, uint16_t* dst) {
                                             _mm256_extracti128_si256(top, 1));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), packed);
   }
+  for (int64_t i = whole; i < n; ++i) out[i] = at::BFloat16(src[i]);
 }
 
 // y (contiguous float32) in `dtype`; to bfloat16 rounded to nearest even, as y.to() does.
@@ -832,11 +836,7 @@ at::Tensor narrowed(const at::Tensor& y, at::ScalarType dtype) {
   if (dtype == at::kFloat) return y;
   if (dtype != at::kBFloat16 || y.numel() > SMALL_CONVERSION) return y.to(dtype);
   at::Tensor narrow = at::empty(y.sizes(), y.options().dtype(at::kBFloat16));
-  const float* src = y.data_ptr<float>();
-  at::BFloat16* dst = narrow.data_ptr<at::BFloat16>();
-  const int64_t whole = y.numel() / 8 * 8;
-  narrow_bf16(src, whole, reinterpret_cast<uint16_t*>(dst));
-  for (int64_t i = whole; i < y.numel(); ++i) dst[i] = at::BFloat16(src[i]);
+  narrow_bf16(y.data_ptr<float>(), y.numel(), narrow.data_ptr<at::BFloat16>());
   return narrow;
 }
 
@@ -1012,14 +1012,14 @@ at::Tensor dequantize(const at::Tensor& packed, const at::Tensor& scales, const 
   const uint8_t* zp = zeros.data_ptr<uint8_t>();
   const bool wide = isa() == "avx512_vnni";
   at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
-    std::vector<float> row_f32(bfloat16 ? k : 0);  // K is a multiple of 32 (check)
+    std::vector<float> row_f32(bfloat16 ? k : 0);
     for (int64_t row = n0; row < n1; ++row) {
       const int64_t lane = (row / ROWS) * groups * ROWS + row % ROWS;  // [N/4, K/G, 4]
       float* out = bfloat16 ? row_f32.data() : w.data_ptr<float>() + row * k;
       (wide ? multirow_avx512::dequantize_row : multirow_avx2::dequantize_row)(
           wp + row * (k / 2), sp + lane, zp + lane, k, g, out);
       if (bfloat16) {
-        narrow_bf16(out, k, reinterpret_cast<uint16_t*>(w.data_ptr<at::BFloat16>()) + row * k);
+        narrow_bf16(out, k, w.data_ptr<at::BFloat16>() + row * k);
       }
     }
   });
