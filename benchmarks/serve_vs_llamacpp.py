@@ -130,9 +130,12 @@ def _batch_one(served: dict, args: argparse.Namespace, cores: list[int], logs: P
     """Each model's pp512 / tg128 as the bench times them, passes rotated."""
     from vllm_vs_llamacpp import LLAMA, one_run  # the same folder
 
-    variant = "plugin fp32 compiled" if args.compiled else "plugin fp32"
-    if args.dtype != "float32":
-        raise SystemExit("--tg128 times the float32 engine only (benchmarks/vllm_vs_llamacpp.py's variants)")
+    # benchmarks/vllm_vs_llamacpp.py's variant of the served engine (the checkpoint carries
+    # its kernel knob, so "plugin bf16 compiled" on a w4a8_group checkpoint runs W4A8_GROUP)
+    short = {"float32": "fp32", "bfloat16": "bf16"}.get(args.dtype)
+    if short is None:
+        raise SystemExit(f"--tg128 times float32 or bfloat16 engines, not {args.dtype}")
+    variant = f"plugin {short}" + (" compiled" if args.compiled else "")
     runs = {name: [] for name in served}
     names = list(served)
     for number in range(args.passes):
