@@ -3,6 +3,13 @@
     .venv/bin/python benchmarks/serve_vs_llamacpp.py \\
         --vllm <arm>/quantized [--vllm <another arm>/quantized] --gguf <q4_k_m arm>/gguf/model.gguf \\
         --windows <study>/eval/<corpus>/windows.json [--compiled] [--concurrency 1 4 8 16]
+    .venv/bin/python benchmarks/serve_vs_llamacpp.py --qwen-shapes /tmp/fourbit-qwen \
+        --compiled --dtype bfloat16
+
+--qwen-shapes DIR builds (or reuses) in DIR the random Qwen2.5-0.5B-shaped model of
+benchmarks/vllm_vs_llamacpp.py (its cpu_int4 g128 checkpoint with the w4a8_group kernel
+knob, and Q4_K_M from its f16 GGUF) and evaluation windows of the builtin corpus tokenized
+with its tokenizer (512 tokens, 32 windows), and serves those.
 
 Each model is served as the serve step serves it (fourbit.serving: the same command
 lines, the same cores and threads, the same load generator and workload: greedy
@@ -42,10 +49,12 @@ from fourbit.steps.llamacpp import load_tools
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--vllm", type=Path, action="append", required=True,
+    parser.add_argument("--vllm", type=Path, action="append",
                         help="a 4-bit checkpoint folder for vLLM's server (repeatable)")
-    parser.add_argument("--gguf", type=Path, required=True, help="the Q4_K_M GGUF for llama-server")
-    parser.add_argument("--windows", type=Path, required=True, help="a study's windows.json")
+    parser.add_argument("--gguf", type=Path, help="the Q4_K_M GGUF for llama-server")
+    parser.add_argument("--windows", type=Path, help="a study's windows.json")
+    parser.add_argument("--qwen-shapes", type=Path, metavar="DIR",
+                        help="serve the Qwen2.5-0.5B-shaped model built (or kept) in DIR instead")
     parser.add_argument("--tools", type=Path, help="the llama.cpp build's record (default: ensure it)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--prompt-tokens", type=int, default=128)
@@ -60,6 +69,12 @@ def main() -> None:
     parser.add_argument("--profile-batch", type=int, default=None, metavar="N",
                         help="then profile one decode step of N sequences on the first vLLM checkpoint")
     args = parser.parse_args()
+    if args.qwen_shapes:
+        if args.vllm or args.gguf or args.windows:
+            parser.error("--qwen-shapes serves its own model: leave out --vllm, --gguf and --windows")
+        args.vllm, args.gguf, args.windows = _qwen_shaped(args.qwen_shapes, args.threads)
+    elif not (args.vllm and args.gguf and args.windows):
+        parser.error("give --vllm, --gguf and --windows, or --qwen-shapes DIR")
 
     if args.tools:
         server_binary = load_tools(args.tools).server
@@ -124,6 +139,20 @@ def main() -> None:
               "(top ops by self CPU time):", flush=True)
         with pinned(cores):
             print(profile_step(checkpoint, settings, "decode", len(cores), batch=args.profile_batch))
+
+
+def _qwen_shaped(workdir: Path, threads: int) -> tuple[list[Path], Path, Path]:
+    """([its w4a8_group checkpoint], its Q4_K_M GGUF, its windows.json), built when missing."""
+    from vllm_vs_llamacpp import qwen_shaped_model  # the same folder
+
+    from fourbit.steps.evaluate import tokenize_windows
+
+    model = qwen_shaped_model(workdir, threads)
+    windows = workdir / "windows.json"
+    if not windows.is_file():  # written atomically
+        tokenize_windows(workdir / "untied", workdir / "corpus" / "evaluation.txt", windows,
+                         window=512, max_windows=32)
+    return [model["vllm_w4a8_group"]], model["gguf"], windows
 
 
 def _batch_one(served: dict, args: argparse.Namespace, cores: list[int], logs: Path) -> None:
