@@ -9,7 +9,7 @@
 --qwen-shapes DIR builds (or reuses) in DIR the random Qwen2.5-0.5B-shaped model of
 benchmarks/vllm_vs_llamacpp.py (its cpu_int4 g128 checkpoint with the w4a8_group kernel
 knob, and Q4_K_M from its f16 GGUF) and evaluation windows of the builtin corpus tokenized
-with its tokenizer (512 tokens, 32 windows), and serves those.
+with its tokenizer (the study's default evaluation block), and serves those.
 
 Each model is served as the serve step serves it (fourbit.serving: the same command
 lines, the same cores and threads, the same load generator and workload: greedy
@@ -145,13 +145,15 @@ def _qwen_shaped(workdir: Path, threads: int) -> tuple[list[Path], Path, Path]:
     """([its w4a8_group checkpoint], its Q4_K_M GGUF, its windows.json), built when missing."""
     from vllm_vs_llamacpp import qwen_shaped_model  # the same folder
 
+    from fourbit.schema import block
     from fourbit.steps.evaluate import tokenize_windows
 
     model = qwen_shaped_model(workdir, threads)
     windows = workdir / "windows.json"
     if not windows.is_file():  # written atomically
+        evaluation = block("evaluation", {})  # the study's defaults
         tokenize_windows(workdir / "untied", workdir / "corpus" / "evaluation.txt", windows,
-                         window=512, max_windows=32)
+                         window=evaluation["window"], max_windows=evaluation["max_windows"])
     return [model["vllm_w4a8_group"]], model["gguf"], windows
 
 
