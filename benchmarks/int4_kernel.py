@@ -4,9 +4,11 @@
     .venv/bin/python benchmarks/int4_kernel.py --instructions   # callgrind counts instead
     .venv/bin/python benchmarks/int4_kernel.py --activation-error  # W4A8's roundings vs ggml's
     .venv/bin/python benchmarks/int4_kernel.py --rows 4 8 16  # steps of several rows
+    .venv/bin/python benchmarks/int4_kernel.py --model smollm2-135m ...  # its shapes instead
 
 For each linear shape of Qwen2.5-0.5B as vLLM runs it (q/k/v merged: 1152 x 896, o: 896 x
-896, gate/up merged: 9728 x 896, down: 896 x 4864, the untied lm_head: 151936 x 896) it
+896, gate/up merged: 9728 x 896, down: 896 x 4864, the untied lm_head: 151936 x 896; or
+SmolLM2-135M's: 960 x 576, 576 x 576, 3072 x 576, 576 x 1536, 49152 x 576) it
 times one row x [1, K] through
 
     dense fp32 / dense bf16    F.linear on W_hat (what the unquantized baselines run)
@@ -59,15 +61,22 @@ from fourbit.kernels import int4_cpu, tinygemm
 from fourbit.quant.int8 import quantize_int8
 from fourbit.quant.qweight import QuantizedWeight
 
-LAYERS = 24
-# (name, N, K, per token): Qwen2.5-0.5B, hidden 896, intermediate 4864, 14 heads / 2 KV of 64
-SHAPES = [
-    ("qkv_proj", 896 + 2 * 2 * 64, 896, LAYERS),
-    ("o_proj", 896, 896, LAYERS),
-    ("gate_up_proj", 2 * 4864, 896, LAYERS),
-    ("down_proj", 896, 4864, LAYERS),
-    ("lm_head", 151936, 896, 1),
-]
+# (name, N, K, per token) of each linear as vLLM runs it (q/k/v and gate/up merged), head untied
+def model_shapes(hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int,
+                 layers: int, vocab: int) -> list[tuple[str, int, int, int]]:
+    return [
+        ("qkv_proj", (heads + 2 * kv_heads) * head_dim, hidden, layers),
+        ("o_proj", hidden, heads * head_dim, layers),
+        ("gate_up_proj", 2 * intermediate, hidden, layers),
+        ("down_proj", hidden, intermediate, layers),
+        ("lm_head", vocab, hidden, 1),
+    ]
+
+
+MODELS = {
+    "qwen2.5-0.5b": model_shapes(896, 4864, 14, 2, 64, 24, 151936),
+    "smollm2-135m": model_shapes(576, 1536, 9, 3, 64, 30, 49152),
+}
 METHODS = ("dense fp32", "dense bf16", "tinygemm bf16", "tinygemm fp32", "fourbit W4A16",
            "fourbit W4A16 (avx2)",
            "fourbit W4A8", "fourbit W4A8_GROUP", "fourbit W4A8 (avx2)",
@@ -241,13 +250,13 @@ ROW_METHODS = ("fourbit W4A16", "fourbit W4A8_GROUP", "fourbit W8A16")
 ONE_ROW_ONLY = str(1 << 30)  # FOURBIT_INT4_MULTIROW_MIN past any step: the one-row kernels
 
 
-def time_steps(rows: list[int], group_size: int, llc: int, min_time: float, max_time: float,
-               passes: int = 3) -> dict:
+def time_steps(shapes: list, rows: list[int], group_size: int, llc: int, min_time: float,
+               max_time: float, passes: int = 3) -> dict:
     """Seconds per call of each ROW_METHODS kernel at each shape and step of M rows, with
     the multi-row kernels and with the one-row kernels, alternated pass by pass (min over
     passes of each measurement's median)."""
     results: dict = {}
-    for i, (name, n, k, _) in enumerate(SHAPES):
+    for i, (name, n, k, _) in enumerate(shapes):
         qw = random_qweight(n, k, group_size, seed=i)
         for m in rows:
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
@@ -268,10 +277,10 @@ def time_steps(rows: list[int], group_size: int, llc: int, min_time: float, max_
     return results
 
 
-def print_steps(results: dict, rows: list[int]) -> None:
+def print_steps(shapes: list, results: dict, rows: list[int]) -> None:
     print("\nsteps of M rows, ms per call (min over passes of the median), one-row / multi-row:")
     print(f"{'shape':<26}{'M':>4}" + "".join(f"{m:>36}" for m in ROW_METHODS))
-    for name, n, k, _ in SHAPES:
+    for name, n, k, _ in shapes:
         for m in rows:
             cells = []
             for method in ROW_METHODS:
@@ -282,16 +291,18 @@ def print_steps(results: dict, rows: list[int]) -> None:
     for m in rows:
         cells = []
         for method in ROW_METHODS:
-            step = {kind: sum(results[(name, m, method)][kind] * per for name, _, _, per in SHAPES)
+            step = {kind: sum(results[(name, m, method)][kind] * per for name, _, _, per in shapes)
                     for kind in ("one-row", "multi-row")}
             cells.append(f"{step['one-row'] * 1e3:.1f} / {step['multi-row'] * 1e3:.1f} "
                          f"({step['one-row'] / step['multi-row']:.2f}x)")
-        print(f"{'one step (24 layers+head)':<26}{m:>4}" + "".join(f"{c:>36}" for c in cells))
+        print(f"{f'one step ({shapes[0][3]} layers+head)':<26}{m:>4}" + "".join(f"{c:>36}" for c in cells))
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-0.5b",
+                        help="whose linear shapes to time")
     parser.add_argument("--group-size", type=int, default=128, choices=(32, 64, 128))
     parser.add_argument("--min-time", type=float, default=0.3, help="seconds per measurement")
     parser.add_argument("--max-time", type=float, default=3.0,
@@ -320,6 +331,7 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     torch.set_num_threads(args.threads)
+    shapes = MODELS[args.model]
     llc = last_level_cache_bytes()
     load_before = load_average()
     flags = open("/proc/cpuinfo").read().split("flags", 2)[1].split("\n", 1)[0].split()
@@ -327,6 +339,7 @@ def main(argv: list[str] | None = None) -> None:
         "torch": torch.__version__,
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "fourbit_kernel_isa": int4_cpu.isa(),
+        "model": args.model,
         "avx512f": "avx512f" in flags,
         "threads": args.threads,
         "group_size": args.group_size,
@@ -334,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     print(f"host: torch {host['torch']} capability {host['torch_cpu_capability']}, fourbit "
           f"kernel ISA {host['fourbit_kernel_isa']}, avx512f {'yes' if host['avx512f'] else 'no'}, "
-          f"{args.threads} threads, group {args.group_size}, LLC {llc >> 20} MiB, "
+          f"{args.threads} threads, {args.model}'s shapes, group {args.group_size}, LLC {llc >> 20} MiB, "
           f"load average {load_before:.2f}")
     if int4_cpu.isa() == "none":
         args.methods = [m for m in args.methods if not m.startswith("fourbit")]
@@ -343,17 +356,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.rows:
         if int4_cpu.isa() == "none":
             raise SystemExit("fourbit's kernel does not run here (no AVX2+FMA): nothing to time")
-        print_steps(time_steps(args.rows, args.group_size, llc, args.min_time, args.max_time),
-                    args.rows)
+        print_steps(shapes, time_steps(shapes, args.rows, args.group_size, llc, args.min_time,
+                                       args.max_time), args.rows)
         load_after = load_average()
         print(f"load average after: {load_after:.2f}"
               + (" (busy cores: not a measurement of the kernels alone)"
                  if max(load_before, load_after) > 0.25 * args.threads else ""))
         return
 
-    x = torch.randn(1, max(k for _, _, k, _ in SHAPES), generator=torch.Generator().manual_seed(0))
+    x = torch.randn(1, max(k for _, _, k, _ in shapes), generator=torch.Generator().manual_seed(0))
     results: dict[str, dict[str, dict]] = {}
-    for i, (name, n, k, _) in enumerate(SHAPES):
+    for i, (name, n, k, _) in enumerate(shapes):
         qw = random_qweight(n, k, args.group_size, seed=i)
         results[name] = {}
         for method in args.methods:
@@ -364,17 +377,17 @@ def main(argv: list[str] | None = None) -> None:
     width = 15
     print(f"\nbatch 1, ms per call (median), {args.threads} threads:")
     print(f"{'shape':<26}" + "".join(f"{m:>{width}}" for m in args.methods))
-    for name, n, k, _ in SHAPES:
+    for name, n, k, _ in shapes:
         row = results[name]
         print(f"{name + f' {n}x{k}':<26}"
               + "".join(f"{row[m]['seconds'] * 1e3:>{width}.3f}" for m in args.methods))
-    token = {m: sum(results[name][m]["seconds"] * per for name, _, _, per in SHAPES)
+    token = {m: sum(results[name][m]["seconds"] * per for name, _, _, per in shapes)
              for m in args.methods}
-    token_bytes = {m: sum(results[name][m]["resident_bytes"] * per for name, _, _, per in SHAPES)
+    token_bytes = {m: sum(results[name][m]["resident_bytes"] * per for name, _, _, per in shapes)
                    for m in args.methods}
     print(f"{'one token (24 layers+head)':<26}" + "".join(f"{token[m] * 1e3:>{width}.2f}"
                                                          for m in args.methods))
-    bf16_bytes = sum(n * k * 2 * per for _, n, k, per in SHAPES)
+    bf16_bytes = sum(n * k * 2 * per for _, n, k, per in shapes)
     print(f"{'resident / bf16':<26}" + "".join(f"{token_bytes[m] / bf16_bytes:>{width}.3f}"
                                                for m in args.methods))
     print(f"{'effective GB/s':<26}" + "".join(f"{token_bytes[m] / token[m] / 1e9:>{width}.1f}"

@@ -32,7 +32,8 @@
 // tinygemm.
 //
 // Steps of several activation rows (from multirow_min()) run the kernels of multirow.inc,
-// which unpack each weight once per pass of rows instead of once per row.
+// which unpack each weight once per pass of rows instead of once per row; the W4A8_GROUP
+// one takes 8 activation rows a pass, one per int32 lane, and 4 output rows a call.
 //
 // Threads: at::parallel_for over blocks of output rows (torch's intra-op threads).
 
@@ -722,6 +723,10 @@ void over_row_blocks(int64_t m, int64_t n, float* yp, const void* weights, int64
 // of down_proj's K = 4864 would be 155 KiB, read from L2 once per output row.
 constexpr int64_t SLICE_COLUMNS = 512;
 
+// Activation rows one pass of the multi-row W4A8_GROUP kernel serves, one per int32 lane of
+// a ymm vector (on AVX2 and AVX-512 alike).
+constexpr int LANES = 8;
+
 // What the multi-row kernels' loops need of a step: M activation rows, N output rows in
 // blocks of ROWS whose weights are `block_bytes` each from `weights`.
 struct Step {
@@ -772,6 +777,19 @@ std::vector<T> interleave_rows(const T* x, int64_t m, int64_t k, int per_pass, i
         std::memcpy(pass + (c * rows + i) * width, x + (i0 + i) * k + c * width, width * sizeof(T));
       }
     }
+  }
+  return out;
+}
+
+// qy [M, K] int8 -> passes of LANES rows, each [K/4][LANES][4] (4 columns of every row
+// side by side, lanes past the last row zero): what the multi-row W4A8_GROUP kernel loads for
+// 4 columns of all its rows in one vector. Pass p from element p * LANES * K.
+std::vector<int8_t> interleave_lanes(const int8_t* qy, int64_t m, int64_t k) {
+  const int64_t passes = (m + LANES - 1) / LANES;
+  std::vector<int8_t> out(passes * LANES * k, 0);
+  for (int64_t i = 0; i < m; ++i) {
+    int8_t* pass = out.data() + (i / LANES) * LANES * k;
+    for (int64_t c = 0; c < k / 4; ++c) std::memcpy(pass + (c * LANES + i % LANES) * 4, qy + i * k + c * 4, 4);
   }
   return out;
 }
@@ -952,11 +970,10 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Te
   if (multi) {
     const int per_pass = vnni ? multirow_avx512::MR : multirow_avx2::MR;
     const std::vector<float> xi = int8 ? std::vector<float>() : interleave_rows(xp, m, k, per_pass, 8);
-    const std::vector<int8_t> qi = int8 ? interleave_rows(qy.data(), m, k, per_pass, QK)
-                                        : std::vector<int8_t>();
-    const std::vector<float> d_lanes = int8 ? group_lanes(d.data(), m, groups, per_pass)
+    const std::vector<int8_t> qa = int8 ? interleave_lanes(qy.data(), m, k) : std::vector<int8_t>();
+    const std::vector<float> d_lanes = int8 ? group_lanes(d.data(), m, groups, LANES)
                                             : std::vector<float>();
-    const std::vector<float> xsum_lanes = int8 ? group_lanes(xsum.data(), m, groups, per_pass)
+    const std::vector<float> xsum_lanes = int8 ? group_lanes(xsum.data(), m, groups, LANES)
                                                : std::vector<float>();
     y.zero_();
     float* yp = y.data_ptr<float>();
@@ -966,7 +983,7 @@ at::Tensor linear(const at::Tensor& x_in, const at::Tensor& packed, const at::Te
         (vnni ? multirow_avx512::w4a16 : multirow_avx2::w4a16)(step, b0, b1, wp, sp, zp, xi.data(), yp);
       } else {
         (vnni ? multirow_avx512::w4a8_group : multirow_avx2::w4a8_group)(
-            step, b0, b1, wp, sp, zp, qi.data(), d_lanes.data(), xsum_lanes.data(), yp);
+            step, b0, b1, wp, sp, zp, qa.data(), d_lanes.data(), xsum_lanes.data(), yp);
       }
     });
     return y;
