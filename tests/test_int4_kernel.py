@@ -249,6 +249,55 @@ def test_w8a16_matches_float_reference(n, k, g, rows, on, monkeypatch):
 
 
 @needs_kernel
+@pytest.mark.parametrize(("n", "k", "g"), [(1, 64, 64), (13, 192, 64), (130, 384, 128),
+                                           (3, 512, 256), (5, 1024, 512), (6, 1152, 64)])
+@pytest.mark.parametrize("rows", [2, 3, 8, 9, 17])
+@pytest.mark.parametrize("on", PATHS)
+def test_w8a8_matches_rounded_reference(n, k, g, rows, on, monkeypatch):
+    """W8A8 against x rounded per group (Q8_0's definition, recomputed here) @ W_hat.T on
+    each ISA path (vpdpbusd's q + 128 with its correction; maddubs' sign trick), extreme
+    codes (-127 and 127, where an unsigned offset or int16 pair sums would overflow first)
+    and passes of 8 rows, full and short."""
+    monkeypatch.setenv("FOURBIT_INT4_ISA", on)
+    assert int4_cpu.path_int8(rows, int8_activations=True) == on
+    assert rows >= int4_cpu.W8A8_MIN_ROWS  # one row runs W8A16: test_w8a8_leaves_one_row_exact
+    qw, scales = random_int8(n, k, g, seed=n + k + 1)
+    qw.codes[0, : k // 2] = 127
+    qw.codes[-1, k // 2:] = -127
+    w_hat = qw.dequantize()
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + 2))
+    x[0, :g] = 100 * x[0, :g].abs()  # a group of large positive activations: sums near the limit
+    y = int4_cpu.linear_int8(x, qw.codes, scales, g, int8_activations=True)
+    assert y.shape == (rows, n) and y.dtype == torch.float32
+    _, _, x_rounded = q8_reference(x, g)
+    err = (y.double() - x_rounded.double() @ w_hat.double().T).abs()
+    assert torch.all(err <= 8 * error_bound(x_rounded, w_hat)), err.max()
+    exact = x.double() @ w_hat.double().T
+    assert torch.any((y.double() - exact).abs() > 8 * error_bound(x, w_hat))  # it does round
+
+
+@needs_kernel
+def test_w8a8_leaves_one_row_exact():
+    """One row runs W8A16 even when int8 activations are asked (it is faster there): bit for
+    bit the W8A16 call's result."""
+    qw, scales = random_int8(130, 384, 128, seed=2)
+    x = torch.randn(1, 384, generator=torch.Generator().manual_seed(3))
+    assert int4_cpu.path_int8(1, int8_activations=True) == "avx2"
+    assert torch.equal(int4_cpu.linear_int8(x, qw.codes, scales, 128, int8_activations=True),
+                       int4_cpu.linear_int8(x, qw.codes, scales, 128))
+
+
+@needs_kernel
+def test_w8a8_names_the_groups_it_takes():
+    qw, scales = random_int8(4, 96, 32, seed=1)
+    x = torch.randn(2, 96)
+    with pytest.raises(RuntimeError, match="W8A8 takes groups of 64 \\* n up to 512"):
+        int4_cpu.linear_int8(x, qw.codes, scales, 32, int8_activations=True)
+    assert int4_cpu.w8a8_runs(64) and int4_cpu.w8a8_runs(512)
+    assert not int4_cpu.w8a8_runs(32) and not int4_cpu.w8a8_runs(1024)
+
+
+@needs_kernel
 def test_w8a16_splits_rows_over_threads_and_names_bad_inputs():
     qw, scales = random_int8(1030, 256, 64, seed=3)
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(4))
@@ -261,6 +310,15 @@ def test_w8a16_splits_rows_over_threads_and_names_bad_inputs():
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
+    for int8_activations in (False, True):  # and W8A8's rows split the same way
+        eight = [None, None]
+        try:
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                eight[threads - 1] = int4_cpu.linear_int8(x, qw.codes, scales, 64, int8_activations)
+        finally:
+            torch.set_num_threads(before)
+        assert torch.equal(eight[0], eight[1])
     with pytest.raises(RuntimeError, match="scales must be contiguous float32"):
         int4_cpu.linear_int8(x, qw.codes, qw.scales, 64)  # float16, as stored: widen it first
     with pytest.raises(RuntimeError, match="group 24"):
@@ -271,8 +329,8 @@ def test_w8a16_splits_rows_over_threads_and_names_bad_inputs():
 def test_each_call_names_its_path(monkeypatch):
     """One row: where the host has AVX-512 VNNI, it runs the int8 numerics at groups of
     128 * n and W4A16 at every group, AVX2 every other call and 8-bit weights. Several rows
-    (the multi-row kernels: W4A16, W4A8_GROUP at groups of 64 * n, W8A16) run the host's
-    ISA; W4A8 and G = 32 int8 stay on the one-row path. FOURBIT_INT4_ISA=avx2 caps a whole
+    (the multi-row kernels: W4A16, W4A8_GROUP at groups of 64 * n, W8A16) and W8A8 from 2
+    rows run the host's ISA; W4A8 and G = 32 int8 stay on the one-row path. FOURBIT_INT4_ISA=avx2 caps a whole
     process at AVX2."""
     host = int4_cpu.isa()
     assert host in ("avx2", "avx512_vnni")
@@ -287,6 +345,7 @@ def test_each_call_names_its_path(monkeypatch):
     assert all(int4_cpu.path("w4a16", g, rows) == host for g in (32, 64, 128, 256) for rows in (1, 9))
     assert int4_cpu.paths("w4a16") == host
     assert int4_cpu.path_int8() == "avx2" and int4_cpu.path_int8(rows=several) == host
+    assert int4_cpu.path_int8(2, int8_activations=True) == host  # W8A8 from 2 rows
     wide = "avx512_vnni at groups that are multiples of 128, avx2 at others"
     rows = "; several rows: avx512_vnni at groups that are multiples of 64"
     assert int4_cpu.paths("w4a8_group") == (f"one row: {wide}{rows}" if host == "avx512_vnni"

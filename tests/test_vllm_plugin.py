@@ -423,10 +423,11 @@ CASES = [(f, "llama", True, 512, False, "w4a16") for f in FORMATS] + [
     ("compressed_tensors", "qwen2", True, 512, 8, "w4a16"),  # ... where vLLM names it
 ] + [(f, "llama", True, 512, False, "w4a8") for f in FORMATS] + [
     ("cpu_int4", "llama", True, 488, False, "w4a8_group"),  # int8 per group, padded head
+    ("gptq", "llama", 8, 488, False, "w4a8_group"),  # ... and the 8-bit head on W8A8
     ("gptq", "qwen2", True, 512, False, "w4a8_group"),
     ("cpu_int4", "llama", True, 488, False, "tinygemm"),  # bfloat16 where vectorized
 ]
-EIGHT_BIT_PATHS = {"w8a16", "int8_dense"}  # ops.path_calls() paths of a matrix on the 8-bit grid
+EIGHT_BIT_PATHS = {"w8a16", "w8a8", "int8_dense"}  # ops.path_calls() paths of a matrix on the 8-bit grid
 # Max |logprob difference| from the dense control over WINDOWS. w4a16 is exact up to
 # float32 summation order (measured <= 3e-5). w4a8 rounds every linear's activations to
 # int8 per 32 columns; on this random model that moves logprobs by up to 0.14-0.20
@@ -453,6 +454,9 @@ def test_plugin_matches_dense_control(root, cache_root, fmt_name, arch, quantize
     ran = kernel if kernel == "tinygemm" or int4_cpu.isa() != "none" else "tinygemm"
     assert set(ops.path_calls()) - {"embedding", *EIGHT_BIT_PATHS} == {ran}, dict(ops.path_calls())
     assert bool(set(ops.path_calls()) & EIGHT_BIT_PATHS) == (quantize_head == 8)
+    if quantize_head == 8 and int4_cpu.isa() != "none":  # int8 activations for 8-bit ones too
+        w8a8 = kernel in int4_cpu.INT8_ACTIVATIONS
+        assert set(ops.path_calls()) & {"w8a16", "w8a8"} == {"w8a8" if w8a8 else "w8a16"}
     # 2 layers x (qkv, o, gate_up, down) per forward, plus the head's calls
     assert ops.path_calls()[ran] >= 8
     assert bool(ops.path_calls()["embedding"]) == bool(embedding)
@@ -510,7 +514,7 @@ def test_compiled_mode_runs_the_op(root, cache_root):
     ops.clear_calls()
     quant = _score(quant_dir, cache_root / "mixed", enforce_eager=False,
                    quant_overrides={"kernel": kernel, "prefill_dequant": False})
-    eight_bit = EIGHT_BIT_PATHS if int4_cpu.isa() != "none" else {"int8_dense"}
+    eight_bit = {"w8a16", "int8_dense"} if int4_cpu.isa() != "none" else {"int8_dense"}
     assert set(ops.path_calls()) == {kernel, *eight_bit}, dict(ops.path_calls())
     assert _max_diff(quant, _score(dense_dir, cache_root)) <= KERNEL_TOL[kernel]
 

@@ -67,6 +67,12 @@ codes [N, K] and its scales widened to float32 [N, K/G]: 8 codes at a time sign-
 and converted to float32, multiplied by FMA with float32 x, each group's sum scaled once
 per row. Exact against the dense control up to float32 summation order, as w4a16; about
 1.03 bytes per weight at G = 128, so a quarter of the float32 matrix it replaces.
+W8A8 (``int8_activations``, what an arm whose kernel rounds activations runs its 8-bit
+matrices with): x rounded to int8 per weight group as W4A8_GROUP rounds it, and integer
+dot products on the multi-row lanes kernel, from W8A8_MIN_ROWS rows (one row runs W8A16,
+which is faster there); the codes go into vpdpbusd as q + 128 with each group's sum
+corrected by 128 * sum(qy), exactly; on AVX2 |q| into maddubs against qy with q's sign.
+Groups of 64 * n up to 512 (w8a8_runs).
 
 ISA, chosen at run time for each call (``path``): AVX2+FMA code for every numerics and
 group size; where the host has AVX-512 VNNI (avx512f/bw/vl/vnni), W4A16 at every group
@@ -174,11 +180,21 @@ def paths(numerics: str) -> str:
     return f"one row: {one}; several rows: {several} at groups that are multiples of 64"
 
 
-def path_int8(rows: int = 1) -> str:
-    """The ISA path of the 8-bit kernel (linear_int8): AVX2 code for one row, the host's
-    ISA for several (module doc, "Steps of several rows")."""
+def path_int8(rows: int = 1, int8_activations: bool = False) -> str:
+    """The ISA path of the 8-bit kernel (linear_int8): W8A16 runs AVX2 code for one row and
+    the host's ISA for several (module doc, "Steps of several rows"); W8A8 the host's."""
     host = isa()
-    return host if host == "none" or rows >= multirow_min() else "avx2"
+    several = rows >= (W8A8_MIN_ROWS if int8_activations else multirow_min())
+    return host if host == "none" or several else "avx2"
+
+
+MAX_W8A8_GROUP = 512  # csrc/int4_cpu.cpp: its group sums stay exact in float32 up to here
+W8A8_MIN_ROWS = 2  # csrc/int4_cpu.cpp: one row runs W8A16 even when int8 activations are asked
+
+
+def w8a8_runs(group_size: int) -> bool:
+    """Whether the W8A8 kernel runs 8-bit matrices of this group size on this host."""
+    return isa() != "none" and group_size % CHUNK == 0 and group_size <= MAX_W8A8_GROUP
 
 
 def unsupported(out_features: int, in_features: int, group_size: int) -> str | None:
@@ -281,7 +297,8 @@ def quantize_activations(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Ten
     return q, d
 
 
-def linear_int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group_size: int) -> torch.Tensor:
+def linear_int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group_size: int,
+                int8_activations: bool = False) -> torch.Tensor:
     """x [M, K] @ W_hat.T -> [M, N] float32 with W_hat = codes int8 [N, K] * scales float32
-    [N, K/G] per group (8-bit weights, W8A16; module doc)."""
-    return _ext().linear_int8(x, codes, scales, group_size)
+    [N, K/G] per group (8-bit weights: W8A16, or W8A8 with ``int8_activations``; module doc)."""
+    return _ext().linear_int8(x, codes, scales, group_size, int8_activations)

@@ -32,7 +32,8 @@ engines/vllm/lifecycle.py ``quant_overrides``):
                        bfloat16 where torch vectorizes only that (x86 AVX2/AVX-512,
                        kernels/tinygemm.py kernel_dtype); fourbit's kernel computes in float32
     kernel             "w4a16" (default), "w4a8", "w4a8_group" or "tinygemm": what runs batches below
-                       the threshold (DEFAULTS in knobs.py; kernels/int4_cpu.py)
+                       the threshold (DEFAULTS in knobs.py; kernels/int4_cpu.py); with the int8
+                       numerics, matrices stored at 8 bits run W8A8 from 2 rows too
 The dense path computes W_hat in float32 (exact) and casts it to activation_dtype; in
 float32 it reproduces the dense expansion of the checkpoint up to matmul summation
 order, so quantized-vs-dense-control logprobs agree to ~1e-5 (tests/test_vllm_plugin.py).

@@ -62,15 +62,20 @@ def describe(knobs: dict[str, Any], model_dtype: str) -> str:
     return f"{small} below {knobs['dequant_threshold']} rows, dense {compute} from {source} above"
 
 
-def describe_int8() -> str:
-    """What runs a matrix stored at 8 bits on this host (fourbit.vllm_plugin.ops, int8_linear)."""
+def describe_int8(knobs: dict[str, Any], group_size: int) -> str:
+    """What runs a matrix stored at 8 bits on this host (fourbit.vllm_plugin.ops, int8_linear)
+    for these knobs: W8A8 where the kernel knob rounds activations to int8 and the group
+    size allows it (FourbitInt8LinearMethod), else W8A16."""
     from fourbit.kernels import int4_cpu
     from fourbit.vllm_plugin.ops import INT8_DENSE_ROWS
 
     if int4_cpu.isa() == "none":
         return "exact W_hat, dense, for every batch (no AVX2+FMA kernel here)"
-    return (f"fourbit W8A16 kernel ({int4_cpu.path_int8()}) below {INT8_DENSE_ROWS} rows, "
-            "exact W_hat block by block above")
+    w8a8 = knobs["kernel"] in int4_cpu.INT8_ACTIVATIONS and int4_cpu.w8a8_runs(group_size)
+    small = (f"fourbit W8A8 kernel ({int4_cpu.path_int8(2, int8_activations=True)}) from "
+             f"{int4_cpu.W8A8_MIN_ROWS} rows, W8A16 for one" if w8a8
+             else f"fourbit W8A16 kernel ({int4_cpu.path_int8()})")
+    return f"{small} below {INT8_DENSE_ROWS} rows, exact W_hat block by block above"
 
 
 def compute_dtype(knobs: dict[str, Any], model_dtype: str) -> str:

@@ -225,8 +225,8 @@ class FourbitLinearMethod(_Method, LinearMethodBase):
 class FourbitInt8LinearMethod(StoredTensors, LinearMethodBase):
     """A linear or head stored in the 8-bit layout (fourbit.formats.int8; quantize_head: 8
     or mixed_precision), kept as stored (codes int8, scales widened to float32: exact) and
-    run by fourbit::int8_linear (ops.py): the W8A16 kernel for small batches, the exact
-    W_hat block by block for large ones. A head's rows are padded to vLLM's vocab with zero
+    run by fourbit::int8_linear (ops.py): the W8A16 kernel for small batches (W8A8 when the
+    arm's kernel rounds activations to int8), the exact W_hat block by block for large ones. A head's rows are padded to vLLM's vocab with zero
     codes."""
 
     def __init__(self, config: PluginSettings) -> None:
@@ -242,11 +242,15 @@ class FourbitInt8LinearMethod(StoredTensors, LinearMethodBase):
         layer.register_buffer("fourbit_int8_codes", codes, persistent=False)
         layer.register_buffer("fourbit_int8_scales", scales, persistent=False)
         layer.fourbit_group_size = qw.group_size
+        # an arm whose kernel rounds activations to int8 rounds them for these too (W8A8)
+        layer.fourbit_int8_activations = (self.config.kernel in int4_cpu.INT8_ACTIVATIONS
+                                          and int4_cpu.w8a8_runs(qw.group_size))
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None = None) -> torch.Tensor:
         op = torch.ops.fourbit.int8_linear if torch.compiler.is_compiling() else int8_linear_impl
         y = op(x.reshape(-1, layer.fourbit_in_features), layer.fourbit_int8_codes,
-               layer.fourbit_int8_scales, layer.fourbit_group_size)  # [M, K] -> [M, N]
+               layer.fourbit_int8_scales, layer.fourbit_group_size,
+               layer.fourbit_int8_activations)  # [M, K] -> [M, N]
         y = y.reshape(*x.shape[:-1], y.shape[-1])
         return y if bias is None else y + bias

@@ -64,7 +64,7 @@ KERNEL_CODE = {"tinygemm": KERNEL_TINYGEMM,
 KERNEL_NAME = {v: k for k, v in KERNEL_CODE.items()}
 
 # Calls per path in this process ("w4a16", "w4a8", "w4a8_group", "tinygemm", "direct", "kept",
-# "w8a16" and "int8_dense" for 8-bit matrices, and "embedding" for a quantized table's
+# "w8a16", "w8a8" and "int8_dense" for 8-bit matrices, and "embedding" for a quantized table's
 # lookups), the Python paths only: path_calls() adds the extension op's, for tests and
 # sanity checks.
 calls: Counter[str] = Counter()
@@ -224,13 +224,14 @@ INT8_BLOCK_ROWS = 4096
 
 
 def int8_linear_impl(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                     group_size: int) -> torch.Tensor:
+                     group_size: int, int8_activations: bool = False) -> torch.Tensor:
     """x [M, K] -> [M, N] in x's dtype for an 8-bit matrix: codes int8 [N, K], scales float32
-    [N, K/G]. fourbit's W8A16 kernel for small batches where the ISA has it; otherwise the
-    exact W_hat (fourbit.quant.int8), block by block, multiplied in x's dtype."""
+    [N, K/G]. fourbit's W8A16 kernel (W8A8 with ``int8_activations``) for small batches where
+    the ISA has it; otherwise the exact W_hat (fourbit.quant.int8), block by block,
+    multiplied in x's dtype."""
     if x.shape[0] < INT8_DENSE_ROWS and int4_cpu.isa() != "none":
-        calls["w8a16"] += 1
-        y = int4_cpu.linear_int8(x, codes, scales, group_size)  # [M, N] float32
+        calls["w8a8" if int8_activations and x.shape[0] >= int4_cpu.W8A8_MIN_ROWS else "w8a16"] += 1
+        y = int4_cpu.linear_int8(x, codes, scales, group_size, int8_activations)  # [M, N] float32
         return y if y.dtype == x.dtype else y.to(x.dtype)
     calls["int8_dense"] += 1
     return linear_by_row_blocks(  # [M, N]
@@ -242,7 +243,7 @@ int8_linear = torch.library.custom_op("fourbit::int8_linear", mutates_args=())(i
 
 
 @int8_linear.register_fake
-def _int8_linear_fake(x, codes, scales, group_size):
+def _int8_linear_fake(x, codes, scales, group_size, int8_activations=False):
     return x.new_empty((x.shape[0], codes.shape[0]))
 
 

@@ -330,6 +330,7 @@ def runtime(checkpoint: str | os.PathLike, settings: Mapping[str, Any] | VllmSet
     """What executes the weights, for the engine registry (fourbit/engines/__init__.py)."""
     import torch
 
+    from fourbit import formats
     from fourbit.formats.int8 import int8_modules
     from fourbit.vllm_plugin import describe, describe_int8  # no vllm import: this stays cheap
 
@@ -348,9 +349,11 @@ def runtime(checkpoint: str | os.PathLike, settings: Mapping[str, Any] | VllmSet
 
     eight_bit = int8_modules(qc)
     which = ", ".join(eight_bit) if len(eight_bit) <= 3 else f"{len(eight_bit)} matrices"
-    held = f"; {which} at 8 bits ({describe_int8()})" if eight_bit else ""
+    knobs = _plugin_knobs(qc, settings)
+    group_size = formats.format_for_config(qc).group_size_from_config(qc)
+    held = f"; {which} at 8 bits ({describe_int8(knobs, group_size)})" if eight_bit else ""
     return (f"{where}, fourbit_int4 plugin on {qc['quant_method']} weights "
-            f"({describe(_plugin_knobs(qc, settings), dtype)}{held})")
+            f"({describe(knobs, dtype)}{held})")
 
 
 def runtime_variant(checkpoint: str | os.PathLike,

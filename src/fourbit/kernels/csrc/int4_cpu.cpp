@@ -218,12 +218,13 @@ FOURBIT_AVX2 inline void groups_w4a8(const uint8_t* const* w, const float* sb, c
 }
 
 // x [K] float32 -> qy [K] int8, d [K/block], and per group the sum of the rounded values
-// d * sum(qy) ([K/G]); block is 32 (W4A8) or G (W4A8_GROUP), g a multiple of block:
+// d * sum(qy) ([K/G]), and where asked sum(qy) per block ([K/block], W8A8's correction);
+// block is 32 (W4A8) or G (W4A8_GROUP, W8A8), g a multiple of block:
 // q = round-half-even(x * (127 / amax)) in float32 over each block, as ggml's
 // quantize_row_q8_0 computes it. Vectorized because it runs on one thread before the rows
 // are split over threads.
 FOURBIT_AVX2 void quantize_q8_avx2(const float* x, int64_t k, int64_t block, int64_t g,
-                                   int8_t* qy, float* d, float* xsum) {
+                                   int8_t* qy, float* d, float* xsum, float* qsum = nullptr) {
   const int64_t per_group = g / block;
   for (int64_t gi = 0; gi < k / g; ++gi) xsum[gi] = 0.f;
   const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -259,6 +260,7 @@ FOURBIT_AVX2 void quantize_q8_avx2(const float* x, int64_t k, int64_t block, int
     t = _mm_add_epi32(t, _mm_unpackhi_epi64(t, t));
     t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 1));
     xsum[b / per_group] += d[b] * static_cast<float>(_mm_cvtsi128_si32(t));
+    if (qsum) qsum[b] = static_cast<float>(_mm_cvtsi128_si32(t));  // exact: |t| <= 127 * block
   }
 }
 
@@ -682,8 +684,10 @@ constexpr int64_t PREFETCH_AHEAD = 4096;
 
 // Row block b's weights (`block_bytes` each from `weights`), requested PREFETCH_AHEAD past
 // its start, before the block is computed (a prefetch past the tensor's end is harmless:
-// it never faults).
-inline void prefetch_block(const void* weights, int64_t block_bytes, int64_t b) {
+// it never faults). Always inlined: without that, GCC left no prefetch instruction in the
+// multi-row kernels (compiled for AVX2 or AVX-512 while this is not), which cost W8A8 2.6x
+// at the head's shape (docs/engines.md).
+__attribute__((always_inline)) inline void prefetch_block(const void* weights, int64_t block_bytes, int64_t b) {
   const char* next = static_cast<const char*>(weights) + PREFETCH_AHEAD + b * block_bytes;
   for (int64_t j = 0; j < block_bytes; j += 64) _mm_prefetch(next + j, _MM_HINT_T0);
 }
@@ -723,7 +727,17 @@ void over_row_blocks(int64_t m, int64_t n, float* yp, const void* weights, int64
 // of down_proj's K = 4864 would be 155 KiB, read from L2 once per output row.
 constexpr int64_t SLICE_COLUMNS = 512;
 
-// Activation rows one pass of the multi-row W4A8_GROUP kernel serves, one per int32 lane of
+// W8A8's largest group: its integer group sums (|sum| <= G * 255 * 128) stay below 2^24,
+// exact in float32.
+constexpr int64_t MAX_W8A8_GROUP = 512;
+
+// Rows from which linear_int8 runs W8A8 when asked: one row runs W8A16, whose one-row kernel
+// streams the weights faster than a pass of the lanes kernel with 7 of its 8 lanes idle
+// (the head of SmolLM2-135M at g64, 2 threads: 0.68 against 1.06 ms; 2 rows: 1.28 against
+// 1.08 ms; docs/engines.md).
+constexpr int64_t W8A8_MIN_ROWS = 2;
+
+// Activation rows one pass of the multi-row W4A8_GROUP and W8A8 kernels serves, one per int32 lane of
 // a ymm vector (on AVX2 and AVX-512 alike).
 constexpr int LANES = 8;
 
@@ -858,15 +872,19 @@ at::Tensor narrowed(const at::Tensor& y, at::ScalarType dtype) {
   return narrow;
 }
 
-// x [M, K] float32 -> [M, N] float32 with 8-bit weights.
+// x [M, K] float32 -> [M, N] float32 with 8-bit weights: W8A16 (float activations), or,
+// with int8_activations and from W8A8_MIN_ROWS rows, W8A8 (x rounded to int8 per weight
+// group as W4A8_GROUP rounds it, integer dot products on the multi-row lanes kernel).
 at::Tensor linear_int8(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
-                       int64_t g) {
+                       int64_t g, bool int8_activations) {
   TORCH_CHECK(isa() != "none", "fourbit int8: this CPU has no AVX2+FMA; use the fallback");
   TORCH_CHECK(codes.dtype() == at::kChar && codes.dim() == 2 && codes.is_contiguous(),
               "fourbit int8: codes must be contiguous int8 [N, K]");
   const int64_t n = codes.size(0), k = codes.size(1);
   TORCH_CHECK(g > 0 && g % 16 == 0 && k % g == 0, "fourbit int8: group ", g,
               " must be a multiple of 16 that divides K=", k);
+  TORCH_CHECK(!int8_activations || (g % CHUNK == 0 && g <= MAX_W8A8_GROUP), "fourbit int8: W8A8 takes groups of 64 * n up to ",
+              MAX_W8A8_GROUP, " (its group sums stay exact in float32), not ", g, "; W8A16 takes any multiple of 16");
   TORCH_CHECK(scales.dtype() == at::kFloat && scales.is_contiguous() &&
                   scales.sizes() == at::IntArrayRef({n, k / g}),
               "fourbit int8: scales must be contiguous float32 [N, K/G] = [", n, ", ", k / g, "]");
@@ -878,6 +896,26 @@ at::Tensor linear_int8(const at::Tensor& x_in, const at::Tensor& codes, const at
   const int8_t* cp = codes.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
+  if (int8_activations && m >= W8A8_MIN_ROWS) {
+    const int64_t groups = k / g;
+    std::vector<int8_t> qy(m * k);
+    std::vector<float> d(m * groups), xsum(m * groups), qsum(m * groups);
+    for (int64_t i = 0; i < m; ++i) {
+      quantize_q8_avx2(xp + i * k, k, g, g, qy.data() + i * k, d.data() + i * groups,
+                       xsum.data() + i * groups, qsum.data() + i * groups);
+    }
+    const std::vector<int8_t> qa = interleave_lanes(qy.data(), m, k);
+    const std::vector<float> d_lanes = group_lanes(d.data(), m, groups, LANES);
+    const std::vector<float> qsum_lanes = group_lanes(qsum.data(), m, groups, LANES);
+    float* yp = y.data_ptr<float>();
+    const Step step{m, n, k, g, cp, ROWS * k};
+    const bool vnni = isa() == "avx512_vnni";
+    over_blocks(n, [&](int64_t b0, int64_t b1) {
+      (vnni ? multirow_avx512::w8a8 : multirow_avx2::w8a8)(step, b0, b1, cp, sp, qa.data(),
+                                                          d_lanes.data(), qsum_lanes.data(), yp);
+    });
+    return y;
+  }
   if (m >= multirow_min()) {
     const bool wide = isa() == "avx512_vnni";
     const int per_pass = wide ? multirow_avx512::MR : multirow_avx2::MR;
@@ -1138,5 +1176,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("multirow_min", &multirow_min, "rows from which a step runs the multi-row kernels");
   m.def("op_kernel_calls", &op_kernel_calls, "fourbit::int4_linear's decode-path calls per numerics",
         py::arg("reset") = false);
-  m.def("linear_int8", &linear_int8, "x [M, K] @ W_hat^T -> [M, N] float32, 8-bit weights (W8A16)");
+  m.def("linear_int8", &linear_int8, "x [M, K] @ W_hat^T -> [M, N] float32, 8-bit weights (W8A16, or W8A8)",
+        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("g"),
+        py::arg("int8_activations") = false);
 }
