@@ -61,6 +61,7 @@ from fourbit.kernels import int4_cpu, tinygemm
 from fourbit.quant.int8 import quantize_int8
 from fourbit.quant.qweight import QuantizedWeight
 
+
 # (name, N, K, per token) of each linear as vLLM runs it (q/k/v and gate/up merged), head untied
 def model_shapes(hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int,
                  layers: int, vocab: int) -> list[tuple[str, int, int, int]]:
