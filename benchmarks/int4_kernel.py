@@ -26,7 +26,8 @@ measured in the same run and threads, and the resident bytes of each layout agai
 With ``--rows M ...``, steps of M activation rows instead (a batched decode step: one row
 per running sequence): per shape and for fourbit's W4A16, W4A8_GROUP and W8A16, the
 multi-row kernels against the one-row kernels on the same step (FOURBIT_INT4_MULTIROW_MIN
-raised past M), the two alternated in one process, and a whole step's linears.
+raised past M), the two alternated in one process, and a whole step's linears; then, at
+groups of 64 * n, the 8-bit matrices' W8A16 against W8A8 on the same steps.
 
 Wall-clock numbers mean something only on idle cores: the load average is printed before
 and after, and the run says when it was above a quarter of the threads. On a busy host,
@@ -104,10 +105,11 @@ def build(method: str, qw: QuantizedWeight):
         packed, sz = tinygemm.to_tinygemm(qw, dtype)
         return (lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, g, sz)), [
             packed, sz]
-    if method == "fourbit W8A16":  # the same matrix on the 8-bit grid (quantize_head: 8, mixed_precision)
+    if method in ("fourbit W8A16", "fourbit W8A8"):  # the matrix on the 8-bit grid (quantize_head: 8, mixed_precision)
         eight = quantize_int8(qw.dequantize(), g)
         codes, scales = eight.codes, eight.scales.float()
-        return (lambda x: int4_cpu.linear_int8(x, codes, scales, g)), [codes, scales]
+        int8_activations = method.endswith("W8A8")
+        return (lambda x: int4_cpu.linear_int8(x, codes, scales, g, int8_activations)), [codes, scales]
     packed = int4_cpu.repack(qw)
     numerics, _, forced = method.removeprefix("fourbit ").lower().partition(" (")
     on = forced.rstrip(")")  # "(avx2)": the AVX2 code on a host whose own path is wider
@@ -278,6 +280,36 @@ def time_steps(shapes: list, rows: list[int], group_size: int, llc: int, min_tim
     return results
 
 
+EIGHT_BIT_METHODS = ("fourbit W8A16", "fourbit W8A8")
+
+
+def time_eight_bit(shapes: list, rows: list[int], group_size: int, llc: int, min_time: float,
+                   max_time: float, passes: int = 3) -> dict:
+    """Seconds per call of the 8-bit matrices' two numerics at each shape and step of M rows,
+    alternated pass by pass (min over passes of each measurement's median)."""
+    results: dict = {}
+    for i, (name, n, k, _) in enumerate(shapes):
+        qw = random_qweight(n, k, group_size, seed=i)
+        for m in rows:
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            times: dict = {method: [] for method in EIGHT_BIT_METHODS}
+            for number in range(passes):
+                for method in EIGHT_BIT_METHODS[:: 1 if number % 2 == 0 else -1]:
+                    times[method].append(time_method(method, qw, x, llc, min_time, max_time)["seconds"])
+            results[(name, m)] = {method: min(t) for method, t in times.items()}
+        del qw
+    return results
+
+
+def print_eight_bit(shapes: list, results: dict, rows: list[int]) -> None:
+    print("\n8-bit weights, ms per call (min over passes of the median), W8A16 / W8A8:")
+    for name, n, k, _ in shapes:
+        for m in rows:
+            r = results[(name, m)]
+            a, b = r["fourbit W8A16"], r["fourbit W8A8"]
+            print(f"{name + f' {n}x{k}':<26}{m:>4}{a * 1e3:>12.3f} / {b * 1e3:.3f} ({a / b:.2f}x)")
+
+
 def print_steps(shapes: list, results: dict, rows: list[int]) -> None:
     print("\nsteps of M rows, ms per call (min over passes of the median), one-row / multi-row:")
     print(f"{'shape':<26}{'M':>4}" + "".join(f"{m:>36}" for m in ROW_METHODS))
@@ -359,6 +391,9 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit("fourbit's kernel does not run here (no AVX2+FMA): nothing to time")
         print_steps(shapes, time_steps(shapes, args.rows, args.group_size, llc, args.min_time,
                                        args.max_time), args.rows)
+        if args.group_size % 64 == 0:  # W8A8's groups
+            print_eight_bit(shapes, time_eight_bit(shapes, args.rows, args.group_size, llc,
+                                                   args.min_time, args.max_time), args.rows)
         load_after = load_average()
         print(f"load average after: {load_after:.2f}"
               + (" (busy cores: not a measurement of the kernels alone)"
