@@ -93,12 +93,16 @@ kernels above then unpack each weight again for every row; from ``multirow_min()
 (4) the multi-row kernels unpack a weight row once per pass of 8 activation rows (4 on
 AVX2, which has half the registers) and multiply it into each: W4A16 forms W_hat = s * (q -
 z) per 8 columns (exactly the dense control's value) and accumulates W_hat * x by FMA;
-W4A8_GROUP (groups of 64 * n) sums each group in int32 per activation row (vpdpbusd on
-AVX-512 VNNI, maddubs + madd on AVX2) and scales the pass's rows in one vector; W8A16
-as W4A16 with 8-bit codes. The activations are interleaved per pass ([K/8][rows][8]) so
-every load is a constant offset from one pointer, and the columns are taken in slices of
-512 so a pass's activations stay in L1 across a row block's 4 output rows. Each output
-is the same sum as the one-row kernel's up to float32 summation order. The gain is in
+W8A16 as W4A16 with 8-bit codes. Their activations are interleaved per pass
+([K/8][rows][8]) so every load is a constant offset from one pointer, and the columns are
+taken in slices of 512 so a pass's activations stay in L1 across a row block's 4 output
+rows. W4A8_GROUP (groups of 64 * n) puts 8 activation rows in the 8 int32 lanes of one
+vector (on AVX2 too; activations as [K/4][8][4]): 4 codes of an output row are broadcast
+and multiplied into 4 columns of every row at once (vpdpbusd on AVX-512 VNNI, maddubs +
+madd on AVX2), so a group's sums land one per lane and are scaled for all the rows in one
+multiply, with no sum across lanes, and each activation load serves a block's 4 output
+rows. W8A8 runs on the same kernel. Each output is the same sum as the one-row kernel's
+up to float32 summation order. The gain is in
 the instructions per weight per row, not in the weights' reads (they are shared either
 way); docs/engines.md has the measurements. FOURBIT_INT4_MULTIROW_MIN moves the
 threshold, so ``benchmarks/int4_kernel.py --rows`` times both kernels on one step.
