@@ -19,7 +19,7 @@ times one row x [1, K] through
 on random 4-bit weights (asymmetric, float16 scales). Decode streams every weight from
 memory once per token, so each measurement cycles through enough copies of the weights
 that they cannot stay in the last-level cache; otherwise a 0.5 MB layer would be timed
-from L2. It then prints a whole token's linears (24 layers + head), the effective weight
+from L2. It then prints a whole token's linears (every layer + head), the effective weight
 bandwidth (resident bytes / time) against the triad bandwidth of fourbit.bench.bandwidth
 measured in the same run and threads, and the resident bytes of each layout against bf16.
 
@@ -302,7 +302,8 @@ def time_eight_bit(shapes: list, rows: list[int], group_size: int, llc: int, min
 
 
 def print_eight_bit(shapes: list, results: dict, rows: list[int]) -> None:
-    print("\n8-bit weights, ms per call (min over passes of the median), W8A16 / W8A8:")
+    print("\n8-bit weights, ms per call (min over passes of the median), W8A16 / W8A8 "
+          f"(below {int4_cpu.W8A8_MIN_ROWS} rows both run W8A16):")
     for name, n, k, _ in shapes:
         for m in rows:
             r = results[(name, m)]
@@ -421,7 +422,7 @@ def main(argv: list[str] | None = None) -> None:
              for m in args.methods}
     token_bytes = {m: sum(results[name][m]["resident_bytes"] * per for name, _, _, per in shapes)
                    for m in args.methods}
-    print(f"{'one token (24 layers+head)':<26}" + "".join(f"{token[m] * 1e3:>{width}.2f}"
+    print(f"{f'one token ({shapes[0][3]} layers+head)':<26}" + "".join(f"{token[m] * 1e3:>{width}.2f}"
                                                          for m in args.methods))
     bf16_bytes = sum(n * k * 2 * per for _, n, k, per in shapes)
     print(f"{'resident / bf16':<26}" + "".join(f"{token_bytes[m] / bf16_bytes:>{width}.3f}"

@@ -101,8 +101,8 @@ vector (on AVX2 too; activations as [K/4][8][4]): 4 codes of an output row are b
 and multiplied into 4 columns of every row at once (vpdpbusd on AVX-512 VNNI, maddubs +
 madd on AVX2), so a group's sums land one per lane and are scaled for all the rows in one
 multiply, with no sum across lanes, and each activation load serves a block's 4 output
-rows. W8A8 runs on the same kernel. Each output is the same sum as the one-row kernel's
-up to float32 summation order. The gain is in
+rows. W8A8 runs on the same kernel. Each W4A16, W8A16 and W4A8_GROUP output is the same sum
+as the one-row kernel's up to float32 summation order (W8A8 has none: one row runs W8A16). The gain is in
 the instructions per weight per row, not in the weights' reads (they are shared either
 way); docs/engines.md has the measurements. FOURBIT_INT4_MULTIROW_MIN moves the
 threshold, so ``benchmarks/int4_kernel.py --rows`` times both kernels on one step.
@@ -188,8 +188,9 @@ def path_int8(rows: int = 1, int8_activations: bool = False) -> str:
     """The ISA path of the 8-bit kernel (linear_int8): W8A16 runs AVX2 code for one row and
     the host's ISA for several (module doc, "Steps of several rows"); W8A8 the host's."""
     host = isa()
-    several = rows >= (W8A8_MIN_ROWS if int8_activations else multirow_min())
-    return host if host == "none" or several else "avx2"
+    if host == "none":
+        return host
+    return host if rows >= (W8A8_MIN_ROWS if int8_activations else multirow_min()) else "avx2"
 
 
 MAX_W8A8_GROUP = 512  # csrc/int4_cpu.cpp: its group sums stay exact in float32 up to here

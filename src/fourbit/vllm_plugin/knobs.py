@@ -91,17 +91,24 @@ def runs_fourbit_kernel(knobs: dict[str, Any]) -> bool:
     return knobs["kernel"] in int4_cpu.NUMERICS and int4_cpu.isa() != "none"
 
 
-def numerics(knobs: dict[str, Any], model_dtype: str, rows: int) -> str:
+def numerics(knobs: dict[str, Any], model_dtype: str, rows: int, eight_bit: bool = False) -> str:
     """How a forward of ``rows`` rows rounds what the dense expansion would not (the
     control's tolerance class, fourbit.report.rows): "exact", "bf16_activations" or
     "int8_activations". At or above dequant_threshold rows the dense path runs W_hat in
     the compute dtype; below it the small-batch kernel: W4A8 rounds activations to int8,
-    tinygemm runs in bfloat16 where only that is vectorized (kernels/tinygemm.py)."""
+    tinygemm runs in bfloat16 where only that is vectorized (kernels/tinygemm.py).
+    ``eight_bit``: the checkpoint holds matrices at 8 bits, which an int8 kernel knob runs
+    with int8 activations (W8A8) from W8A8_MIN_ROWS to INT8_DENSE_ROWS rows whatever the
+    threshold."""
     import torch
 
     from fourbit.kernels import int4_cpu, tinygemm
+    from fourbit.vllm_plugin.ops import INT8_DENSE_ROWS
 
     compute = compute_dtype(knobs, model_dtype)
+    if (eight_bit and knobs["kernel"] in int4_cpu.INT8_ACTIVATIONS and int4_cpu.isa() != "none"
+            and int4_cpu.W8A8_MIN_ROWS <= rows < INT8_DENSE_ROWS):
+        return "int8_activations"
     if knobs["prefill_dequant"] and rows >= knobs["dequant_threshold"]:
         dtype = compute
     elif runs_fourbit_kernel(knobs):

@@ -350,8 +350,10 @@ def runtime(checkpoint: str | os.PathLike, settings: Mapping[str, Any] | VllmSet
     eight_bit = int8_modules(qc)
     which = ", ".join(eight_bit) if len(eight_bit) <= 3 else f"{len(eight_bit)} matrices"
     knobs = _plugin_knobs(qc, settings)
-    group_size = formats.format_for_config(qc).group_size_from_config(qc)
-    held = f"; {which} at 8 bits ({describe_int8(knobs, group_size)})" if eight_bit else ""
+    held = ""
+    if eight_bit:
+        group_size = formats.format_for_config(qc).group_size_from_config(qc)
+        held = f"; {which} at 8 bits ({describe_int8(knobs, group_size)})"
     return (f"{where}, fourbit_int4 plugin on {qc['quant_method']} weights "
             f"({describe(knobs, dtype)}{held})")
 
@@ -385,7 +387,9 @@ def numerics(checkpoint: str | os.PathLike, settings: Mapping[str, Any] | VllmSe
         return "exact" if dtype == "float32" else "bf16_activations"
     if settings.quantization is None:  # vLLM's own methods run in bfloat16 only
         return "int8_activations" if settings.w4a8_amx else "bf16_activations"
-    return plugin_numerics(_plugin_knobs(qc, settings), dtype, rows)
+    from fourbit.formats.int8 import int8_modules
+
+    return plugin_numerics(_plugin_knobs(qc, settings), dtype, rows, eight_bit=bool(int8_modules(qc)))
 
 
 def _plugin_knobs(qc: Mapping[str, Any], settings: VllmSettings) -> dict[str, Any]:
