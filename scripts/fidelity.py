@@ -15,5 +15,4 @@ compare_arm(
     threads=snakemake.threads,
     model_weights_sha256=source_weights_sha256(snakemake.input.source),
     sides=sides if sides["arm"] else None,
-    text_path=snakemake.input.text,
 )

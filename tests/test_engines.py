@@ -25,7 +25,6 @@ CAPABILITIES = {
     Bench.SESSION: [base.TimesPasses, base.TimesInSession],
     Fidelity.PER_POSITION: [base.ComparesPositions],
     Fidelity.KEPT_SIDES: [base.KeepsSides],
-    Fidelity.OWN_KL_MODE: [base.HasOwnKlMode],
     Fidelity.NOT_COMPARED: [],
 }
 

@@ -176,13 +176,6 @@ def test_a_weights_hash_that_is_not_one_is_refused(models, tmp_path):
     assert not (tmp_path / "fidelity.json").exists()
 
 
-def test_engine_with_its_own_kl_mode_needs_the_text(models, tmp_path):
-    with pytest.raises(ValueError, match="text_path"):
-        compare_arm(tmp_path / "absent.gguf", tmp_path / "absent-base.gguf", models / "windows.json",
-                    tmp_path / "fidelity.json", engine_settings("llamacpp", threads=2), {}, threads=2,
-                    model_weights_sha256=WEIGHTS)
-
-
 # --- vLLM: exact KL, from the sides its ppl jobs keep ---------------------------------------
 
 

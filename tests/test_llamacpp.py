@@ -21,13 +21,10 @@ from fourbit import llamacpp
 from fourbit.llamacpp import ToolError, build, installed, recipe, run_tool, sdist, toolchain
 from fourbit.llamacpp.convert import convert_to_gguf
 from fourbit.llamacpp.perplexity import (
-    _BASE_DONE,
-    ATTEMPTS,
-    _run_perplexity,
+    compare_windows,
     greedy_continuations,
-    kl_divergence,
+    parse_compare_output,
     parse_greedy_output,
-    parse_kl_statistics,
     parse_scorer_output,
     score_windows,
 )
@@ -35,55 +32,6 @@ from fourbit.llamacpp.quantize import QTYPES, dequantize_gguf, gguf_bits_per_wei
 from fourbit.llamacpp.throughput import llama_bench, parse_bench_json
 
 # --- recorded output of the real tools (llama.cpp 0c1e570), trimmed ---------------------------
-
-RECORDED_KL_OUTPUT = """0.00.023.139 I kl_divergence: computing over 96 chunks, n_ctx=128, batch_size=128, n_seq=1
-0.00.117.318 I kl_divergence: 0.09 seconds per pass - ETA 
-chunk             PPL               ln(PPL(Q)/PPL(base))          KL Divergence              Δp RMS            Same top p
-   1     483.1721 ±   27.6190      -0.00143 ±    0.00560       0.00143 ±    0.00002     0.009 ±  0.001 %    96.825 ±  2.227 %
-   2     481.8695 ±   15.8349       0.00205 ±    0.00413       0.00121 ±    0.00002     0.010 ±  0.001 %    97.619 ±  1.364 %
-  .. (chunk rows 3 to 95 left out)
-  96     520.5179 ±    2.8579      -0.00609 ±    0.00070       0.00153 ±    0.00000     0.013 ±  0.000 %    94.411 ±  0.295 %
-
-====== Perplexity statistics ======
-Mean PPL(Q)                   : 520.517875 ±   2.857944
-Mean PPL(base)                : 523.698880 ±   2.878545
-Cor(ln(PPL(Q)), ln(PPL(base))):  99.18%
-Mean ln(PPL(Q)/PPL(base))     :  -0.006093 ±   0.000704
-Mean PPL(Q)/PPL(base)         :   0.993926 ±   0.000699
-Mean PPL(Q)-PPL(base)         :  -3.181005 ±   0.367883
-
-====== KL divergence statistics ======
-Mean    KLD:   0.001533 ±   0.000004
-Maximum KLD:   0.002748
-99.9%   KLD:   0.002613
-99.0%   KLD:   0.002391
-95.0%   KLD:   0.002104
-90.0%   KLD:   0.001938
-Median  KLD:   0.001504
-10.0%   KLD:   0.001176
- 5.0%   KLD:   0.001098
- 1.0%   KLD:   0.000979
- 0.1%   KLD:   0.000869
-Minimum KLD:   0.000780
-
-====== Token probability statistics ======
-Mean    Δp:  0.002 ± 0.000 %
-Maximum Δp:  0.143%
-99.9%   Δp:  0.108%
-99.0%   Δp:  0.042%
-95.0%   Δp:  0.021%
-90.0%   Δp:  0.015%
-75.0%   Δp:  0.008%
-Median  Δp:  0.001%
-25.0%   Δp: -0.006%
-10.0%   Δp: -0.013%
- 5.0%   Δp: -0.017%
- 1.0%   Δp: -0.031%
- 0.1%   Δp: -0.064%
-Minimum Δp: -0.089%
-RMS Δp    :  0.013 ± 0.000 %
-Same top p: 94.411 ± 0.295 %
-"""
 
 RECORDED_BENCH_JSON = """[
   {
@@ -216,35 +164,6 @@ def test_scorer_output_that_does_not_match_the_request_is_refused(stdout, proble
         parse_scorer_output(stdout, [3, 1])
 
 
-def test_kl_statistics_are_read_from_recorded_output():
-    assert parse_kl_statistics(RECORDED_KL_OUTPUT) == {
-        "ppl_quant": 520.517875,
-        "ppl_quant_uncertainty": 2.857944,
-        "ppl_base": 523.69888,
-        "ppl_base_uncertainty": 2.878545,
-        "mean_kld": 0.001533,
-        "mean_kld_uncertainty": 0.000004,
-        "kld_p99": 0.002391,
-        "same_top_p_percent": 94.411,
-        "same_top_p_percent_uncertainty": 0.295,
-    }
-
-
-def test_kl_statistics_after_the_log_prefix_are_found():
-    prefixed = RECORDED_KL_OUTPUT.replace("Mean    KLD:", "0.01.712.775 I Mean    KLD:")
-    assert parse_kl_statistics(prefixed)["mean_kld"] == 0.001533
-
-
-def test_kl_output_cut_short_is_an_error():
-    # Seen for real: llama-perplexity exited 0 with its output ending in the last chunk's number
-    # (this commit's logger can lose queued lines at exit, ggml-org/llama.cpp#22142).
-    cut = RECORDED_KL_OUTPUT[: RECORDED_KL_OUTPUT.index("  96 ") + 4]
-    with pytest.raises(
-        ToolError, match="lacks \\['ppl_quant', 'ppl_base', 'mean_kld', 'kld_p99', 'same_top"
-    ):
-        parse_kl_statistics(cut)
-
-
 def test_bench_json_gives_median_min_max_of_the_samples():
     result = parse_bench_json(RECORDED_BENCH_JSON)
     for test in ("pp512", "tg128"):
@@ -293,25 +212,6 @@ def test_a_failing_tool_is_reported_with_its_command_and_output():
         run_tool(["sh", "-c", script], "a test tool")
 
 
-def test_perplexity_is_retried_then_its_output_shown(tmp_path):
-    counter = tmp_path / "runs"
-    flaky = tmp_path / "flaky"
-    flaky.write_text(
-        f"#!/bin/sh\necho x >> {counter}\n"
-        f"if [ $(wc -l < {counter}) -ge 2 ]; then echo 'Final estimate: PPL = 5.0 +/- 0.1'; fi\n"
-    )
-    flaky.chmod(0o755)
-    assert "Final estimate" in _run_perplexity([flaky], "flaky", [_BASE_DONE])
-    assert counter.read_text().count("x") == 2
-
-    broken = tmp_path / "broken"
-    broken.write_text(f"#!/bin/sh\necho y >> {counter}\necho 'failed to decode'\n")
-    broken.chmod(0o755)
-    with pytest.raises(ToolError, match="(?s)exited 0 but printed no.*failed to decode"):
-        _run_perplexity([broken], "broken", [_BASE_DONE])
-    assert counter.read_text().count("y") == ATTEMPTS == 3
-
-
 def test_cache_key_names_version_commit_and_this_cpu():
     key = installed.build_key()
     assert key.startswith(f"{recipe.LLAMA_CPP_PYTHON_VERSION}-{recipe.LLAMA_CPP_COMMIT[:7]}-isa")
@@ -345,18 +245,9 @@ def test_fourbit_imatrix_is_llama_imatrix_with_its_tokenizer_call_replaced():
         recipe.imatrix_source(IMATRIX_LIKE + "static bool compute_imatrix(")
 
 
-def test_llama_perplexitys_main_flushes_its_log_at_exit():
-    main = "int llama_perplexity(int argc, char ** argv);\n\nint main(int argc, char ** argv) {\n" \
-           "    return llama_perplexity(argc, argv);\n}\n"
-    edited = recipe.edited(recipe.PERPLEXITY_SOURCE, main, recipe.PERPLEXITY_EDITS)
-    assert "std::atexit(fourbit_flush_log);\n    return llama_perplexity(argc, argv);" in edited
-    assert "common_log_flush(common_log_main())" in edited
-
-
-@pytest.mark.parametrize("edits", ["IMATRIX_EDITS", "PERPLEXITY_EDITS"])
-def test_the_cache_key_changes_with_fourbits_edits_of_llamacpp(monkeypatch, edits):
+def test_the_cache_key_changes_with_fourbits_edits_of_llamacpp(monkeypatch):
     key = installed.build_key()
-    monkeypatch.setattr(recipe, edits, getattr(recipe, edits)[:-1])
+    monkeypatch.setattr(recipe, "IMATRIX_EDITS", recipe.IMATRIX_EDITS[:-1])
     assert installed.build_key() != key
 
 
@@ -793,33 +684,36 @@ def test_quantized_scores_differ_a_little_and_ids_outside_the_vocabulary_are_ref
 
 
 @pytest.mark.slow
-def test_kl_divergence_of_quantized_models_from_f16(ggufs, tools, corpus, tmp_path):
-    text = tmp_path / "evaluation-start.txt"
-    text.write_text((corpus / "evaluation.txt").read_text()[:20_000])  # ~100 chunks of 128 tokens
-    itself = kl_divergence(ggufs["F16"], ggufs["F16"], text, tools=tools, threads=2, ctx=128)
-    q4 = kl_divergence(ggufs["F16"], ggufs["Q4_K_M"], text, tools=tools, threads=2, ctx=128)
-    assert itself["mean_kld"] < 1e-3 and itself["same_top_p_percent"] > 99
-    assert itself["mean_kld"] < q4["mean_kld"] <= q4["kld_p99"]
-    assert 0 < q4["same_top_p_percent"] < 100
-    assert abs(itself["ppl_quant"] - itself["ppl_base"]) < 1e-3 * itself["ppl_base"]
-    assert "--kl-divergence" in q4["commands"]["kl_divergence"] and "off" in q4["commands"]["base"]
-    assert not list(ggufs["Q4_K_M"].parent.glob(".kld-*"))  # the base logits are gone
+def test_kl_of_quantized_models_from_f16_on_the_same_positions(ggufs, tools, windows):
+    itself = compare_windows(ggufs["F16"], ggufs["F16"], windows[:3], tools=tools, threads=2)
+    assert [len(w) for w in itself["window_kl"]] == [len(w) - 1 for w in windows[:3]]
+    assert all(kl == 0.0 for w in itself["window_kl"] for kl in w)  # the same logits, exactly
+    assert all(same for w in itself["window_top1"] for same in w)
+    mean = {}
+    for qtype in ("Q8_0", "Q4_0"):
+        compared = compare_windows(ggufs["F16"], ggufs[qtype], windows[:3], tools=tools, threads=2)
+        kl = [x for w in compared["window_kl"] for x in w]
+        assert min(kl) >= -1e-12
+        mean[qtype] = sum(kl) / len(kl)
+    assert 0 < mean["Q8_0"] < mean["Q4_0"]
+    with pytest.raises(ToolError, match=f"token id {VOCAB} is outside the vocabulary"):
+        compare_windows(ggufs["F16"], ggufs["Q4_0"], [[1, 2, VOCAB]], tools=tools, threads=1)
 
 
 @pytest.mark.slow
-def test_fidelity_of_a_gguf_arm_comes_from_llama_perplexitys_kl_mode(ggufs, tools, corpus,
-                                                                     windows, tmp_path):
-    from fourbit.steps.fidelity import OWN_KL_MODE, compare_arm
+def test_fidelity_of_a_gguf_arm_compares_the_windows_positions(ggufs, tools, windows, tmp_path):
+    from fourbit.metrics.kl import FULL
+    from fourbit.steps.fidelity import compare_arm
 
     windows_file = tmp_path / "windows.json"
     windows_file.write_text(json.dumps({"windows": windows[:4], "token_ids_sha256": "test"}))
     out = compare_arm(ggufs["Q4_K_M"], ggufs["F16"], windows_file, tmp_path / "fidelity.json",
                       {"name": "llamacpp", "threads": 2},
                       {"windows": 3, "prompts": 4, "new_tokens": 8}, threads=2,
-                      model_weights_sha256="ab" * 32, text_path=corpus / "evaluation.txt")
-    assert out["computed"] and out["method"] == OWN_KL_MODE
+                      model_weights_sha256="ab" * 32)
+    assert out["computed"] and out["method"] == FULL and out["bound"] == "exact"
     assert out["model_weights_sha256"] == "ab" * 32
-    assert out["llama_perplexity"]["chunks"] == 3 and f"chunks of {WINDOW} tokens" in out["bound"]
+    assert out["positions"] == 3 * (WINDOW - 1) and out["window_positions"] == [WINDOW - 1] * 3
     assert 0 < out["kl_mean"] <= out["kl_p99"] and 0.5 < out["top1_agreement"] < 1
     assert out["greedy"]["prompts"] == 4 and 0 <= out["greedy"]["identical"] <= 4
     assert "llama.cpp" in out["runtime"] and "f16.gguf" in out["baseline_runtime"]
@@ -840,26 +734,26 @@ def test_greedy_continuations_take_the_most_likely_token(ggufs, tools, windows):
         assert all(scored[0]["nll_sum"] < other["nll_sum"] for other in scored[1:])
 
 
-@pytest.mark.slow
-def test_llama_perplexity_prints_its_final_lines_every_run(ggufs, tools, corpus, tmp_path):
-    """Its logger thread lost the last lines of up to 8 in 20 runs on a loaded host before
-    the recipe made it flush at exit (docs/llamacpp-build.md)."""
-    from fourbit.llamacpp.perplexity import _BASE_DONE
-
-    text = tmp_path / "text.txt"
-    text.write_text((corpus / "evaluation.txt").read_text()[:20_000])
-    command = [tools.perplexity, "-m", ggufs["F16"], "-f", text, "--kl-divergence-base",
-               tmp_path / "base.logits", "-c", 128, "-b", 128, "-ub", 128, "-t", 2, "--chunks", 8]
-    outputs = [run_tool(command, "llama-perplexity", merge_stderr=True).stdout for _ in range(10)]
-    assert all(_BASE_DONE.search(output) for output in outputs)
-
-
 def test_greedy_output_is_checked():
     assert parse_greedy_output("greedy 0 ids 4 5\ngreedy 1 ids 6 7\ndone 2\n", 2, 2) == [[4, 5], [6, 7]]
     with pytest.raises(ToolError, match="did not finish"):
         parse_greedy_output("greedy 0 ids 4 5\n", 1, 2)
     with pytest.raises(ToolError, match="2 ids expected"):
         parse_greedy_output("greedy 0 ids 4\ndone 1\n", 1, 2)
+
+
+def test_compare_output_is_checked():
+    stdout = "compare 0 positions 2 kl 0.5 0.25 top1 1 0\ncompare 1 positions 1 kl 0 top1 1\ndone 2\n"
+    assert parse_compare_output(stdout, [2, 1]) == {"window_kl": [[0.5, 0.25], [0.0]],
+                                                    "window_top1": [[True, False], [True]]}
+    with pytest.raises(ToolError, match="did not finish"):
+        parse_compare_output(stdout.replace("done 2\n", ""), [2, 1])
+    with pytest.raises(ToolError, match="window 0, 3 positions expected"):
+        parse_compare_output(stdout, [3, 1])
+    with pytest.raises(ToolError, match="unexpected line"):
+        parse_compare_output(stdout.replace("top1 1 0", "top1 1"), [2, 1])
+    with pytest.raises(ToolError, match="reported 1 windows, expected 2"):
+        parse_compare_output("compare 0 positions 2 kl 0.5 0.25 top1 1 0\ndone 2\n", [2, 1])
 
 
 @pytest.mark.slow

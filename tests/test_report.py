@@ -298,15 +298,20 @@ def test_a_record_missing_a_field_readers_need_is_named_before_any_output(
     assert not (tmp_path / "report.md").exists()
 
 
-def test_a_kl_lower_bound_from_an_older_run_is_named_for_remaking(tmp_path, tiny_untied, results):
-    """vLLM's KL was a top-k lower bound before it became exact; the report orders every KL as
-    exact, so such a record stops it, named with the rerun, before any output."""
+@pytest.mark.parametrize("older", [
+    {"method": "top-k lower bound", "bound": "lower bound"},
+    {"method": "llama-perplexity KL mode", "bound": "exact, its own chunking: 8 chunks of 512 tokens"},
+])
+def test_a_kl_from_an_older_run_is_named_for_remaking(tmp_path, tiny_untied, results, older):
+    """vLLM's KL was a top-k lower bound before it became exact, llama.cpp's covered its own
+    chunks of the text; the report orders every KL as exact and pairs KLs by window, so such
+    a record stops it, named with the rerun, before any output."""
     records, manifest = results
     path = records[ENGINE][ARM]["fidelity"]
-    path.write_text(json.dumps({**json.loads(path.read_text()), "method": "top-k lower bound",
-                                "bound": "lower bound"}))
-    with pytest.raises(ReportInputError, match=rf"{path}: not a valid fidelity record \(bound: 'lower "
-                                               r"bound' does not match .*--forcerun fidelity, "):
+    path.write_text(json.dumps({**json.loads(path.read_text()), **older}))
+    with pytest.raises(ReportInputError, match=rf"{path}: not a valid fidelity record \(bound: 'exact' "
+                                               r"was expected; method: 'full logits' was expected\).*"
+                                               r"--forcerun fidelity, "):
         report(tmp_path, tiny_untied, records, manifest)
     assert not (tmp_path / "report.md").exists()
 
@@ -386,23 +391,6 @@ def arm_id(name):
     return f"{name}-0000000000"
 
 
-def own_kl_record(kl, kl_se, top1, top1_se, identical_prompts):
-    """llama.cpp's KL mode: exact KL over its own chunks, with llama-perplexity's ± values
-    and no per-window sums; greedy on the same prompts as every engine."""
-    return {
-        "computed": True, "method": "llama-perplexity KL mode",
-        "bound": "exact, its own chunking: 8 chunks of 512 tokens", "token_ids_sha256": TOKENS,
-        "definition": "llama-perplexity --kl-divergence over its own chunks",
-        "settings": {"windows": KL_WINDOWS, "prompts": PROMPTS, "prompt_tokens": 32,
-                     "new_tokens": NEW_TOKENS},
-        "kl_mean": kl, "kl_mean_uncertainty": kl_se, "kl_p99": 10 * kl, "top1_agreement": top1,
-        "llama_perplexity": {"same_top_p_percent_uncertainty": 100 * top1_se},
-        "greedy": {"prompts": PROMPTS, "new_tokens": NEW_TOKENS, "identical": len(identical_prompts),
-                   "matching_prefix": [NEW_TOKENS if p in identical_prompts else 5 for p in range(PROMPTS)]},
-        "model_weights_sha256": WEIGHTS,
-    }
-
-
 LLAMACPP = "llamacpp-0000000000"
 
 
@@ -411,7 +399,7 @@ def vllm_study(tmp_path, tiny_untied, arms, *, benches=None, control=None, setti
     """Write the records of ``arms`` (name -> ISSUE_ARMS-like tuple) on one vLLM-like engine
     and run the report; ``benches``: name -> (baseline tg128, arm tg128) per pass;
     ``control``: name -> the dense expansion's mean NLL offset (default 0, faithful);
-    ``gguf_arms``: name -> (Δppl, scatter, own_kl_record's arguments) on a llama.cpp-like
+    ``gguf_arms``: name -> (Δppl, scatter, KL, top-1, identical prompts) on a llama.cpp-like
     engine, whose runtime rounds activations to int8 (its dense expansion offset by
     ``gguf_control``); ``bits``: name -> the arm's bits per weight over all matrices (none
     recorded by default)."""
@@ -445,12 +433,13 @@ def vllm_study(tmp_path, tiny_untied, arms, *, benches=None, control=None, setti
     gguf_storage = None
     if gguf_arms:
         record("baseline", "ppl_dense", ppl_windows(BASE_PPL + 0.01, 0.0), LLAMACPP)
-        for name, (delta, scatter, *fidelity) in gguf_arms.items():
+        for slot, (name, (delta, scatter, kl, top1, identical)) in enumerate(gguf_arms.items()):
             quantized = ppl_windows(BASE_PPL + 0.01 + delta, scatter, numerics="int8_activations")
             record(arm_id(name), "ppl_quantized", quantized, LLAMACPP)
             record(arm_id(name), "ppl_dense", {**quantized, "numerics": "exact",
                                                "mean_nll": quantized["mean_nll"] + gguf_control}, LLAMACPP)
-            record(arm_id(name), "fidelity", own_kl_record(*fidelity), LLAMACPP)
+            record(arm_id(name), "fidelity", fidelity_record(kl, top1, identical, phase=0.7 + 1.1 * slot),
+                   LLAMACPP)
             record(arm_id(name), "bench", {"measured": False, "reason": "not timed here",
                                            "model_weights_sha256": WEIGHTS}, LLAMACPP)
             manifest_of(name, {"method": "llamacpp", "type": "Q4_K_M", "imatrix": False})
@@ -521,25 +510,24 @@ def test_an_unfaithful_arm_is_not_judged_for_fidelity(tmp_path, tiny_untied):
 
 
 def test_arms_of_two_engines_compare_each_against_its_own_baseline(tmp_path, tiny_untied):
-    """A llama.cpp arm (KL over its own chunks, ± values only) against vLLM arms (KL per window
-    of the study's windows): other positions, so the two compare unpaired, from standard
-    errors; its KL and top-1 do not differ separably from gptq_asym's, nor its greedy, so the
-    two are named as not separable, with why."""
-    q4_k_m = (0.0324, 0.002, 4.6e-5, 2e-5, 0.992, 0.003, first(14))
+    """A llama.cpp arm against vLLM arms, each KL against its own engine's baseline on the same
+    windows (every engine scores the study's windows), so the two pair by window: its KL and
+    top-1 do not differ separably from gptq_asym's, nor its greedy, so the two are named as
+    not separable, with why."""
+    q4_k_m = (0.0324, 0.002, 4.4e-5, 0.992, first(14))
     fidelity = verdict(vllm_study(tmp_path, tiny_untied, ISSUE_ARMS, gguf_arms={"q4_k_m": q4_k_m}),
                        "- **For fidelity: ")
     assert fidelity.startswith(f"- **For fidelity: `{arm_id('gptq_asym_g128')}` on {VLLM}**")
     tie = fidelity.split("Not separable from it: ", 1)[1]
-    assert (f"`{arm_id('q4_k_m')}` on {LLAMACPP} (KL 4.2e-05 vs 4.6e-05: the unpaired 95% interval "
-            "of the difference (other positions), [") in tie
-    assert ("top-1 99.3% vs 99.2%: the unpaired 95% interval of the difference (other positions)"
-            in tie)
+    assert (f"`{arm_id('q4_k_m')}` on {LLAMACPP} (KL 4.2e-05 vs 4.4e-05: the paired 95% interval "
+            "of the difference over 8 windows, [") in tie
+    assert "top-1 99.3% vs 99.2%: the paired 95% interval of the difference over 8 windows" in tie
 
 
 def test_an_arm_of_another_engine_separably_lower_on_kl_is_the_closest(tmp_path, tiny_untied):
     """A llama.cpp arm whose KL is separably below every vLLM arm's (compared unpaired, across
     engines), and top-1 and greedy not separably worse: it is the closest arm."""
-    close = (0.001, 0.002, 1e-5, 1e-6, 0.995, 0.001, first(15))
+    close = (0.001, 0.002, 1e-5, 0.995, first(15))
     fidelity = verdict(vllm_study(tmp_path, tiny_untied, ISSUE_ARMS, gguf_arms={"q8_0": close}),
                        "- **For fidelity: ")
     assert fidelity.startswith(f"- **For fidelity: `{arm_id('q8_0')}` on {LLAMACPP}**: the closest "
@@ -601,7 +589,7 @@ def test_the_control_is_judged_at_the_tolerance_of_the_runtimes_numerics(tmp_pat
     order explains (exact), less than llama.cpp's int8 activation rounding costs a real
     model (0.004 measured)."""
     arms = {"gptq_sym_g128": ISSUE_ARMS["gptq_sym_g128"]}
-    gguf = {"llamacpp_q4_k_m": (0.01, 0.004, 2e-4, 1e-5, 0.99, 0.002, first(14))}
+    gguf = {"llamacpp_q4_k_m": (0.01, 0.004, 2e-4, 0.99, first(14))}
     markdown = vllm_study(tmp_path, tiny_untied, arms, control={"gptq_sym_g128": -0.005},
                           gguf_arms=gguf, gguf_control=-0.005)
     rows = {r["arm_id"]: r for r in csv.DictReader((tmp_path / "report.tsv").open(), delimiter="\t")}
@@ -634,14 +622,14 @@ def test_the_frontier_places_each_family_and_picks_the_best_arm_by_kl_across_eng
     """The issue's vLLM arms and a llama.cpp Q4_K_M by bits over all matrices: at Q4_K_M's bits,
     gptq_asym_g128's KL (and |Δppl|) is the lowest, separably below Q4_K_M's, so it is the best
     arm there, with no tie; the TSV names each row's family and the frontier plot is written."""
-    q4_k_m = (0.0324, 0.002, 0.000531, 2e-5, 0.992, 0.003, first(14))
+    q4_k_m = (0.0324, 0.002, 0.000531, 0.992, first(14))
     bits = {"gptq_asym_g128": 4.95, "gptq_sym_g128": 9.78, "rtn_sym_g128": 9.78, "cpu_int4_g128": 9.75,
             "q4_k_m": 5.09}
     markdown = vllm_study(tmp_path, tiny_untied, ISSUE_ARMS, gguf_arms={"q4_k_m": q4_k_m}, bits=bits)
     section = markdown.split("## Quality per bit: the frontier", 1)[1].split("\n## ", 1)[0]
     assert "by family: fourbit on vllm (4 arms), llama.cpp, no imatrix (1 arm)." in section
     assert (f"| llama.cpp, no imatrix | `{arm_id('q4_k_m')}` on {LLAMACPP} | llamacpp | 5.09 | "
-            "0.000531 [0.000492, 0.00057] |") in section
+            "0.000531 [0.000425, 0.000637] |") in section  # from its 8 windows too
     assert (f"| fourbit on vllm | `{arm_id('gptq_asym_g128')}` on {VLLM} | gptq | 4.95 | "
             "4.2e-05 [3.32e-05, 5.08e-05] |") in section  # its interval from the 8 windows
     # cpu_int4_g128 (9.75 bits, KL 0.00069) lies above gptq_asym_g128 (4.95 bits, 4.2e-05)

@@ -34,8 +34,12 @@ def _records(folder: Path, *, kl: float, control_delta: float) -> dict[str, Path
     paths = {kind: folder / f"{kind}.json" for kind in ("ppl_quantized", "ppl_dense", "fidelity")}
     paths["ppl_quantized"].write_text(json.dumps({"mean_nll": 2.0 + control_delta, "numerics": "exact"}))
     paths["ppl_dense"].write_text(json.dumps({"mean_nll": 2.0, "numerics": "exact"}))
-    paths["fidelity"].write_text(json.dumps({"computed": True, "kl_mean": kl, "kl_mean_uncertainty": 1e-6,
-                                             "top1_agreement": 0.9, "greedy": {"identical": 3, "prompts": 4}}))
+    # per-window sums of 4 windows of 100 positions, a little scattered, as every engine writes them
+    paths["fidelity"].write_text(json.dumps({
+        "computed": True, "kl_mean": kl, "top1_agreement": 0.9, "token_ids_sha256": "t",
+        "window_kl_sum": [100 * kl * (1 + d) for d in (-0.01, 0.0, 0.01, 0.0)],
+        "window_top1": [90, 90, 90, 90], "window_positions": [100] * 4,
+        "greedy": {"identical": 3, "prompts": 4}}))
     return paths
 
 

@@ -359,13 +359,11 @@ def tasks_report_plots():
 
 
 def get_fidelity_input(wildcards):
-    """The arm and its engine's baseline, compared on the study's token windows (an
-    engine with its own KL mode, llama.cpp's, reads the evaluation text instead); for an
+    """The arm and its engine's baseline, compared on the study's token windows; for an
     engine whose ppl jobs keep fidelity sides, the two sides they wrote."""
     inputs = {
         **arm_and_baseline(wildcards.engine, wildcards.arm),
         "windows": f"{EVAL_DIR}/windows.json",
-        "text": f"{RESULTS}/corpus/{CORPUS}/evaluation.txt",
     }
     engine = next(e for e in STUDY.engines.values() if e.id == wildcards.engine)
     if engine.keeps_fidelity_side:

@@ -1,9 +1,10 @@
 # How closely each arm follows the same engine's unquantized baseline, on the same
 # token ids (fourbit.steps.fidelity): next-token KL and top-1 agreement over the first
 # windows of windows.json, and how many fixed prompts keep the baseline's greedy
-# continuation exactly. The KL is exact, from both models' full logits, on the reference
-# engine and on vLLM; llama.cpp uses its own KL mode; an engine with neither writes a
-# record saying it was not computed. vLLM's ppl jobs of the two checkpoints compared write
+# continuation exactly. The KL is exact, from both models' full logits at the same
+# positions on every engine (llama.cpp's through fourbit-score, which runs the arm beside
+# its f16 baseline); an engine that gives no whole distributions writes a record saying
+# it was not computed. vLLM's ppl jobs of the two checkpoints compared write
 # each one's side in the same engine pass, as declared outputs (rules
 # ppl_baseline_with_side: its logits and greedy continuations; ppl_with_side: the arm's
 # per-position KL against those logits, and its greedy continuations): this job reads

@@ -18,9 +18,6 @@ the capability each way its EngineSpec says it takes part asks of it (CAPABILITY
                                 checkpoint the fidelity step compares (the baseline's
                                 first, then each arm as quantized against what the
                                 baseline's kept), then compare_sides, without an engine
-        Fidelity.OWN_KL_MODE    HasOwnKlMode: divergence_from_baseline, the engine's own
-                                aggregate KL statistics on the evaluation text, and
-                                greedy_continuations
         Fidelity.NOT_COMPARED   nothing; the record says it was not computed
 
 get_engine(name) returns an instance of the class, checked to implement them all; a
@@ -45,7 +42,6 @@ from dataclasses import dataclass
 from fourbit.engines.base import (
     ComparesPositions,
     Engine,
-    HasOwnKlMode,
     KeepsSides,
     TimesInSession,
     TimesPasses,
@@ -73,7 +69,6 @@ class Fidelity(enum.Enum):
 
     PER_POSITION = "both checkpoints run on the windows in the fidelity job"
     KEPT_SIDES = "sides kept by the ppl jobs, compared without an engine"
-    OWN_KL_MODE = "the engine's own KL statistics on the evaluation text"
     NOT_COMPARED = "not compared"
 
 
@@ -83,7 +78,6 @@ CAPABILITY: dict[Bench | Fidelity, type[Engine]] = {
     Bench.SESSION: TimesInSession,
     Fidelity.PER_POSITION: ComparesPositions,
     Fidelity.KEPT_SIDES: KeepsSides,
-    Fidelity.OWN_KL_MODE: HasOwnKlMode,
     Fidelity.NOT_COMPARED: Engine,
 }
 
@@ -212,7 +206,7 @@ ENGINES: dict[str, EngineSpec] = {
                                    needs_vllm_registry=True, needs_every_linear_quantized=True,
                                    compiles=True),
     "llamacpp": EngineSpec("fourbit.engines.llamacpp:LlamaCppEngine", reads="gguf",
-                           bench=Bench.PER_PASS, fidelity=Fidelity.OWN_KL_MODE),
+                           bench=Bench.PER_PASS, fidelity=Fidelity.PER_POSITION),
 }
 
 

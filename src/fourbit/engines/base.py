@@ -14,11 +14,9 @@ engine narrowed to it (``capable``) keeps score_windows, runtime and numerics:
     KeepsSides         Fidelity.KEPT_SIDES: score_keeping_side (in the ppl step of each
                        compared checkpoint, the baseline's first), then compare_sides,
                        which starts no engine
-    HasOwnKlMode       Fidelity.OWN_KL_MODE: divergence_from_baseline, greedy_continuations
 
 The steps that call them define the numbers: fourbit.steps.evaluate (scores),
-fourbit.steps.bench (rates), fourbit.steps.fidelity (per-position results, the engine's
-own KL statistics). Nothing here imports torch, vllm or transformers: the workflow reads
+fourbit.steps.bench (rates), fourbit.steps.fidelity (per-position results). Nothing here imports torch, vllm or transformers: the workflow reads
 the engine table at DAG time, and an engine class loads them when it runs.
 """
 
@@ -125,21 +123,6 @@ class KeepsSides(Engine):
     @abc.abstractmethod
     def compare_sides(self, arm: Side, baseline: Side, windows: TokenIds) -> PerPosition:
         """Per-position results of the arm's side against the baseline's (no runtimes)."""
-
-
-class HasOwnKlMode(Engine):
-    """Fidelity.OWN_KL_MODE: the engine's own KL statistics over the evaluation text."""
-
-    @abc.abstractmethod
-    def divergence_from_baseline(self, arm_checkpoint: Path, baseline_checkpoint: Path,
-                                 text_file: Path, settings: Settings, *, ctx: int,
-                                 chunks: int) -> dict[str, Any]:
-        """Aggregate statistics: "mean_kld", "kld_p99", "same_top_p_percent", "chunks", ..."""
-
-    @abc.abstractmethod
-    def greedy_continuations(self, checkpoint: Path, prompts: TokenIds, new_tokens: int,
-                             settings: Settings) -> list[list[int]]:
-        """Exactly ``new_tokens`` argmax tokens after each prompt, EOS ignored."""
 
 
 E = TypeVar("E", bound=Engine)

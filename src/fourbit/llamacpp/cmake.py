@@ -25,13 +25,10 @@ from fourbit.llamacpp.recipe import (
     IMATRIX_TARGET,
     LLAMA_CPP_COMMIT,
     LLAMA_CPP_PYTHON_VERSION,
-    PERPLEXITY_EDITS,
-    PERPLEXITY_SOURCE,
     SCORER_CMAKELISTS,
     SCORER_SOURCE,
     SCORER_TARGET,
     TOOL_TARGETS,
-    edited,
     imatrix_source,
 )
 from fourbit.llamacpp.sdist import SDIST_SHA256, extract_tree
@@ -52,9 +49,6 @@ def compile_tools(sdist: Path, out: Path, jobs: int) -> None:
     (scorer / f"{SCORER_TARGET}.cpp").write_text(SCORER_SOURCE)
     imatrix = (out / "llama.cpp" / IMATRIX_SOURCE).read_text(encoding="utf-8")
     (scorer / f"{IMATRIX_TARGET}.cpp").write_text(imatrix_source(imatrix), encoding="utf-8")
-    perplexity = out / "llama.cpp" / PERPLEXITY_SOURCE  # edited in place (recipe says why)
-    perplexity.write_text(edited(PERPLEXITY_SOURCE, perplexity.read_text(encoding="utf-8"),
-                                 PERPLEXITY_EDITS), encoding="utf-8")
     build_dir = out / "build"
     targets = [*TOOL_TARGETS, SCORER_TARGET, IMATRIX_TARGET]
     with open(out / "build.log", "w") as build_log:

@@ -7,8 +7,7 @@ the recipe (:mod:`fourbit.llamacpp.recipe`)::
 
     ~/.cache/fourbit/llama.cpp/<llama-cpp-python version>-<commit>-isa<hash>-recipe<hash>/
         bin/         the programs (static: the folder can move): llama-quantize,
-                     llama-perplexity, llama-bench, llama-imatrix, llama-server, fourbit-score,
-                     fourbit-imatrix
+                     llama-bench, llama-imatrix, llama-server, fourbit-score, fourbit-imatrix
         llama.cpp/   the source tree (convert_hf_to_gguf.py, gguf-py/, conversion/ ...)
         scorer/      the CMake project that adds fourbit-score and fourbit-imatrix to
                      llama.cpp's build
@@ -31,7 +30,6 @@ class LlamaCpp:
 
     root: Path
     quantize: Path
-    perplexity: Path
     bench: Path
     imatrix: Path  # llama-imatrix, as users run it (on text)
     server: Path  # llama-server, the OpenAI-compatible server (fourbit.serving.llamacpp)
@@ -48,7 +46,6 @@ class LlamaCpp:
         return cls(
             root=root,
             quantize=bin_dir / "llama-quantize",
-            perplexity=bin_dir / "llama-perplexity",
             bench=bin_dir / "llama-bench",
             imatrix=bin_dir / "llama-imatrix",
             server=bin_dir / "llama-server",
@@ -62,7 +59,7 @@ class LlamaCpp:
 
     @property
     def programs(self) -> tuple[Path, ...]:
-        return (self.quantize, self.perplexity, self.bench, self.imatrix, self.server,
+        return (self.quantize, self.bench, self.imatrix, self.server,
                 self.scorer, self.imatrix_ids)
 
     def check_complete(self) -> LlamaCpp:
@@ -88,7 +85,6 @@ def build_key() -> str:
             "scorer_cmake": recipe.SCORER_CMAKELISTS,
             "scorer": recipe.SCORER_SOURCE,
             "imatrix_edits": recipe.IMATRIX_EDITS,
-            "perplexity_edits": recipe.PERPLEXITY_EDITS,
         },
         sort_keys=True,
     )

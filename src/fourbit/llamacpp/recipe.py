@@ -15,7 +15,7 @@ LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 LLAMA_CPP_COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
 
 TOOL_TARGETS = (
-    "llama-quantize", "llama-perplexity", "llama-bench", "llama-imatrix", "llama-server",
+    "llama-quantize", "llama-bench", "llama-imatrix", "llama-server",
 )
 CMAKE_OPTIONS = {
     "CMAKE_BUILD_TYPE": "Release",
@@ -75,22 +75,6 @@ IMATRIX_EDITS = (
     ("static bool compute_imatrix(",
      files("fourbit.llamacpp").joinpath("imatrix_ids.cpp").read_text(encoding="utf-8")
      + "\nstatic bool compute_imatrix("),
-)
-
-
-# llama-perplexity's logger prints from its own thread, and this commit leaks it at exit
-# (ggml-org/llama.cpp#22142): the lines still queued when main returns are lost, its
-# final statistics among them (8 of 20 runs of the tiny model's base-logits step on a
-# loaded 2-core host, 0 to 1 of 20 on a quieter moment). This edit flushes the log when
-# the program exits; it changes nothing llama-perplexity computes or prints.
-PERPLEXITY_SOURCE = "tools/perplexity/main.cpp"  # main() alone; perplexity.cpp does the work
-PERPLEXITY_EDITS = (
-    ("int main(int argc, char ** argv) {\n",
-     ("#include \"log.h\"\n#include <cstdlib>\n\n"
-      "// fourbit's edit (fourbit.llamacpp.recipe): print what the log still holds at exit\n"
-      "static void fourbit_flush_log() { common_log_flush(common_log_main()); }\n\n"
-      "int main(int argc, char ** argv) {\n"
-      "    std::atexit(fourbit_flush_log);\n")),
 )
 
 

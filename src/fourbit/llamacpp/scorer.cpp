@@ -1,6 +1,7 @@
-// fourbit-score: teacher-forced negative log-likelihood of given token windows.
+// fourbit-score: teacher-forced negative log-likelihood of given token windows, or the
+// per-position KL divergence of two models on them.
 //
-// usage: fourbit-score -m MODEL.gguf -f WINDOWS.txt -t THREADS [--greedy N]
+// usage: fourbit-score -m MODEL.gguf -f WINDOWS.txt -t THREADS [--greedy N | --base BASE.gguf]
 //            --flash-attn on|off --repack|--no-repack --cache-type-k T --cache-type-v T
 // WINDOWS.txt: one window per line, token ids separated by spaces, at least 2 per window.
 // Each window is decoded as is (no BOS added) in one batch on an empty KV cache;
@@ -9,6 +10,10 @@
 // With --greedy N, each window is a prompt instead, continued by exactly N tokens, each
 // the argmax (lowest id on ties) of the last position's logits, end-of-generation tokens
 // included: "greedy <i> ids <id> ... <id>" per window, then "done <n_windows>".
+// With --base BASE.gguf, BASE and MODEL (the arm) each decode every window the same way
+// and, at each of positions 1..W-1, KL(P_base || P_arm) is computed in double from both
+// full log-softmaxes, and whether both argmaxes (lowest id on ties) are the same token:
+// "compare <i> positions <W-1> kl <kl> ... top1 <0|1> ..." per window, then "done <n>".
 // Errors: a message on stderr naming the problem, exit status 2.
 #include "llama.h"
 
@@ -18,6 +23,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -78,8 +84,169 @@ static std::vector<std::vector<llama_token>> read_windows(const std::string & pa
     return windows;
 }
 
+struct Settings {
+    int threads;
+    bool repack;
+    bool flash_attn;
+    ggml_type type_k, type_v;
+};
+
+// A model and a context that decodes any of the windows (plus greedy tokens) in one ubatch.
+struct Loaded {
+    llama_model * model = nullptr;
+    llama_context * context = nullptr;
+    int n_vocab = 0;
+
+    Loaded(const std::string & path, const Settings & settings, size_t longest, int extra_tokens) {
+        llama_model_params model_params = llama_model_default_params();
+        model_params.n_gpu_layers = 0;
+        model_params.use_extra_bufts = settings.repack;
+        model = llama_model_load_from_file(path.c_str(), model_params);
+        if (model == nullptr) {
+            fail("cannot load model " + path);
+        }
+        n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(model));
+        llama_context_params context_params = llama_context_default_params();
+        context_params.n_ctx = (uint32_t) (longest + extra_tokens);
+        context_params.n_batch = (uint32_t) longest;
+        context_params.n_ubatch = (uint32_t) longest;
+        context_params.n_seq_max = 1;
+        context_params.n_threads = settings.threads;
+        context_params.n_threads_batch = settings.threads;
+        context_params.flash_attn_type = settings.flash_attn ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
+        context_params.type_k = settings.type_k;
+        context_params.type_v = settings.type_v;
+        context_params.no_perf = true;
+        context = llama_init_from_model(model, context_params);
+        if (context == nullptr) {
+            fail("cannot create a context of " + std::to_string(longest) + " tokens for " + path);
+        }
+    }
+
+    ~Loaded() {
+        llama_free(context);
+        llama_model_free(model);
+    }
+
+    // ``window`` into ``batch``, its ids checked, logits asked at positions 0..W-2 (each
+    // predicts the next token).
+    void fill(llama_batch & batch, const std::vector<llama_token> & window, size_t w) const {
+        const int n = (int) window.size();
+        for (int j = 0; j < n; j++) {
+            if (window[j] < 0 || window[j] >= n_vocab) {
+                fail("window " + std::to_string(w) + " position " + std::to_string(j) + ": token id " +
+                     std::to_string(window[j]) + " is outside the vocabulary [0, " + std::to_string(n_vocab) + ")");
+            }
+            batch.token[j] = window[j];
+            batch.pos[j] = j;
+            batch.n_seq_id[j] = 1;
+            batch.seq_id[j][0] = 0;
+            batch.logits[j] = j < n - 1;
+        }
+        batch.n_tokens = n;
+    }
+
+    // Decodes ``window`` from an empty KV cache; its logits stay readable until the next decode.
+    void decode(llama_batch & batch, const std::vector<llama_token> & window, size_t w) {
+        fill(batch, window, w);
+        llama_memory_clear(llama_get_memory(context), true);
+        if (llama_decode(context, batch) != 0) {
+            fail("llama_decode failed on window " + std::to_string(w));
+        }
+    }
+};
+
+// log(sum(exp(logits))) over the vocabulary, in double.
+static double log_sum_exp(const float * logits, int n_vocab) {
+    double top = logits[0];
+    for (int v = 1; v < n_vocab; v++) {
+        top = std::max(top, (double) logits[v]);
+    }
+    double sum = 0.0;
+    for (int v = 0; v < n_vocab; v++) {
+        sum += std::exp((double) logits[v] - top);
+    }
+    return top + std::log(sum);
+}
+
+static void greedy(Loaded & loaded, llama_batch & batch, const std::vector<llama_token> & prompt, size_t w,
+                   int new_tokens) {
+    loaded.fill(batch, prompt, w);
+    const int n = (int) prompt.size();
+    for (int j = 0; j < n; j++) {
+        batch.logits[j] = j == n - 1;
+    }
+    llama_memory_clear(llama_get_memory(loaded.context), true);
+    printf("greedy %zu ids", w);
+    for (int k = 0; k < new_tokens; k++) {
+        if (llama_decode(loaded.context, batch) != 0) {
+            fail("llama_decode failed on prompt " + std::to_string(w) + " at token " + std::to_string(k));
+        }
+        const float * logits = llama_get_logits_ith(loaded.context, -1);
+        llama_token next = (llama_token) (std::max_element(logits, logits + loaded.n_vocab) - logits);
+        printf(" %d", next);
+        batch.token[0] = next;
+        batch.pos[0] = n + k;
+        batch.n_seq_id[0] = 1;
+        batch.seq_id[0][0] = 0;
+        batch.logits[0] = 1;
+        batch.n_tokens = 1;
+    }
+    printf("\n");
+}
+
+static void score(Loaded & loaded, llama_batch & batch, const std::vector<llama_token> & window, size_t w) {
+    loaded.decode(batch, window, w);
+    const int n = (int) window.size();
+    double nll_sum = 0.0;
+    for (int j = 0; j < n - 1; j++) {
+        const float * logits = llama_get_logits_ith(loaded.context, j);
+        nll_sum += log_sum_exp(logits, loaded.n_vocab) - (double) logits[window[j + 1]];
+    }
+    printf("window %zu tokens %d nll_sum %.17g\n", w, n - 1, nll_sum);
+}
+
+// KL(P_base || P_arm) and top-1 agreement at positions 1..W-1; base_logits holds the base's
+// logits of the window between the two decodes ([W-1][n_vocab]).
+static void compare(Loaded & base, Loaded & arm, llama_batch & batch, const std::vector<llama_token> & window,
+                    size_t w, std::vector<float> & base_logits) {
+    const int n = (int) window.size();
+    const size_t n_vocab = (size_t) arm.n_vocab;
+    base.decode(batch, window, w);
+    base_logits.resize((size_t) (n - 1) * n_vocab);
+    for (int j = 0; j < n - 1; j++) {
+        const float * logits = llama_get_logits_ith(base.context, j);
+        std::copy(logits, logits + n_vocab, base_logits.begin() + (size_t) j * n_vocab);
+    }
+    arm.decode(batch, window, w);
+    std::vector<double> kl(n - 1);
+    std::vector<int> top1(n - 1);
+    for (int j = 0; j < n - 1; j++) {
+        const float * b = base_logits.data() + (size_t) j * n_vocab;
+        const float * a = llama_get_logits_ith(arm.context, j);
+        const double lse_b = log_sum_exp(b, (int) n_vocab);
+        const double lse_a = log_sum_exp(a, (int) n_vocab);
+        double sum = 0.0;
+        for (size_t v = 0; v < n_vocab; v++) {
+            const double log_b = (double) b[v] - lse_b;
+            sum += std::exp(log_b) * (log_b - ((double) a[v] - lse_a));
+        }
+        kl[j] = sum;
+        top1[j] = std::max_element(b, b + n_vocab) - b == std::max_element(a, a + n_vocab) - a;
+    }
+    printf("compare %zu positions %d kl", w, n - 1);
+    for (double value : kl) {
+        printf(" %.17g", value);
+    }
+    printf(" top1");
+    for (int same : top1) {
+        printf(" %d", same);
+    }
+    printf("\n");
+}
+
 int main(int argc, char ** argv) {
-    std::string model_path, windows_path, flash_attn, type_k, type_v;
+    std::string model_path, base_path, windows_path, flash_attn, type_k, type_v;
     int threads = 0;
     int repack = -1;
     int greedy_tokens = 0;
@@ -106,6 +273,8 @@ int main(int argc, char ** argv) {
             if (greedy_tokens <= 0) {
                 fail("--greedy needs a number of tokens > 0");
             }
+        } else if (arg == "--base") {
+            base_path = value();
         } else if (arg == "--no-repack") {
             repack = 0;
         } else if (arg == "--cache-type-k") {
@@ -121,6 +290,10 @@ int main(int argc, char ** argv) {
         type_v.empty() || (flash_attn != "on" && flash_attn != "off")) {
         fail("all of -m, -f, -t N>0, --flash-attn on|off, --repack|--no-repack, --cache-type-k, --cache-type-v are required");
     }
+    if (greedy_tokens > 0 && !base_path.empty()) {
+        fail("--greedy and --base are two different runs; give one");
+    }
+    const Settings settings = {threads, repack == 1, flash_attn == "on", cache_type(type_k), cache_type(type_v)};
     const auto windows = read_windows(windows_path);
     size_t longest = 0;
     for (const auto & window : windows) {
@@ -129,96 +302,31 @@ int main(int argc, char ** argv) {
 
     llama_log_set(log_warnings_and_errors, nullptr);
     llama_backend_init();
-
-    llama_model_params model_params = llama_model_default_params();
-    model_params.n_gpu_layers = 0;
-    model_params.use_extra_bufts = repack == 1;
-    llama_model * model = llama_model_load_from_file(model_path.c_str(), model_params);
-    if (model == nullptr) {
-        fail("cannot load model " + model_path);
-    }
-    const int n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(model));
-
-    llama_context_params context_params = llama_context_default_params();
-    context_params.n_ctx = (uint32_t) (longest + greedy_tokens);
-    context_params.n_batch = (uint32_t) longest;
-    context_params.n_ubatch = (uint32_t) longest;
-    context_params.n_seq_max = 1;
-    context_params.n_threads = threads;
-    context_params.n_threads_batch = threads;
-    context_params.flash_attn_type = flash_attn == "on" ? LLAMA_FLASH_ATTN_TYPE_ENABLED : LLAMA_FLASH_ATTN_TYPE_DISABLED;
-    context_params.type_k = cache_type(type_k);
-    context_params.type_v = cache_type(type_v);
-    context_params.no_perf = true;
-    llama_context * context = llama_init_from_model(model, context_params);
-    if (context == nullptr) {
-        fail("cannot create a context of " + std::to_string(longest) + " tokens for " + model_path);
-    }
-
-    llama_batch batch = llama_batch_init((int32_t) longest, 0, 1);
-    for (size_t w = 0; w < windows.size(); w++) {
-        const auto & window = windows[w];
-        const int n = (int) window.size();
-        for (int j = 0; j < n; j++) {
-            if (window[j] < 0 || window[j] >= n_vocab) {
-                fail("window " + std::to_string(w) + " position " + std::to_string(j) + ": token id " +
-                     std::to_string(window[j]) + " is outside the vocabulary [0, " + std::to_string(n_vocab) + ")");
+    {
+        Loaded model(model_path, settings, longest, greedy_tokens);
+        std::unique_ptr<Loaded> base;
+        if (!base_path.empty()) {
+            base = std::make_unique<Loaded>(base_path, settings, longest, 0);
+            if (base->n_vocab != model.n_vocab) {
+                fail("the base model has " + std::to_string(base->n_vocab) + " tokens and " + model_path + " " +
+                     std::to_string(model.n_vocab) + "; their distributions cannot be compared");
             }
-            batch.token[j] = window[j];
-            batch.pos[j] = j;
-            batch.n_seq_id[j] = 1;
-            batch.seq_id[j][0] = 0;
-            batch.logits[j] = j < n - 1;
         }
-        batch.n_tokens = n;
-        llama_memory_clear(llama_get_memory(context), true);
-        if (greedy_tokens > 0) {
-            for (int j = 0; j < n; j++) {
-                batch.logits[j] = j == n - 1;
+        llama_batch batch = llama_batch_init((int32_t) longest, 0, 1);
+        std::vector<float> base_logits;
+        for (size_t w = 0; w < windows.size(); w++) {
+            if (greedy_tokens > 0) {
+                greedy(model, batch, windows[w], w, greedy_tokens);
+            } else if (base) {
+                compare(*base, model, batch, windows[w], w, base_logits);
+            } else {
+                score(model, batch, windows[w], w);
             }
-            printf("greedy %zu ids", w);
-            for (int k = 0; k < greedy_tokens; k++) {
-                if (llama_decode(context, batch) != 0) {
-                    fail("llama_decode failed on prompt " + std::to_string(w) + " at token " + std::to_string(k));
-                }
-                const float * logits = llama_get_logits_ith(context, -1);
-                llama_token next = (llama_token) (std::max_element(logits, logits + n_vocab) - logits);
-                printf(" %d", next);
-                batch.token[0] = next;
-                batch.pos[0] = n + k;
-                batch.n_seq_id[0] = 1;
-                batch.seq_id[0][0] = 0;
-                batch.logits[0] = 1;
-                batch.n_tokens = 1;
-            }
-            printf("\n");
             fflush(stdout);
-            continue;
         }
-        if (llama_decode(context, batch) != 0) {
-            fail("llama_decode failed on window " + std::to_string(w));
-        }
-        double nll_sum = 0.0;
-        for (int j = 0; j < n - 1; j++) {
-            const float * logits = llama_get_logits_ith(context, j);
-            double top = logits[0];
-            for (int v = 1; v < n_vocab; v++) {
-                top = std::max(top, (double) logits[v]);
-            }
-            double sum = 0.0;
-            for (int v = 0; v < n_vocab; v++) {
-                sum += std::exp((double) logits[v] - top);
-            }
-            nll_sum += top + std::log(sum) - (double) logits[window[j + 1]];
-        }
-        printf("window %zu tokens %d nll_sum %.17g\n", w, n - 1, nll_sum);
-        fflush(stdout);
+        printf("done %zu\n", windows.size());
+        llama_batch_free(batch);
     }
-    printf("done %zu\n", windows.size());
-
-    llama_batch_free(batch);
-    llama_free(context);
-    llama_model_free(model);
     llama_backend_free();
     return 0;
 }

@@ -194,8 +194,8 @@ def run_facts(
 
 
 def fidelity_definitions(records: Records) -> dict[str, list[str]]:
-    """Each definition the fidelity records carry (it says how that engine compared:
-    full logits, or llama.cpp's own KL mode over its own chunks), with the engines that used it."""
+    """Each definition the fidelity records carry (which windows and positions, which
+    prompts), with the engines that used it."""
     engines_of: dict[str, list[str]] = {}
     for engine_id, arms in records.items():
         for kinds in arms.values():

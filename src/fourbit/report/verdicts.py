@@ -56,12 +56,8 @@ class Measure:
     # ... which pairs with another arm's units only when these keys are equal.
     pairing: tuple | None = None
     unit_name: str = "windows"
-    # Standard error when no units were recorded (llama-perplexity's own ± values).
-    se: float | None = None
 
     def standard_error(self) -> float | None:
-        if self.se is not None:
-            return self.se
         if not self.units or len(self.units) < 2:
             return None
         # Ratio estimator sum(s) / sum(n) over units: its delta-method standard error.
@@ -90,18 +86,15 @@ def distribution_measures(record: dict | None) -> dict[str, Measure] | None:
         kl_units = tuple(zip(record["window_kl_sum"], windows))
     if windows and "window_top1" in record:
         top1_units = tuple(zip(record["window_top1"], windows))
-    own = record.get("llama_perplexity", {})
-    top1_se = own.get("same_top_p_percent_uncertainty")
     greedy = record["greedy"]
     prefix = greedy.get("matching_prefix")
     settings = record.get("settings", {})
     greedy_units = (tuple((float(p == greedy["new_tokens"]), 1.0) for p in prefix)
                     if prefix and "new_tokens" in greedy else None)
     return {
-        "KL": Measure("KL", record["kl_mean"], False, units=kl_units, pairing=window_key,
-                      se=record.get("kl_mean_uncertainty")),
+        "KL": Measure("KL", record["kl_mean"], False, units=kl_units, pairing=window_key),
         "top-1": Measure("top-1", record["top1_agreement"], True, units=top1_units,
-                         pairing=window_key, se=top1_se / 100 if top1_se is not None else None),
+                         pairing=window_key),
         "greedy": Measure(
             "greedy", greedy["identical"] / greedy["prompts"], True, units=greedy_units,
             pairing=(record.get("token_ids_sha256"), settings.get("prompts"),
@@ -332,16 +325,15 @@ def recommendation_rules(settings: Mapping) -> list[str]:
         "when it is separably better on at least one of KL, top-1 and greedy and separably "
         "worse on none. Separably: the difference's "
         f"{CONFIDENCE:.0%} interval excludes 0 (a paired bootstrap over the windows or prompts "
-        "both scored; across engines that scored other positions, from each measure's standard "
-        "error). The arm named is the one no other arm is "
+        "both scored, across engines too, since every engine scores the same windows; between "
+        "arms scored on other windows, from each measure's standard error). The arm named is the one no other arm is "
         "closer than (the lowest KL of them when several); every arm it is not closer than is "
         "named with the reason. Δppl is support, never the criterion: an arm can lower "
         "perplexity by changing the model.",
         "- **For speed**: the fastest decode (tg128 median, absolute tok/s, comparable across "
         "engines because one bench job timed every row) among arms whose control passed and "
         "whose |Δppl| (in percent of its own engine's baseline: the quality number every engine "
-        "measures alike, on the same token ids; KL is not, since llama.cpp's covers its own "
-        "chunks of the text) is at most the smallest such |Δppl| of any faithful arm plus "
+        "measures alike, on the same token ids) is at most the smallest such |Δppl| of any faithful arm plus "
         f"{settings['speed_quality_bound_pct']:g} percentage points "
         "(report.speed_quality_bound_pct); arms whose tg128 [min–max] overlaps the chosen "
         "one's are named as not separable from it.",

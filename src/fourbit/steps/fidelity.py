@@ -22,19 +22,7 @@ through
     compare_sides(arm_side, baseline_side, windows) -> dict
 
 (all of the above but the runtimes, which come from the engine's runtime()): the job
-starts no engine. Fidelity.OWN_KL_MODE, a HasOwnKlMode: the engine's own aggregate
-statistics over the evaluation text, through
-
-    divergence_from_baseline(arm_checkpoint, baseline_checkpoint, text_file, settings,
-                             *, ctx, chunks) -> dict
-
-returning "mean_kld", "kld_p99" and "same_top_p_percent" (llama.cpp: llama-perplexity's
-KL mode, from full logits but on its own chunking, so labelled with its method), and
-greedy continuations through
-
-    greedy_continuations(checkpoint, prompts, new_tokens, settings) -> [[ids]]
-
-Fidelity.NOT_COMPARED: a record saying so.
+starts no engine. Fidelity.NOT_COMPARED: a record saying so.
 """
 
 from __future__ import annotations
@@ -49,26 +37,14 @@ from pathlib import Path
 from fourbit import records
 from fourbit.schema import block
 from fourbit.engines import Fidelity, engine_spec, get_engine
-from fourbit.engines.base import ComparesPositions, HasOwnKlMode, KeepsSides, capable
+from fourbit.engines.base import ComparesPositions, KeepsSides, capable
 from fourbit.hashing import require_sha256
 from fourbit.metrics.fidelity import DEFINITION, greedy_summary, select, summarize
 from fourbit.steps.evaluate import read_side
 
 log = logging.getLogger("fourbit")
 
-OWN_KL_MODE = "llama-perplexity KL mode"
-OWN_KL_DEFINITION = (
-    "KL(P_base || P_arm) in nats and top-1 agreement ('same top') computed by llama-perplexity "
-    "--kl-divergence from full logits: it tokenizes the evaluation text itself, cuts it into "
-    "chunks of {ctx} tokens (BOS first when the vocabulary asks for it) and compares the second "
-    "half of each of the first {chunks} chunks; greedy: the first {prompt_tokens} tokens of the "
-    "first {prompts} windows continued for exactly {new_tokens} tokens by each model (argmax, EOS "
-    "ignored), identical = equal token for token"
-)
-NOT_COMPARED = (
-    "not computed for this engine: it gives no whole next-token distributions and has no KL "
-    "mode of its own"
-)
+NOT_COMPARED = "not computed for this engine: it gives no whole next-token distributions"
 
 
 def compare_arm(
@@ -82,7 +58,6 @@ def compare_arm(
     threads: int,
     model_weights_sha256: str,
     sides: Mapping[str, str | os.PathLike] | None = None,
-    text_path: str | os.PathLike | None = None,
 ) -> dict:
     """Compare one arm with the same engine's baseline; write the record to ``out_path``
     (fourbit.records.write: checked against its schema, then atomically).
@@ -90,8 +65,7 @@ def compare_arm(
     ``model_weights_sha256``: the source model's weights both were made from
     (fourbit.hashing.model_weights_sha256), carried into the record, computed or not.
     ``sides``, {"arm": .., "baseline": ..}: the sides the ppl jobs of the two checkpoints
-    kept, read by engines that keep them (Fidelity.KEPT_SIDES), which then start no engine.
-    ``text_path``, the evaluation text, is read only by engines with their own KL mode."""
+    kept, read by engines that keep them (Fidelity.KEPT_SIDES), which then start no engine."""
     require_sha256(model_weights_sha256)
     settings = block("fidelity", fidelity_settings)
     windows_file = json.loads(Path(windows_path).read_text())
@@ -112,10 +86,6 @@ def compare_arm(
         "windows": len(compared_windows),
     }
     how = engine_spec(engine_settings["name"]).fidelity
-    if how is Fidelity.OWN_KL_MODE:
-        return _own_kl_mode(capable(engine, HasOwnKlMode), arm_checkpoint, baseline_checkpoint,
-                            text_path, out_path, record, engine_settings, prompts,
-                            ctx=len(compared_windows[0]))
     if how is Fidelity.NOT_COMPARED:
         record.update({"computed": False, "method": None, "reason": NOT_COMPARED})
         records.write("fidelity", out_path, record)
@@ -166,44 +136,6 @@ def _per_position(compared: dict, record: dict, out_path, start: float) -> dict:
         }
     )
     return _written(record, out_path, record["checkpoint"], record["baseline"])
-
-
-def _own_kl_mode(engine: HasOwnKlMode, arm_checkpoint, baseline_checkpoint, text_path, out_path, record: dict,
-                 engine_settings: Mapping, prompts: list[list[int]], *, ctx: int) -> dict:
-    """The engine's own aggregate KL statistics, over as many chunks as windows are compared,
-    and the greedy continuations of the same prompts as every other engine."""
-    if text_path is None:
-        raise ValueError(f"engine {record['engine']['name']} compares on the evaluation text; "
-                         "pass text_path")
-    start = time.perf_counter()
-    settings, new_tokens = dict(engine_settings), record["settings"]["new_tokens"]
-    statistics = engine.divergence_from_baseline(
-        Path(arm_checkpoint), Path(baseline_checkpoint), Path(text_path), settings, ctx=ctx,
-        chunks=record["windows"],
-    )
-    greedy = {which: engine.greedy_continuations(Path(checkpoint), prompts, new_tokens, settings)
-              for which, checkpoint in (("baseline", baseline_checkpoint), ("arm", arm_checkpoint))}
-    record.update(
-        {
-            "computed": True,
-            "method": OWN_KL_MODE,
-            "bound": f"exact, its own chunking: {statistics['chunks']} chunks of {ctx} tokens",
-            "definition": OWN_KL_DEFINITION.format(
-                ctx=ctx, chunks=statistics["chunks"], prompts=len(prompts), new_tokens=new_tokens,
-                prompt_tokens=record["settings"]["prompt_tokens"],
-            ),
-            "kl_mean": statistics["mean_kld"],
-            "kl_mean_uncertainty": statistics["mean_kld_uncertainty"],
-            "kl_p99": statistics["kld_p99"],
-            "top1_agreement": statistics["same_top_p_percent"] / 100,
-            "greedy": greedy_summary(greedy["baseline"], greedy["arm"], new_tokens),
-            "llama_perplexity": statistics,
-            "runtime": engine.runtime(Path(arm_checkpoint), settings),
-            "baseline_runtime": engine.runtime(Path(baseline_checkpoint), settings),
-            "seconds": time.perf_counter() - start,
-        }
-    )
-    return _written(record, out_path, arm_checkpoint, baseline_checkpoint)
 
 
 def _written(record: dict, out_path, arm_checkpoint, baseline_checkpoint) -> dict:
