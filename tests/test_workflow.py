@@ -32,6 +32,8 @@ def test_report_has_a_row_per_arm_and_engine(finished_study):
         # Every arm, llama.cpp's included, against its own dense expansion on its engine.
         assert row["control"] == "faithful", row
         assert float(row["dense_ppl"]) > 0
+        # KL from full logits on the study's windows, on every engine
+        assert row["kl_from"] == "full logits (exact)" and float(row["kl_mean"]) > 0, row
         if row["engine"].startswith("llamacpp"):
             assert "llama.cpp" in row["runtime"]
         if row["engine"].startswith("llamacpp"):  # timed: paired passes against the f16 GGUF
