@@ -742,6 +742,28 @@ def test_greedy_output_is_checked():
         parse_greedy_output("greedy 0 ids 4\ndone 1\n", 1, 2)
 
 
+def test_the_arm_is_scored_against_the_base_given_as_base(monkeypatch):
+    """KL(P_base || P_arm) is not symmetric: fourbit-score runs the arm as -m and the baseline
+    as --base, whichever order a caller names them in."""
+    import types
+
+    from fourbit.llamacpp import perplexity
+
+    commands = []
+
+    def run(command, what, on_stdout_line=None, **kwargs):
+        commands.append([str(part) for part in command])
+        return types.SimpleNamespace(stdout="compare 0 positions 1 kl 0.5 top1 1\ndone 1\n")
+
+    monkeypatch.setattr(perplexity, "run_tool", run)
+    tools = types.SimpleNamespace(scorer="fourbit-score")
+    assert compare_windows("base.gguf", "arm.gguf", [[1, 2]], tools=tools, threads=2) == {
+        "window_kl": [[0.5]], "window_top1": [[True]]}
+    [command] = commands
+    assert command[command.index("-m") + 1] == "arm.gguf"
+    assert command[command.index("--base") + 1] == "base.gguf"
+
+
 def test_compare_output_is_checked():
     stdout = "compare 0 positions 2 kl 0.5 0.25 top1 1 0\ncompare 1 positions 1 kl 0 top1 1\ndone 2\n"
     assert parse_compare_output(stdout, [2, 1]) == {"window_kl": [[0.5, 0.25], [0.0]],
@@ -754,6 +776,8 @@ def test_compare_output_is_checked():
         parse_compare_output(stdout.replace("top1 1 0", "top1 1"), [2, 1])
     with pytest.raises(ToolError, match="reported 1 windows, expected 2"):
         parse_compare_output("compare 0 positions 2 kl 0.5 0.25 top1 1 0\ndone 2\n", [2, 1])
+    with pytest.raises(ToolError, match="not a finite number in window 1"):
+        parse_compare_output(stdout.replace("kl 0 top1", "kl nan top1"), [2, 1])
 
 
 @pytest.mark.slow

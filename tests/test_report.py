@@ -525,7 +525,7 @@ def test_arms_of_two_engines_compare_each_against_its_own_baseline(tmp_path, tin
 
 
 def test_an_arm_of_another_engine_separably_lower_on_kl_is_the_closest(tmp_path, tiny_untied):
-    """A llama.cpp arm whose KL is separably below every vLLM arm's (compared unpaired, across
+    """A llama.cpp arm whose KL is separably below every vLLM arm's (paired by window across
     engines), and top-1 and greedy not separably worse: it is the closest arm."""
     close = (0.001, 0.002, 1e-5, 0.995, first(15))
     fidelity = verdict(vllm_study(tmp_path, tiny_untied, ISSUE_ARMS, gguf_arms={"q8_0": close}),

@@ -18,7 +18,9 @@ BASE_PPL = 10.0
 def row(name, fam, bits, kl_value=None, delta_pct=1.0, *, se=None, width=0.2,
         engine="vllm-0000000000", control="faithful"):
     """A report row with what the frontier reads: Δppl in % of a baseline of 10 with an
-    interval ± ``width`` points, a KL (with its standard error ``se``, if given) or none."""
+    interval ± ``width`` points, a KL (over two windows of 100 positions whose sums differ so
+    that its standard error is ``se``, if given) or none."""
+    units = None if se is None else ((100 * (kl_value + se), 100), (100 * (kl_value - se), 100))
     return {
         "arm_id": f"{name}-0000000000", "engine": engine, "method": "gptq", "family": fam,
         "control": control, "matrix_bits_per_weight": bits, "baseline_ppl": BASE_PPL,
@@ -26,7 +28,7 @@ def row(name, fam, bits, kl_value=None, delta_pct=1.0, *, se=None, width=0.2,
         "delta_ppl_ci_low": BASE_PPL * (delta_pct - width) / 100,
         "delta_ppl_ci_high": BASE_PPL * (delta_pct + width) / 100,
         "tg128_median": None,
-        "_measures": None if kl_value is None else {"KL": Measure("KL", kl_value, False, se=se)},
+        "_measures": None if kl_value is None else {"KL": Measure("KL", kl_value, False, units=units)},
     }
 
 

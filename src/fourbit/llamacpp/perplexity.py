@@ -28,7 +28,7 @@ settings, which it takes as the same flags (:func:`fourbit.llamacpp.common_arith
 
 from __future__ import annotations
 
-import logging
+import math
 import re
 import tempfile
 from pathlib import Path
@@ -37,7 +37,6 @@ from fourbit.llamacpp import ToolError, common_arithmetic_flags, run_tool, tail
 from fourbit.llamacpp.installed import LlamaCpp
 from fourbit.progress import Progress
 
-log = logging.getLogger("fourbit")
 
 _WINDOW_LINE = re.compile(r"^window (\d+) tokens (\d+) nll_sum (\S+)$")
 _COMPARE_LINE = re.compile(r"^compare (\d+) positions (\d+) kl((?: \S+)*) top1((?: [01])*)$")
@@ -179,7 +178,11 @@ def parse_compare_output(stdout: str, scored_per_window: list[int]) -> dict:
                 or len(kl) != expected or len(top1) != expected):
             raise ToolError(f"unexpected line from fourbit-score --base (window {len(window_kl)}, "
                             f"{expected} positions expected): {line[:200]!r}")
-        window_kl.append([float(x) for x in kl])
+        values = [float(x) for x in kl]
+        if not all(math.isfinite(x) for x in values):
+            raise ToolError(f"fourbit-score --base gave a KL that is not a finite number in window "
+                            f"{len(window_kl)}: {line[:200]!r}")
+        window_kl.append(values)
         window_top1.append([x == "1" for x in top1])
     if len(window_kl) != len(scored_per_window):
         raise ToolError(f"fourbit-score reported {len(window_kl)} windows, expected "
