@@ -128,6 +128,9 @@ struct Loaded {
         llama_model_free(model);
     }
 
+    Loaded(const Loaded &) = delete;
+    Loaded & operator=(const Loaded &) = delete;
+
     // ``window`` into ``batch``, its ids checked, logits asked at positions 0..W-2 (each
     // predicts the next token).
     void fill(llama_batch & batch, const std::vector<llama_token> & window, size_t w) const {
@@ -206,23 +209,18 @@ static void score(Loaded & loaded, llama_batch & batch, const std::vector<llama_
     printf("window %zu tokens %d nll_sum %.17g\n", w, n - 1, nll_sum);
 }
 
-// KL(P_base || P_arm) and top-1 agreement at positions 1..W-1; base_logits holds the base's
-// logits of the window between the two decodes ([W-1][n_vocab]).
+// KL(P_base || P_arm) and top-1 agreement at positions 1..W-1. Each context keeps its own
+// logits until its next decode, so the base's are read in place after the arm's decode.
 static void compare(Loaded & base, Loaded & arm, llama_batch & batch, const std::vector<llama_token> & window,
-                    size_t w, std::vector<float> & base_logits) {
+                    size_t w) {
     const int n = (int) window.size();
     const size_t n_vocab = (size_t) arm.n_vocab;
     base.decode(batch, window, w);
-    base_logits.resize((size_t) (n - 1) * n_vocab);
-    for (int j = 0; j < n - 1; j++) {
-        const float * logits = llama_get_logits_ith(base.context, j);
-        std::copy(logits, logits + n_vocab, base_logits.begin() + (size_t) j * n_vocab);
-    }
     arm.decode(batch, window, w);
     std::vector<double> kl(n - 1);
     std::vector<int> top1(n - 1);
     for (int j = 0; j < n - 1; j++) {
-        const float * b = base_logits.data() + (size_t) j * n_vocab;
+        const float * b = llama_get_logits_ith(base.context, j);
         const float * a = llama_get_logits_ith(arm.context, j);
         const double lse_b = log_sum_exp(b, (int) n_vocab);
         const double lse_a = log_sum_exp(a, (int) n_vocab);
@@ -313,12 +311,11 @@ int main(int argc, char ** argv) {
             }
         }
         llama_batch batch = llama_batch_init((int32_t) longest, 0, 1);
-        std::vector<float> base_logits;
         for (size_t w = 0; w < windows.size(); w++) {
             if (greedy_tokens > 0) {
                 greedy(model, batch, windows[w], w, greedy_tokens);
             } else if (base) {
-                compare(*base, model, batch, windows[w], w, base_logits);
+                compare(*base, model, batch, windows[w], w);
             } else {
                 score(model, batch, windows[w], w);
             }
