@@ -14,9 +14,9 @@ from fourbit.llamacpp.installed import find_llamacpp
 from fourbit.llamacpp.perplexity import compare_windows
 from fourbit.llamacpp.perplexity import greedy_continuations as llamacpp_greedy
 from fourbit.llamacpp.perplexity import score_windows as llamacpp_score
-from fourbit.metrics.kl import FULL
 from fourbit.llamacpp.quantize import gguf_bits_per_weight
 from fourbit.llamacpp.throughput import llama_bench
+from fourbit.metrics.kl import FULL
 
 
 def _tools():

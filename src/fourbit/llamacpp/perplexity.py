@@ -111,17 +111,23 @@ def greedy_continuations(
     return parse_greedy_output(stdout, len(prompts), new_tokens)
 
 
+def _lines_before_done(stdout: str, count: int, unit: str) -> list[str]:
+    """fourbit-score's stdout lines before its last, which must say it finished all
+    ``count`` rows (a run cut short prints no "done")."""
+    lines = stdout.strip().splitlines()
+    if not lines or lines[-1] != f"done {count}":
+        raise ToolError(f"fourbit-score did not finish all {count} {unit}; its output ends:\n"
+                        f"{tail(stdout)}")
+    return lines[:-1]
+
+
 _GREEDY_LINE = re.compile(r"^greedy (\d+) ids((?: -?\d+)*)$")
 
 
 def parse_greedy_output(stdout: str, prompts: int, new_tokens: int) -> list[list[int]]:
     """fourbit-score --greedy's stdout → one list of ``new_tokens`` ids per prompt."""
-    lines = stdout.strip().splitlines()
-    if not lines or lines[-1] != f"done {prompts}":
-        raise ToolError(f"fourbit-score did not finish all {prompts} prompts; its output ends:\n"
-                        f"{tail(stdout)}")
     continuations = []
-    for line in lines[:-1]:
+    for line in _lines_before_done(stdout, prompts, "prompts"):
         match = _GREEDY_LINE.match(line)
         ids = [int(i) for i in match.group(2).split()] if match else []
         if not match or int(match.group(1)) != len(continuations) or len(ids) != new_tokens:
@@ -135,14 +141,8 @@ def parse_greedy_output(stdout: str, prompts: int, new_tokens: int) -> list[list
 
 def parse_scorer_output(stdout: str, scored_per_window: list[int]) -> list[dict]:
     """fourbit-score's stdout → [{"nll_sum", "tokens"}], checked against what was asked."""
-    lines = stdout.strip().splitlines()
-    if not lines or lines[-1] != f"done {len(scored_per_window)}":
-        raise ToolError(
-            f"fourbit-score did not finish all {len(scored_per_window)} windows; its output ends:\n"
-            f"{tail(stdout)}"
-        )
     results = []
-    for line in lines[:-1]:
+    for line in _lines_before_done(stdout, len(scored_per_window), "windows"):
         match = _WINDOW_LINE.match(line)
         if not match:
             raise ToolError(f"unexpected line from fourbit-score: {line!r}")
@@ -164,12 +164,8 @@ def parse_scorer_output(stdout: str, scored_per_window: list[int]) -> list[dict]
 def parse_compare_output(stdout: str, scored_per_window: list[int]) -> dict:
     """fourbit-score --base's stdout → {"window_kl", "window_top1"}, checked against what
     was asked (a window's line holds as many KLs and top-1 flags as it has scored positions)."""
-    lines = stdout.strip().splitlines()
-    if not lines or lines[-1] != f"done {len(scored_per_window)}":
-        raise ToolError(f"fourbit-score did not finish all {len(scored_per_window)} windows; its "
-                        f"output ends:\n{tail(stdout)}")
     window_kl, window_top1 = [], []
-    for line in lines[:-1]:
+    for line in _lines_before_done(stdout, len(scored_per_window), "windows"):
         match = _COMPARE_LINE.match(line)
         expected = scored_per_window[len(window_kl)] if len(window_kl) < len(scored_per_window) else None
         kl = match.group(3).split() if match else []

@@ -135,14 +135,14 @@ def _per_position(compared: dict, record: dict, out_path, start: float) -> dict:
             "seconds": time.perf_counter() - start,
         }
     )
-    return _written(record, out_path, record["checkpoint"], record["baseline"])
+    return _written(record, out_path)
 
 
-def _written(record: dict, out_path, arm_checkpoint, baseline_checkpoint) -> dict:
+def _written(record: dict, out_path) -> dict:
     """``record``, once written to ``out_path`` (fourbit.records.write) and its numbers logged."""
     records.write("fidelity", out_path, record)
     log.info("%s vs %s (%s): KL mean %.5f p99 %.5f, top-1 %.4f, greedy %d/%d identical (%.1f s)",
-             arm_checkpoint, baseline_checkpoint, record["method"], record["kl_mean"],
+             record["checkpoint"], record["baseline"], record["method"], record["kl_mean"],
              record["kl_p99"], record["top1_agreement"], record["greedy"]["identical"],
              record["greedy"]["prompts"], record["seconds"])
     return record
