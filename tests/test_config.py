@@ -70,16 +70,17 @@ def test_bad_value_names_the_allowed_values():
         study(bad)
 
 
-def test_a_4_bit_embedding_outside_cpu_int4_is_refused_naming_what_fits():
+def test_an_embedding_width_is_4_or_8_bits_and_hashed_into_the_arm():
     bad = copy.deepcopy(BASE)
-    bad["arms"][0]["quant"] = {"method": "gptq", "group_size": 128, "quantize_embedding": True}
-    with pytest.raises(ConfigError, match=r"quantize_embedding: 8 was expected.*cpu_int4's alone"):
+    bad["arms"][0]["quant"] = {"method": "gptq", "group_size": 128, "quantize_embedding": 6}
+    with pytest.raises(ConfigError, match=r"quantize_embedding: 6 is not one of.*allowed: True, 8"):
         study(bad)
-    good = copy.deepcopy(BASE)
-    good["arms"][0]["quant"] = {"method": "gptq", "group_size": 128, "quantize_embedding": 8}
-    plain = copy.deepcopy(BASE)
-    plain["arms"][0]["quant"] = {"method": "gptq", "group_size": 128}
-    assert list(study(good).arms)[0] != list(study(plain).arms)[0]  # hashed into the id
+    ids = set()
+    for table in ({}, {"quantize_embedding": True}, {"quantize_embedding": 8}):
+        arms = copy.deepcopy(BASE)
+        arms["arms"][0]["quant"] = {"method": "gptq", "group_size": 128, **table}
+        ids.add(list(study(arms).arms)[0])
+    assert len(ids) == 3
 
 
 def test_duplicate_arm_is_refused():

@@ -92,36 +92,56 @@ def test_both_int4_paths_agree(tiny_untied, tmp_path):
     assert torch.allclose(many, few, rtol=1e-5, atol=1e-5)
 
 
-def test_quantized_embedding_is_looked_up_from_4_bits(tiny_untied, tmp_path):
-    """quantize_embedding: the table [V, H] is stored like a linear and read back exactly."""
-    manifest = quantize_checkpoint(
-        tiny_untied, tmp_path / "q", tmp_path / "arm.json",
-        arm(method="cpu_int4", search="minmax", group_size=64, quantize_embedding=True),
-    )
-    assert "model.embed_tokens" in manifest["quantized_modules"]
-    table_size = load_tensors(tiny_untied)["model.embed_tokens.weight"].numel()
-    without = quantize_checkpoint(tiny_untied, tmp_path / "q0", tmp_path / "arm0.json",
-                                  arm(method="cpu_int4", search="minmax", group_size=64))
+@pytest.mark.parametrize(("quant", "fmt"), [
+    ({"method": "cpu_int4", "search": "minmax"}, "fourbit_int4"),
+    ({"method": "rtn", "sym": True}, "gptq"),
+    ({"method": "rtn", "sym": False}, "compressed-tensors"),
+])
+def test_quantized_embedding_is_looked_up_from_4_bits(tiny_untied, tmp_path, quant, fmt):
+    """quantize_embedding: true stores the table [V, H] in cpu_int4's row layout in every
+    format (cpu_int4 marks it itself, the others name it under INT4_EMBEDDING), counts it
+    in the bits, and reads it back exactly; the dense control and the reference engine agree."""
+    from fourbit.formats import INT4_EMBEDDING
+
+    embedding = "model.embed_tokens"
+    quant = {**quant, "group_size": 64}
+    manifest = quantize_checkpoint(tiny_untied, tmp_path / "q", tmp_path / "arm.json",
+                                   arm(**quant, quantize_embedding=True))
+    assert embedding in manifest["quantized_modules"]
+    table_size = load_tensors(tiny_untied)[f"{embedding}.weight"].numel()
+    without = quantize_checkpoint(tiny_untied, tmp_path / "q0", tmp_path / "arm0.json", arm(**quant))
     assert manifest["storage"]["linear_weights"] == without["storage"]["linear_weights"] + table_size
     assert manifest["storage"]["size_bytes"] < without["storage"]["size_bytes"]
     assert manifest["method_facts"]["embedding"] == "rtn"
-    assert read_config(tmp_path / "q")["quantization_config"]["embedding"] is True
+    config = read_config(tmp_path / "q")["quantization_config"]
+    assert config["quant_method"] == fmt
+    own = fmt == "fourbit_int4"
+    assert config.get("embedding", False) is own and config.get(INT4_EMBEDDING) == (None if own else embedding)
+    stored = load_tensors(tmp_path / "q")
+    vocab, hidden = load_tensors(tiny_untied)[f"{embedding}.weight"].shape
+    assert stored[f"{embedding}.qweight"].shape == (vocab, hidden // 2)  # whole rows, two codes a byte
+    assert stored[f"{embedding}.qweight"].dtype == torch.uint8
+    # the table's stored bits: 4 per weight and a float16 scale and a uint8 zero per group
+    table_bits = sum(t.numel() * t.element_size() * 8 for name, t in stored.items()
+                     if name.startswith(f"{embedding}."))
+    assert table_bits == table_size * (4 + 24 / 64)
     dequantize_checkpoint(tmp_path / "q", tmp_path / "d")
-    table = read_quantized(tmp_path / "q")[2]["model.embed_tokens"]
-    assert torch.equal(load_tensors(tmp_path / "d")["model.embed_tokens.weight"],
-                       table.dequantize(torch.float32))
-    original = load_tensors(tiny_untied)["model.embed_tokens.weight"]
+    table = read_quantized(tmp_path / "q")[2][embedding]
+    assert torch.equal(load_tensors(tmp_path / "d")[f"{embedding}.weight"], table.dequantize(torch.float32))
+    original = load_tensors(tiny_untied)[f"{embedding}.weight"]
     assert not torch.equal(table.dequantize(torch.float32), original)  # really rounded
     assert_reference_scores_like_its_control(tmp_path / "q", tmp_path / "d")
 
 
-def test_only_cpu_int4_can_quantize_the_embedding():
+def test_gptq_and_compressed_tensors_do_not_mark_a_table_in_their_own_config():
+    """Their loaders would expect a dense table; the 4-bit table is named beside them."""
     from fourbit import formats
 
-    with pytest.raises(Exception, match="quantize_embedding"):
-        arm(method="gptq", quantize_embedding=True)
-    with pytest.raises(ValueError, match="only with method cpu_int4"):
-        formats.get_format("gptq").quantization_config(128, True, embedding=True)
+    for name in ("gptq", "compressed_tensors"):
+        assert not formats.get_format(name).marks_embedding
+        assert formats.table_layout(formats.get_format(name)) is formats.get_format("cpu_int4")
+        with pytest.raises(ValueError, match="fourbit.formats.table"):
+            formats.get_format(name).quantization_config(128, True, embedding=True)
 
 
 # ---- calibrated methods: the held-out guard on the grid search ----
@@ -192,7 +212,7 @@ HELDOUT_ONLY = {"seq_len": 64, "heldout": 3}  # a search that fits nothing: only
     "quant, calibration",
     [
         ({"method": "cpu_int4", "group_size": 64, "importance": "activation"}, CALIBRATION),
-        ({"method": "gptq", "group_size": 32, "sym": False}, CALIBRATION),
+        ({"method": "gptq", "group_size": 32, "sym": False, "quantize_embedding": True}, CALIBRATION),
         ({"method": "gptq", "group_size": 128, "sym": True, "head_method": "rtn"}, CALIBRATION),
         # searches without importance: the held-out windows are all they read
         ({"method": "cpu_int4", "group_size": 64, "quantize_embedding": True}, HELDOUT_ONLY),
@@ -377,6 +397,7 @@ def test_vllm_native_is_not_given_an_arm_with_an_8_bit_matrix():
     assert runs(arm(method="gptq", group_size=128, sym=True)["quant"])
     assert not runs(arm(method="gptq", group_size=128, sym=True, quantize_head=8)["quant"])
     assert not runs(arm(method="gptq", group_size=128, sym=True, quantize_embedding=8)["quant"])
+    assert not runs(arm(method="gptq", group_size=128, sym=True, quantize_embedding=True)["quant"])
     assert not runs(arm(method="gptq", group_size=128, sym=True, mixed_precision={"extra_bits": 0.5})["quant"])
 
 

@@ -108,6 +108,16 @@ def test_the_embedding_is_checked_only_when_the_arm_quantizes_it():
     assert "model.embed_tokens" in shapes.plan_arm(matrices, quant(group_size=64, quantize_embedding=True)).quantized
 
 
+def test_a_4_bit_table_is_checked_against_its_own_layout_in_every_format():
+    """The table is stored in cpu_int4's layout whatever the arm's format, so a vocabulary
+    that compressed-tensors' zero points [N/8, K/G] could not hold does not refuse it."""
+    matrices = shapes.matrices_from_config({**WIDE_576, "vocab_size": 49155})
+    plan = shapes.plan_arm(matrices, quant("gptq", 64, sym=False, quantize_head=False, quantize_embedding=True))
+    assert plan.refusal is None and "model.embed_tokens" in plan.quantized
+    head = shapes.plan_arm(matrices, quant("gptq", 64, sym=False))  # the head is in the format's own
+    assert "lm_head: N=49155 is not a multiple of 8" in head.refusal
+
+
 def test_fallback_dense_keeps_misfits_and_their_merged_siblings_dense():
     # head_dim 4 with one KV head: k/v have N=4, which GPTQ's qzeros [K/G, N/8] cannot
     # hold; q fits alone but vLLM merges it with k and v, so all three stay dense.

@@ -106,12 +106,16 @@ def build_pair(root, fmt_name: str, *, arch: str = "llama", quantize_head: bool 
     quant = {k: v for k, v in state.items() if k[: -len(".weight")] not in qws | eight_bit}
     dense = dict(state)
     for module, qw in qws.items():
-        quant.update({f"{module}.{s}": t for s, t in fmt.pack(qw).items()})
+        layout = formats.table_layout(fmt) if module == "model.embed_tokens" else fmt
+        quant.update({f"{module}.{s}": t for s, t in layout.pack(qw).items()})
         dense[f"{module}.weight"] = qw.dequantize(torch.float32)
     for module, qw in eight_bit.items():
         quant.update({f"{module}.{s}": t for s, t in formats.INT8.pack(qw).items()})
         dense[f"{module}.weight"] = qw.dequantize(torch.float32)
-    qc = fmt.quantization_config(GROUP, sym, lm_head=quantize_head is True, embedding=embedding is True)
+    qc = fmt.quantization_config(GROUP, sym, lm_head=quantize_head is True,
+                                 embedding=embedding is True and fmt.marks_embedding)
+    if embedding is True and not fmt.marks_embedding:  # the 4-bit table beside the format
+        qc[formats.INT4_EMBEDDING] = "model.embed_tokens"
     if eight_bit:
         qc[formats.INT8_MODULES] = sorted(eight_bit)
     if embedding == 8:
@@ -418,6 +422,8 @@ CASES = [(f, "llama", True, 512, False, "w4a16") for f in FORMATS] + [
     ("cpu_int4", "llama", True, 488, False, "w4a16"),  # vLLM pads the head to 512 rows
     ("cpu_int4", "llama", True, 488, True, "w4a16"),  # the input embedding from 4 bits too
     ("cpu_int4", "qwen2", True, 512, True, "w4a16"),  # ... where vLLM names the embedding
+    ("gptq", "llama", True, 488, True, "w4a16"),  # ... in the table layout beside any format
+    ("compressed_tensors", "qwen2", True, 512, True, "w4a16"),
 ] + [(f, "llama", 8, 488, False, "w4a16") for f in FORMATS] + [  # the head at 8 bits, padded
     ("gptq", "llama", 8, 488, 8, "w4a16"),  # the embedding at 8 bits, in any format
     ("compressed_tensors", "qwen2", True, 512, 8, "w4a16"),  # ... where vLLM names it

@@ -84,6 +84,11 @@ LAYOUTS: dict[str, tuple[TensorSpec, ...]] = {
     ),
 }
 
+# The layout a 4-bit input embedding table is stored in, whatever the checkpoint's format:
+# a lookup gathers whole rows, and this one keeps each row's codes, scales and zeros in that
+# row (fourbit.formats.table).
+TABLE_LAYOUT = "cpu_int4"
+
 
 @dataclass(frozen=True)
 class GgufType:

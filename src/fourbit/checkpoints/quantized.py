@@ -1,8 +1,9 @@
 """Quantized checkpoints: Hugging Face folders whose linears (and maybe embedding) are packed.
 
 A quantized module ``m`` stores its format's tensors as ``m.<suffix>`` (see
-fourbit.formats) instead of ``m.weight``; everything else (norms, biases, and the
-input embedding unless the arm quantizes it) stays dense. A quantized embedding
+fourbit.formats; a 4-bit embedding table, fourbit.formats.table's) instead of
+``m.weight``; everything else (norms, biases, and the input embedding unless the arm
+quantizes it) stays dense. A quantized embedding
 [V, H] is a matrix like any linear's [N, K], with N = V and K = H. config.json
 carries the format's ``quantization_config``, which is how a reader finds the
 format again.
@@ -24,7 +25,17 @@ from fourbit.checkpoints.hf import (
     weight_files,
     write_checkpoint,
 )
-from fourbit.formats import INT8, INT8_EMBEDDING, INT8_MODULES, format_for_config, get_format, int8_modules
+from fourbit.formats import (
+    INT4_EMBEDDING,
+    INT8,
+    INT8_EMBEDDING,
+    INT8_MODULES,
+    format_for_config,
+    get_format,
+    int4_embedding,
+    int8_modules,
+    table_layout,
+)
 from fourbit.quant.int8 import Int8Weight
 from fourbit.quant.qweight import QuantizedWeight
 
@@ -48,16 +59,20 @@ def write_quantized(
     embedding = module_name(model, model.get_input_embeddings())
     tensors = load_tensors(source)
     eight_bit = sorted(name for name, qweight in qweights.items() if isinstance(qweight, Int8Weight))
+    four_bit = set(qweights) - set(eight_bit)
+    table = embedding if embedding in four_bit else None  # a 4-bit table, in table_layout(fmt)
     for name, qweight in qweights.items():
         del tensors[f"{name}.weight"]
-        layout = INT8 if name in eight_bit else fmt
+        layout = INT8 if name in eight_bit else table_layout(fmt) if name == table else fmt
         for suffix, tensor in layout.pack(qweight).items():
             tensors[f"{name}.{suffix}"] = tensor
-    four_bit = set(qweights) - set(eight_bit)
     config = read_config(source)
     config["quantization_config"] = fmt.quantization_config(
-        quant["group_size"], quant["sym"], lm_head=head in four_bit, embedding=embedding in four_bit
+        quant["group_size"], quant["sym"], lm_head=head in four_bit,
+        embedding=table is not None and fmt.marks_embedding,
     )
+    if table is not None and not fmt.marks_embedding:
+        config["quantization_config"][INT4_EMBEDDING] = table
     if eight_bit:
         config["quantization_config"][INT8_MODULES] = eight_bit
     if embedding in eight_bit:  # for readers that see the table without its name (vLLM's Llama)
@@ -69,8 +84,9 @@ def read_quantized(
     folder: str | os.PathLike,
 ) -> tuple[dict, dict[str, torch.Tensor], dict[str, QuantizedWeight | Int8Weight]]:
     """(config, dense tensors, the stored weight by module name) of a quantized checkpoint:
-    a QuantizedWeight for each matrix in the checkpoint's format, an Int8Weight for each
-    one in the 8-bit layout (fourbit.formats.int8)."""
+    a QuantizedWeight for each matrix in the checkpoint's format or in the 4-bit table
+    layout (fourbit.formats.table), an Int8Weight for each one in the 8-bit layout
+    (fourbit.formats.int8)."""
     config = read_config(folder)
     if "quantization_config" not in config:
         raise ValueError(f"{folder}: config.json has no quantization_config; not a quantized checkpoint")
@@ -83,8 +99,10 @@ def read_quantized(
         raise ValueError(f"{folder}: {fmt.name} checkpoint without any '*{marker}' tensor")
     model = skeleton(folder)
     qweights = {}
+    table = int4_embedding(config["quantization_config"])
     layouts = {**{name: fmt for name in modules},
-               **{name: INT8 for name in int8_modules(config["quantization_config"])}}
+               **{name: INT8 for name in int8_modules(config["quantization_config"])},
+               **({table: table_layout(fmt)} if table else {})}
     for name, layout in layouts.items():
         parts = {spec.suffix: tensors.pop(f"{name}.{spec.suffix}") for spec in layout.layout}
         qweights[name] = layout.unpack(parts, *matrix_shape(model.get_submodule(name)), group_size)

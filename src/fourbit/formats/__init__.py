@@ -18,7 +18,8 @@ so bits per weight come from the bytes on disk, not from a nominal "4".
 Extend by registration: subclass ``Format``, decorate it with ``@register_format``, and
 add its table to fourbit.layouts.LAYOUTS.
 ``INT8`` (fourbit.formats.int8) is a Layout, not a Format: the 8-bit matrices an arm
-keeps inside a checkpoint of any format.
+keeps inside a checkpoint of any format. A 4-bit input embedding table is stored in
+cpu_int4's layout in every format (fourbit.formats.table).
 """
 
 from fourbit.formats.base import (
@@ -38,10 +39,12 @@ from fourbit.formats.base import (
 # Importing each format registers it.
 from fourbit.formats import compressed_tensors, cpu_int4, gptq  # noqa: E402, F401
 from fourbit.formats.int8 import INT8, INT8_EMBEDDING, INT8_MODULES, int8_modules  # noqa: E402
+from fourbit.formats.table import INT4_EMBEDDING, int4_embedding, table_layout  # noqa: E402
 
 __all__ = [
     "FORMATS",
     "Format",
+    "INT4_EMBEDDING",
     "INT8",
     "INT8_EMBEDDING",
     "INT8_MODULES",
@@ -49,10 +52,12 @@ __all__ = [
     "check_nibbles",
     "format_for_config",
     "get_format",
+    "int4_embedding",
     "int8_modules",
     "pack_nibbles_int32",
     "refuse_quantized_embedding",
     "register_format",
     "stored_dtype",
+    "table_layout",
     "unpack_nibbles_int32",
 ]

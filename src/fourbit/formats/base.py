@@ -98,6 +98,10 @@ class Format(Layout):
     """An on-disk checkpoint format: a Layout for every quantized matrix, plus the
     config.json quantization_config that names it and that its readers find it by."""
 
+    # Whether its quantization_config can say that the input embedding is stored in its
+    # layout; the others keep a 4-bit table in fourbit.formats.table's.
+    marks_embedding = False
+
     @abc.abstractmethod
     def quantization_config(
         self, group_size: int, sym: bool, *, lm_head: bool = False, embedding: bool = False
@@ -156,7 +160,7 @@ def refuse_quantized_embedding(format_name: str, embedding: bool) -> None:
     if embedding:
         raise ValueError(
             f"format {format_name} cannot mark a quantized input embedding (its loaders expect "
-            "a dense table); quantize the embedding only with method cpu_int4"
+            "a dense table); store the table in fourbit.formats.table's layout beside it"
         )
 
 

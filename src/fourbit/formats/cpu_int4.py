@@ -38,6 +38,7 @@ FORMAT_VERSION = 1
 class CpuInt4(Format):
     name = "cpu_int4"
     layout = LAYOUTS[name]  # the module doc's table; in fourbit.layouts, the planner reads it too
+    marks_embedding = True
 
     def pack(self, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
         check_nibbles(qw)

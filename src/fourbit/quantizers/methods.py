@@ -313,7 +313,9 @@ class GptqMethod:
 
     Each group's grid is found by ``search`` with diag(H) as the importance; unless
     that is plain min/max, each layer is quantized both ways and keeps whichever has
-    the smaller output error on held-out activations (HeldOutGuard).
+    the smaller output error on held-out activations (HeldOutGuard). The input embedding,
+    if asked for, is looked up, not multiplied, so there is no Hessian to feed back
+    through: it is rounded on the same grid (quantize_embedding) and guarded the same way.
     """
 
     format = staticmethod(symmetric_gptq_else_compressed)
@@ -347,6 +349,7 @@ class GptqMethod:
             return guard.choose(name, weight, h_heldout, searched, plain)
 
         qweights, info = quantize_walking(job, quantize_one, heldout=guarded)
+        qweights.update(quantize_embedding(job, grid, search, guard if guarded else None))
         raised = {name: d for name, d in damping.items() if d != quant["damp_percent"]}
         facts = {
             **info,
@@ -354,6 +357,7 @@ class GptqMethod:
             "act_order": quant["act_order"],
             "static_groups": quant["static_groups"],
             "head": quant["head_method"] if HEAD in job.linears else "not quantized",
+            "embedding": "rtn" if job.embedding else "dense",
             "damping_raised": raised,
         }
         if guarded:

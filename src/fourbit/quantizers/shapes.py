@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from fourbit.schema import allowed
-from fourbit.layouts import GGUF_TYPES, LAYOUTS
+from fourbit.layouts import GGUF_TYPES, LAYOUTS, TABLE_LAYOUT
 
 # Within a decoder layer, in forward order; each group's members share one input, and
 # vLLM merges q/k/v into qkv_proj and gate/up into gate_up_proj, whose members must be
@@ -163,8 +163,10 @@ def plan_arm(matrices: Matrices, quant: dict, arm_name: str = "arm") -> ArmPlan:
     if quant.get("quantize_embedding"):
         chosen[matrices.embedding] = matrices.embedding_shape
     fmt, group = format_of(quant), quant["group_size"]
+    # a 4-bit table is stored in its own layout whatever the format (fourbit.formats.table)
+    layout = {matrices.embedding: TABLE_LAYOUT} if quant.get("quantize_embedding") is True else {}
     misfits = {name: why for name, (n, k) in chosen.items()
-               if (why := does_not_fit(fmt, n, k, group))}
+               if (why := does_not_fit(layout.get(name, fmt), n, k, group))}
     if not misfits:
         return ArmPlan(chosen)
     policy = quant.get("fallback", "refuse")

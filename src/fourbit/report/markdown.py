@@ -250,7 +250,7 @@ def quantization_table(manifests: list[dict]) -> list[str]:
     for m in manifests:
         facts, quant = m["method_facts"], m["quant"]
         order = (f"{facts['act_order']} / {facts['static_groups']}" if "act_order" in facts else "—")
-        embedding = facts.get("embedding", "dense")  # 4-bit (cpu_int4) or 8-bit, if the arm asked
+        embedding = facts.get("embedding", "dense")  # 4-bit or 8-bit, if the arm asked
         lines.append(f"| `{m['id']}` | {facts['algorithm']} | {facts['head']} | {embedding} | {order} | "
                      f"{_calibration_drawn(quant.get('calibration'))} | "
                      f"{_search_kept(facts.get('heldout_guard'))} | "

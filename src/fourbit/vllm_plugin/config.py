@@ -5,9 +5,10 @@ Which layers are quantized: read from the checkpoint itself (safetensors headers
 ``maybe_update_config``, vllm/config/vllm.py:914-918), a module being quantized when
 it has the format's first tensor (e.g. "lm_head.qweight"). A merged layer must be all
 or nothing. Other layers get vLLM's UnquantizedLinearMethod, an unquantized lm_head
-or input embedding gets None, i.e. vLLM's own. A quantized input embedding (cpu_int4
-with ``quantize_embedding``) gets FourbitEmbeddingMethod: the table stays packed and
-each lookup dequantizes only the rows it reads.
+or input embedding gets None, i.e. vLLM's own. A quantized input embedding
+(``quantize_embedding``: the 4-bit table of fourbit.formats.table, or the 8-bit layout)
+gets FourbitEmbeddingMethod: the table stays packed and each lookup dequantizes only the
+rows it reads.
 
 vLLM's default checkpoint mapper drops ".g_idx" (layers/quantization/base_config.py:
 249-256); this config keeps it, so the GPTQ reader can refuse act-order checkpoints.
@@ -114,6 +115,9 @@ class FourbitInt4Config(QuantizationConfig):
         # Those it stores in the 8-bit layout instead (fourbit.formats.int8: the head of
         # quantize_head: 8 arm, the sets mixed_precision moved), named by its quantization_config.
         self.int8_modules: set[str] = set(formats.int8_modules(self.checkpoint_config))
+        # The embedding it stores as a 4-bit table beside them (fourbit.formats.table), if any.
+        table = formats.int4_embedding(self.checkpoint_config)
+        self.table_modules: set[str] = {table} if table else set()
 
     def __repr__(self) -> str:
         knobs = ", ".join(f"{k}={getattr(self, k)!r}" for k in KNOBS)
@@ -200,6 +204,7 @@ class FourbitInt4Config(QuantizationConfig):
             self.quantized_modules = set(self.quantized_modules) | set(mapped)
         mapped = hf_to_vllm_mapper.apply_list(sorted(self.int8_modules))
         self.int8_modules = self.int8_modules | set(mapped)
+        self.table_modules |= set(hf_to_vllm_mapper.apply_list(sorted(self.table_modules)))
 
     def _all_stored(self, prefix: str, stored: set[str], how: str) -> bool:
         """Whether the checkpoint module(s) behind ``prefix`` are all in ``stored``; a merged
@@ -230,16 +235,18 @@ class FourbitInt4Config(QuantizationConfig):
             # Some models build their embedding without a prefix (vLLM's Llama does), so
             # the checkpoint's own flags decide; where the name is known they must agree.
             eight_bit = bool(self.checkpoint_config.get(formats.INT8_EMBEDDING, False))
-            stored = eight_bit or bool(self.checkpoint_config.get("embedding", False))
+            stored = (eight_bit or bool(self.table_modules)
+                      or bool(self.checkpoint_config.get("embedding", False)))
             known = prefix and self.quantized_modules is not None
-            if known and (self.is_quantized(prefix, layer) or prefix in self.int8_modules) != stored:
+            in_checkpoint = prefix in self.int8_modules | self.table_modules
+            if known and (self.is_quantized(prefix, layer) or in_checkpoint) != stored:
                 raise ValueError(
                     f"{QUANT_METHOD}: quantization_config says embedding={stored}, but the "
                     f"checkpoint stores {prefix} {'dense' if stored else 'quantized'}"
                 )
             if not stored:
                 return None
-            return FourbitEmbeddingMethod(self, formats.INT8 if eight_bit else self.format)
+            return FourbitEmbeddingMethod(self, formats.INT8 if eight_bit else formats.table_layout(self.format))
         if isinstance(layer, LinearBase):
             if self.is_quantized(prefix, layer):
                 return FourbitLinearMethod(self)

@@ -43,7 +43,6 @@ class PluginSettings(Protocol):
     """What these methods read of the config that builds them
     (fourbit.vllm_plugin.config.FourbitInt4Config; the knobs are described in knobs.py)."""
 
-    format_name: str
     group_size: int
     dequant_threshold: int
     prefill_dequant: bool
@@ -81,23 +80,18 @@ class _Method(StoredTensors):
 class FourbitEmbeddingMethod(StoredTensors, QuantizeMethodBase):
     """A quantized embedding table: lookups gather stored rows and dequantize only those.
 
-    The table is kept as stored, in the 4-bit format (cpu_int4: codes two to a byte,
-    scales, integer zeros, about 4.2 bits per weight) or in the 8-bit layout (int8
-    codes and scales, quantize_embedding: 8), and the rows a step looks up are decoded by
-    that layout's own unpack and dequantize, i.e. exactly as the dense control was
-    expanded. Of the 4-bit formats only cpu_int4 can mark a quantized embedding.
+    The table is kept as stored, in the 4-bit table layout (fourbit.formats.table, in
+    every format: codes two to a byte, scales, integer zeros, 4 + 24/G bits per weight) or
+    in the 8-bit layout (int8 codes and scales, quantize_embedding: 8), and the rows a step
+    looks up are decoded by that layout's own unpack and dequantize, i.e. exactly as the
+    dense control was expanded.
     """
-
-    TABLE_FORMAT = "cpu_int4"
 
     def __init__(self, config: PluginSettings, layout: formats.Layout) -> None:
         super().__init__(layout, config.group_size)
         self.config = config
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        if self.fmt is not formats.INT8 and self.config.format_name != self.TABLE_FORMAT:
-            raise ValueError(f"{QUANT_METHOD}: a 4-bit input embedding must be stored in "
-                             f"{self.TABLE_FORMAT}, this checkpoint is {self.config.format_name}")
         # Kept as loaded, checked against the layout's table: decoding the whole table
         # only to pack it again would briefly need V x H more bytes.
         [(rows, tensors)] = self.take_stored(layer)
