@@ -27,6 +27,7 @@ def test_allocation_takes_most_kl_per_bit_first_and_skips_what_no_longer_fits():
 @pytest.mark.parametrize("quant", [
     {"method": "rtn", "group_size": 64, "sym": True},  # plain rounding: only the held-out windows
     {"method": "gptq", "group_size": 64, "sym": False},
+    {"method": "rtn", "group_size": 64, "sym": False, "quantize_embedding": True},  # the table too
 ])
 def test_mixed_precision_moves_the_most_sensitive_sets_within_the_budget(calibrated, tmp_path, quant):  # noqa: F811
     """Each set's KL is the one an independent path measures (the reference engine's exact
@@ -43,15 +44,19 @@ def test_mixed_precision_moves_the_most_sensitive_sets_within_the_budget(calibra
     facts = manifest["method_facts"]["mixed_precision"]
     sets = facts["sets"]
     # every 4-bit matrix of the plain arm is in exactly one set: 2 layers x 4 sets + the head
+    # (+ the embedding table, a set of its own)
     assert sorted(n for s in sets for n in s["members"]) == sorted(four["quantized_modules"])
-    assert len(sets) == 9
+    table = "quantize_embedding" in quant
+    assert len(sets) == 9 + table
+    assert (["model.embed_tokens"] in [s["members"] for s in sets]) == table
 
     # the KL of two sets, measured independently on the same held-out windows
     job = QuantizeJob(model, {}, mixed["quant"], text, 1)
     windows = calibration_tokens(job, 3)[-3:][:2].tolist()
     _, _, four_bit = read_quantized(tmp_path / "q4")
     source = load_tensors(model)
-    for s in (sets[0], sets[-1]):  # layer 0's q/k/v, and the head
+    # layer 0's q/k/v, the head, and the table if there is one
+    for s in [sets[i] for i in sorted({0, len(sets) - 1 - table, len(sets) - 1})]:
         tensors = dict(source)
         for name in s["members"]:
             tensors[f"{name}.weight"] = four_bit[name].dequantize(torch.float32)
@@ -76,6 +81,9 @@ def test_mixed_precision_moves_the_most_sensitive_sets_within_the_budget(calibra
     fitting = [s["kl"] for s in sets if s["extra_bits_per_weight"] <= 0.6]
     assert sum(s["kl"] for s in moved) >= max(fitting)
 
+    moved_table = "model.embed_tokens" in facts["eight_bit"]
+    assert manifest["method_facts"]["embedding"] == (
+        "rtn, 8 bits (mixed precision)" if moved_table else "rtn" if table else "dense")
     _, _, stored = read_quantized(tmp_path / "q")
     reader = TensorReader(model)
     for name, weight in stored.items():

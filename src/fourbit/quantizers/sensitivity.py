@@ -2,7 +2,10 @@
 4-bit grid to the 8-bit one (``mixed_precision`` in the arm's quant).
 
 The unit is a set of matrices vLLM runs as one layer (fourbit.quantizers.shapes.sibling_groups:
-q/k/v, gate/up, and every other matrix alone, the head too), since a layer has one kernel.
+q/k/v, gate/up, and every other matrix alone, the head too), since a layer has one kernel;
+a 4-bit input embedding table is a set of its own (a lookup error is not a matmul's, but
+its KL per bit is measured the same way, so whether the table is worth 8 bits is measured
+too, not assumed).
 A set's sensitivity is measured, not guessed from its name as llama.cpp's K-quant mixes
 do: the unquantized model in float32 with only that set at its 4-bit W_hat scores a few
 held-out calibration windows, and the sensitivity is the mean over their positions of
@@ -26,8 +29,9 @@ from pathlib import Path
 
 import torch
 
-from fourbit.formats.base import Layout
+from fourbit.formats.base import Format
 from fourbit.formats.int8 import INT8
+from fourbit.formats.table import table_layout
 from fourbit.metrics.kl import kl_full
 from fourbit.progress import Progress
 from fourbit.quant.int8 import Int8Weight, quantize_int8
@@ -105,7 +109,7 @@ def allocate(candidates: list[Candidate], budget_bits: float) -> list[Candidate]
 def promote_sensitive(
     model_dir: Path,
     qweights: dict[str, QuantizedWeight],
-    four_bit: Layout,
+    four_bit: Format,
     quant: dict,
     windows: torch.Tensor,
     *,
@@ -113,20 +117,23 @@ def promote_sensitive(
 ) -> tuple[dict[str, QuantizedWeight | Int8Weight], dict]:
     """``qweights`` with the most sensitive sets of matrices moved to the 8-bit grid within
     ``quant["mixed_precision"]["extra_bits"]`` per weight of ``qweights``, and the facts the
-    arm's manifest records. The input embedding (looked up, never multiplied) stays as it is.
+    arm's manifest records.
 
-    ``four_bit``: the layout the arm's format stores its 4-bit matrices in. ``windows``:
-    held-out token windows [W, T]. A moved matrix is rounded from its unquantized weight.
+    ``four_bit``: the arm's format, whose layout stores its 4-bit matrices (``embedding``,
+    the input embedding's name if ``qweights`` holds its table, in table_layout's).
+    ``windows``: held-out token windows [W, T]. A moved matrix is rounded from its
+    unquantized weight.
     """
     from fourbit.checkpoints.hf import TensorReader
 
     spec, g = quant["mixed_precision"], quant["group_size"]
-    sets = sibling_groups([name for name in qweights if name != embedding])
+    layouts = {name: table_layout(four_bit) if name == embedding else four_bit for name in qweights}
+    sets = sibling_groups(list(qweights))
     kls = measure_kl(model_dir, qweights, sets, windows)
     candidates = []
     for group, kl in zip(sets, kls, strict=True):
         # what the tables say each layout stores: the same count as the checkpoint's stats
-        extra = sum(INT8.stored_bits(*qweights[name].shape, g) - four_bit.stored_bits(*qweights[name].shape, g)
+        extra = sum(INT8.stored_bits(*qweights[name].shape, g) - layouts[name].stored_bits(*qweights[name].shape, g)
                     for name in group)
         candidates.append(Candidate(tuple(group), kl, extra))
     weights = sum(q.shape[0] * q.shape[1] for q in qweights.values())

@@ -127,6 +127,8 @@ def quantize_checkpoint(
         qweights, mixed = promote_sensitive(job.model_dir, qweights, get_format(method.format(quant)),
                                             quant, windows, embedding=selection.embedding)
         facts = {**facts, "mixed_precision": mixed}
+        if selection.embedding in mixed["eight_bit"]:
+            facts["embedding"] = "rtn, 8 bits (mixed precision)"
     if selection.eight_bit:  # nothing is measured after the head or the table: no walk
         reader = TensorReader(model_dir)
         for name in selection.eight_bit:  # [N, K], or the table's [V, H]: groups along H
