@@ -157,8 +157,8 @@ class EngineSpec:
 
 def _symmetric_gptq(quant: dict) -> bool:
     # Written as a standard GPTQ checkpoint (fourbit.quantizers.methods), which vLLM reads itself;
-    # a matrix in fourbit's 8-bit layout (quantize_head or quantize_embedding 8, mixed_precision)
-    # is not part of it.
+    # a matrix in fourbit's 8-bit layout (quantize_head 8, quantize_embedding 8, mixed_precision)
+    # or a 4-bit table in cpu_int4's (quantize_embedding true) is not part of it.
     return (quant["method"] == "gptq" and quant.get("sym") is True and quant["quantize_head"] != 8
             and "quantize_embedding" not in quant and "mixed_precision" not in quant)
 
