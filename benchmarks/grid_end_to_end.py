@@ -53,6 +53,7 @@ attention sets, which changed nothing measurable.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import tempfile
 from pathlib import Path
@@ -123,8 +124,13 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
+    from fourbit.quantizers.shapes import shared_pass_quant
     from fourbit.schema import canonical_quant, load_schema
-    from fourbit.steps.quantize import dequantize_checkpoint, quantize_checkpoint
+    from fourbit.steps.quantize import (
+        dequantize_checkpoint,
+        measure_sensitivity,
+        quantize_checkpoint,
+    )
 
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -137,6 +143,7 @@ def main() -> None:
     print(f"{args.model}: first {args.windows} x 512 evaluation tokens, base ppl "
           f"{math.exp(base_nll):.4f}\n")
     schema = load_schema()
+    passes = {}  # mixed_precision arms that differ only in their budget share one pass, as in a study
     with tempfile.TemporaryDirectory() as tmp:
         for i, (label, quant) in enumerate(ARMS.items()):
             if args.arms not in label:
@@ -146,10 +153,18 @@ def main() -> None:
                 fitted = {"samples": args.samples} if "samples" in quant["calibration"] else {}
                 quant["calibration"] = {**quant["calibration"], "heldout": args.heldout, **fitted}
             folder = Path(tmp) / str(i)
+            shared = None
+            if "mixed_precision" in quant:
+                key = json.dumps(shared_pass_quant(quant), sort_keys=True)
+                if key not in passes:
+                    passes[key] = (folder / "four_bit", folder / "sensitivity.json")
+                    measure_sensitivity(args.model, *passes[key], {"id": f"pass-{i}", "quant": shared_pass_quant(quant)},
+                                        calibration_text=args.corpus / "calibration.txt")
+                shared = passes[key]
             manifest = quantize_checkpoint(
                 args.model, folder / "q", folder / "arm.json",
                 {"name": "t", "id": f"t-{i}", "quant": quant},
-                calibration_text=args.corpus / "calibration.txt")
+                calibration_text=args.corpus / "calibration.txt", shared_pass=shared)
             dequantize_checkpoint(folder / "q", folder / "d")
             arm = log_probs(folder / "d", ids)
             kl = (p_base * (base - arm)).sum(-1)  # [windows, T - 1]

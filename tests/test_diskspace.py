@@ -23,10 +23,12 @@ from fourbit.diskspace import (
 )
 from tiny_study import ROOT, TINY
 
-# The rules' outputs (workflow/rules/*.smk), {model}, {arm} and {engine} open, under results/.
+# The rules' outputs (workflow/rules/*.smk), {model}, {arm}, {sensitivity}, {imatrix} and
+# {engine} open, under results/.
 PATTERNS = {
     "source": "{results}/{{model}}/source", "untied": "{results}/{{model}}/untied",
     "quantized": "{results}/{{model}}/arms/{{arm}}/quantized",
+    "four_bit": "{results}/{{model}}/sensitivity/{{sensitivity}}/four_bit",
     "dense": "{results}/{{model}}/arms/{{arm}}/dense",
     "gguf_base": "{results}/{{model}}/gguf/f16.gguf",
     "imatrix": "{results}/{{model}}/imatrix/{{imatrix}}/imatrix.gguf",
@@ -69,7 +71,14 @@ def test_each_output_of_the_tiny_study(tmp_path):
         ("quantized", "int4_g128"): linears * 4.25 / 8 + table * 4.25 / 8 + table * 4,
         # group 64, the table on the 4-bit grid as well
         ("quantized", "int4_g64"): everything * 4.5 / 8,
-        ("dense", "int4_g128"): everything * 4, ("dense", "int4_g64"): everything * 4,
+        # rtn g64 (4.5 bits), the head too, the table dense; the budget over the decoder's linears
+        **{("quantized", f"rtn_mixed_{name}"): math.ceil(
+            ((linears + table) * 4.5 + linears * extra + table * 32) / 8)
+           for name, extra in (("quarter", 0.25), ("half", 0.5))},
+        # the 4-bit pass both mixed arms start from: one, without a budget
+        ("four_bit", None): math.ceil(((linears + table) * 4.5 + table * 32) / 8),
+        **{("dense", arm): everything * 4 for arm in ("int4_g128", "int4_g64", "rtn_mixed_quarter",
+                                                       "rtn_mixed_half")},
         ("gguf_base", None): everything * 2,
         ("gguf", "q4_k_m"): math.ceil((linears * 4.9 + 2 * table * 8.5) / 8),
         ("gguf", "q4_k_s_imatrix"): math.ceil((linears * 4.6 + 2 * table * 8.5) / 8),
@@ -156,7 +165,7 @@ def test_the_estimate_holds_for_what_the_tiny_study_wrote(finished_study):
     results = finished_study / "results"
     made = outputs(study_disk(TINY, results), results)
     assert {o.kind for o in made} == {"source", "untied", "quantized", "dense", "gguf_base",
-                                      "imatrix", "gguf", "gguf_dense"}
+                                      "imatrix", "gguf", "gguf_dense", "four_bit"}
     for output in made:
         assert 0.8 * output.bytes <= bytes_under(output.path) <= (1 + MARGIN) * output.bytes, output
     assert refuse_short_disk(made, results) == ""

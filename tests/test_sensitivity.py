@@ -10,8 +10,17 @@ from fourbit.engines import reference
 from fourbit.quantizers.methods import QuantizeJob, calibration_tokens
 from fourbit.quant.int8 import Int8Weight, quantize_int8
 from fourbit.quantizers.sensitivity import Candidate, allocate
-from fourbit.steps.quantize import dequantize_checkpoint, quantize_checkpoint
+from fourbit.quantizers.shapes import shared_pass_quant
+from fourbit.steps.quantize import dequantize_checkpoint, measure_sensitivity, quantize_checkpoint
 from test_quantize import SETTINGS, arm, assert_reference_scores_like_its_control, calibrated  # noqa: F401  (a fixture)
+
+
+def shared_pass(model, text, folder, quant, pass_id="sensitivity-0000000000"):
+    """The sensitivity rule's outputs for the mixed_precision ``quant``, in ``folder``."""
+    checkpoint, record = folder / "four_bit", folder / "sensitivity.json"
+    measure_sensitivity(model, checkpoint, record, {"id": pass_id, "quant": shared_pass_quant(quant)},
+                        calibration_text=text)
+    return checkpoint, record
 
 
 def test_allocation_takes_most_kl_per_bit_first_and_skips_what_no_longer_fits():
@@ -40,8 +49,12 @@ def test_mixed_precision_moves_the_most_sensitive_sets_within_the_budget(calibra
     base = arm(**quant, **({"calibration": calibration} if "samples" in calibration else {}))
     mixed = arm(**quant, calibration=calibration, mixed_precision={"extra_bits": 0.6, "windows": 2})
     four = quantize_checkpoint(model, tmp_path / "q4", tmp_path / "arm4.json", base, calibration_text=text)
-    manifest = quantize_checkpoint(model, tmp_path / "q", tmp_path / "arm.json", mixed, calibration_text=text)
+    pass_outputs = shared_pass(model, text, tmp_path / "pass", mixed["quant"])
+    manifest = quantize_checkpoint(model, tmp_path / "q", tmp_path / "arm.json", mixed, shared_pass=pass_outputs)
     facts = manifest["method_facts"]["mixed_precision"]
+    assert facts["shared_pass"]["id"] == "sensitivity-0000000000" and facts["windows"] == 2
+    # the method's own facts come through the pass (gptq's act-order, say)
+    assert manifest["method_facts"]["algorithm"] == four["method_facts"]["algorithm"]
     sets = facts["sets"]
     # every 4-bit matrix of the plain arm is in exactly one set: 2 layers x 4 sets + the head
     # (+ the embedding table, a set of its own)
@@ -93,3 +106,36 @@ def test_mixed_precision_moves_the_most_sensitive_sets_within_the_budget(calibra
             assert weight.equal(four_bit[name]), name
     dequantize_checkpoint(tmp_path / "q", tmp_path / "d")
     assert_reference_scores_like_its_control(tmp_path / "q", tmp_path / "d")
+
+
+def test_arms_that_differ_only_in_their_budget_spend_it_on_one_shared_pass(calibrated, tmp_path):  # noqa: F811
+    """Two budgets from one pass: the same measured sets, the pass's 4-bit weights kept
+    where nothing moved, each within its budget, the larger removing at least as much KL;
+    a pass of another quant, or none, is refused before anything is written."""
+    model, text = calibrated
+    calibration = {"seq_len": 64, "heldout": 3}
+    quant = {"method": "rtn", "group_size": 64, "sym": True, "calibration": calibration}
+    small, large = (arm(**quant, mixed_precision={"extra_bits": bits, "windows": 2}) for bits in (0.3, 0.9))
+    outputs = shared_pass(model, text, tmp_path / "pass", small["quant"])
+    _, _, four_bit = read_quantized(outputs[0])
+    facts = {}
+    for name, each in (("small", small), ("large", large)):
+        manifest = quantize_checkpoint(model, tmp_path / name, tmp_path / f"{name}.json", each, shared_pass=outputs)
+        facts[name] = manifest["method_facts"]["mixed_precision"]
+        _, _, stored = read_quantized(tmp_path / name)
+        for module, weight in stored.items():
+            if module not in facts[name]["eight_bit"]:
+                assert weight.equal(four_bit[module]), module
+        assert 0 < facts[name]["extra_bits_spent"] <= each["quant"]["mixed_precision"]["extra_bits"]
+    assert [(s["members"], s["kl"]) for s in facts["small"]["sets"]] == [
+        (s["members"], s["kl"]) for s in facts["large"]["sets"]]
+    assert len(facts["small"]["eight_bit"]) < len(facts["large"]["eight_bit"])
+    removed = {name: sum(s["kl"] for s in f["sets"] if s["eight_bit"]) for name, f in facts.items()}
+    assert removed["small"] < removed["large"]
+
+    other = arm(**{**quant, "group_size": 128}, mixed_precision={"extra_bits": 0.3, "windows": 2})
+    with pytest.raises(ValueError, match="not of this arm's"):
+        quantize_checkpoint(model, tmp_path / "other", tmp_path / "other.json", other, shared_pass=outputs)
+    with pytest.raises(ValueError, match="starts from its sensitivity job's pass"):
+        quantize_checkpoint(model, tmp_path / "none", tmp_path / "none.json", small)
+    assert not (tmp_path / "other").exists() and not (tmp_path / "none").exists()

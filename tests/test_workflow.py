@@ -69,6 +69,26 @@ def test_the_imatrix_arms_share_one_importance_matrix_of_the_calibration_windows
         assert ggml_type in arm["storage"]["by_type"], arm["storage"]["by_type"]
 
 
+def test_mixed_precision_arms_of_two_budgets_start_from_one_shared_pass(finished_study):
+    """The two rtn_mixed arms differ only in extra_bits: one sensitivity job ran, and both
+    arms spent their budget on its measurement, the larger budget moving more."""
+    results = finished_study / "results"
+    [record_path] = results.glob("*/sensitivity/*/sensitivity.json")
+    record = json.loads(record_path.read_text())
+    assert record["windows"] == 2 and len(record["sets"]) == 5  # 4 sets of the one layer, the head
+    moved = {}
+    for name in ("rtn_mixed_quarter", "rtn_mixed_half"):
+        arm = json.loads(next(results.glob(f"*/arms/{name}-*/arm.json")).read_text())
+        mixed = arm["method_facts"]["mixed_precision"]
+        assert mixed["shared_pass"]["id"] == record["id"] == record_path.parent.name
+        assert [s["kl"] for s in mixed["sets"]] == [s["kl"] for s in record["sets"]]
+        assert mixed["extra_bits_spent"] <= arm["quant"]["mixed_precision"]["extra_bits"]
+        moved[name] = mixed["eight_bit"]
+    assert len(moved["rtn_mixed_quarter"]) < len(moved["rtn_mixed_half"])
+    markdown = (results / "report.md").read_text()
+    assert f"4-bit pass and measurement: `{record['id']}`" in markdown
+
+
 # The vLLM engine as the default study runs it (float32, eager, fourbit's plugin for the
 # 4-bit arms), added to the finished tiny study in a copy of its folder: only the vLLM
 # jobs, the bench (it times every engine's pairs in one job) and the report run again.

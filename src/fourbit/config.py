@@ -59,6 +59,15 @@ class Arm:
             return None
         return f"imatrix-{short_hash('imatrix', self.quant['calibration'])}"
 
+    @property
+    def sensitivity(self) -> str | None:
+        """The id of the 4-bit pass and sensitivity measurement a mixed_precision arm spends
+        its budget on, a hash of its quant without the budget (shapes.shared_pass_quant):
+        arms that differ only in ``extra_bits`` share one. None for every other arm."""
+        if "mixed_precision" not in self.quant:
+            return None
+        return f"sensitivity-{short_hash('sensitivity', shapes.shared_pass_quant(self.quant))}"
+
     def manifest(self) -> dict:
         return {"name": self.name, "id": self.id, "quant": self.quant}
 
@@ -168,6 +177,17 @@ class Study:
     def imatrices(self) -> dict[str, dict]:
         """The importance matrices the arms quantize with: id -> the calibration block."""
         return {arm.imatrix: arm.quant["calibration"] for arm in self.arms.values() if arm.imatrix}
+
+    @property
+    def sensitivities(self) -> dict[str, "Arm"]:
+        """The shared 4-bit passes of the mixed_precision arms: id -> the pass as an arm of
+        its own (its quant shared_pass_quant's, no budget; named after the first arm of it)."""
+        passes: dict[str, Arm] = {}
+        for arm in self.arms.values():
+            if arm.sensitivity and arm.sensitivity not in passes:
+                passes[arm.sensitivity] = Arm(arm.name, shapes.shared_pass_quant(arm.quant),
+                                              arm.sensitivity, arm.plan)
+        return passes
 
     def arms_of_kind(self, kind: str) -> list[str]:
         return [arm_id for arm_id, arm in self.arms.items() if arm.kind == kind]

@@ -9,6 +9,7 @@ the parameters of each matrix) and each arm's bits per weight:
 | ``source/`` (download) | a builtin or synthetic model: every parameter in float32; an hf or path model is linked, 0 |
 | ``untied/`` (untie_head) | a tied model: every parameter, the new head's included, in config.json's dtype; an untied one is linked, 0 |
 | ``arms/<arm>/quantized/`` (quantize) | each matrix at its grid's bits: 4 + 32/G on the 4-bit grid, 8 + 32/G on the 8-bit one (a float16 scale and a zero of at most 16 bits per group of G), the matrices the arm keeps dense in the model's dtype, plus mixed_precision's extra bits |
+| ``sensitivity/<sensitivity>/four_bit/`` (sensitivity) | a mixed_precision arm's checkpoint before its budget is spent: as its quantized one without the extra bits, once per shared pass |
 | ``arms/<arm>/dense/`` (dequantize) | every parameter in float32 |
 | ``gguf/f16.gguf`` (convert_gguf) | every parameter at 16 bits |
 | ``imatrix/<imatrix>/imatrix.gguf`` (imatrix) | per decoder linear, a float32 sum of squares per input column and a float32 count, plus 160 bytes (its tensors' names and alignment); 160 more for the header |
@@ -54,11 +55,12 @@ IMATRIX_OVERHEAD = 160
 DTYPE_BITS = {"float32": 32, "float16": 16, "bfloat16": 16}
 # What each output kind is called in the refusal; the kinds an arm has one of are counted.
 WHAT = {"source": "the model as fetched or trained", "untied": "the untied model",
-        "quantized": "quantized checkpoints", "dense": "float32 dense expansions",
+        "quantized": "quantized checkpoints", "four_bit": "shared 4-bit checkpoints",
+        "dense": "float32 dense expansions",
         "gguf_base": "the f16 GGUF", "imatrix": "imatrix files", "gguf": "quantized GGUFs",
         "gguf_dense": "float32 GGUFs", "logits": "the baselines' kept logits"}
 PER_ARM = {"quantized": "hf", "dense": "hf", "gguf": "gguf", "gguf_dense": "gguf"}
-COUNTED = (*PER_ARM, "imatrix")  # kinds the refusal counts ("6 quantized checkpoints")
+COUNTED = (*PER_ARM, "four_bit", "imatrix")  # kinds the refusal counts ("6 quantized checkpoints")
 
 
 class DiskSpaceError(ConfigError):
@@ -103,7 +105,7 @@ class StudyDisk:
 
     def bytes(self, kind: str, arm_id: str | None = None) -> int:
         """Bytes of one output of ``kind`` (a key of WHAT, or "records"); ``arm_id`` for
-        the per-arm kinds."""
+        the per-arm kinds (a shared pass's id for "four_bit")."""
         p = self.parameters
         if kind == "source":
             return self.trained_here * (p.total - p.head * p.tied) * 4
@@ -118,6 +120,8 @@ class StudyDisk:
                 p.decoder_linears + 1)
         if kind == "quantized":
             return quantized_bytes(p, self.study.arms[arm_id])
+        if kind == "four_bit":  # the shared pass, an arm without a budget
+            return quantized_bytes(p, self.study.sensitivities[arm_id])
         if kind == "gguf":
             return gguf_bytes(p, self.study.arms[arm_id].quant, self.gguf_fallbacks)
         if kind == "logits":
@@ -135,8 +139,8 @@ class StudyDisk:
 
     def outputs(self, patterns: dict[str, str]) -> list[Output]:
         """Every output of a kind in ``patterns`` (kind -> the rule's output, with {model}
-        and {arm} or {imatrix} unfilled, and {engine} for "logits") that this study makes,
-        with its bytes."""
+        and {arm}, {sensitivity} or {imatrix} unfilled, and {engine} for "logits") that
+        this study makes, with its bytes."""
         study = self.study
         reads_gguf = bool(study.arms_of_kind("gguf")) or any(
             e.reads == "gguf" for e in study.runnable_engines)
@@ -153,10 +157,13 @@ class StudyDisk:
                 ids = study.arms_of_kind(PER_ARM[kind])
             elif kind == "imatrix":
                 ids = list(study.imatrices)
+            elif kind == "four_bit":
+                ids = list(study.sensitivities)
             else:
                 ids = [None] if kind != "gguf_base" or reads_gguf else []
             for one in ids:
-                path = Path(pattern.format(model=study.model_id, arm=one, imatrix=one))
+                path = Path(pattern.format(model=study.model_id, arm=one, imatrix=one,
+                                           sensitivity=one))
                 found.append(Output(kind, path, self.bytes(kind, one)))
         return found
 

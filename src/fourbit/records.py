@@ -1,6 +1,6 @@
 """The result records steps write and the report reads, checked against one schema.
 
-Each kind (ppl, fidelity, bench, arm) is defined once, in
+Each kind (ppl, fidelity, bench, arm, ...) is defined once, in
 fourbit/schemas/records.schema.yaml. A producer writes through :func:`write`, which
 refuses a record that lacks what readers rely on before anything lands on disk; the
 report reads through :func:`check`, so a record from an older or foreign run is named
@@ -19,7 +19,7 @@ import yaml
 from fourbit.atomic import write_json
 
 SCHEMA_PATH = Path(__file__).resolve().parent / "schemas" / "records.schema.yaml"
-KINDS = ("ppl", "fidelity", "bench", "serve", "tasks", "arm")
+KINDS = ("ppl", "fidelity", "bench", "serve", "tasks", "arm", "sensitivity")
 
 
 class RecordError(ValueError):

@@ -92,7 +92,7 @@ def disk_need(kind):
     reads, and what the job's log names if the disk fills (fourbit.filesystems)."""
 
     def disk_mb(wildcards):
-        return DISK.megabytes(kind, wildcards.get("arm"))
+        return DISK.megabytes(kind, wildcards.get("arm") or wildcards.get("sensitivity"))
 
     return disk_mb
 
@@ -150,11 +150,21 @@ def get_download_input(wildcards):
 
 
 def get_quantize_input(wildcards):
-    """Calibrated methods also read the corpus's calibration split."""
+    """Calibrated methods also read the corpus's calibration split; a mixed_precision arm
+    reads its shared pass instead (rule sensitivity), which read it."""
+    arm = STUDY.arms[wildcards.arm]
     inputs = {"model": f"{MODEL_DIR}/untied"}
-    if STUDY.arms[wildcards.arm].needs_calibration:
+    if arm.sensitivity:
+        inputs["shared_pass"] = rules.sensitivity.output.checkpoint.format(sensitivity=arm.sensitivity)
+        inputs["sensitivity"] = rules.sensitivity.output.record.format(sensitivity=arm.sensitivity)
+    elif arm.needs_calibration:
         inputs["calibration"] = f"{RESULTS}/corpus/{CORPUS}/calibration.txt"
     return inputs
+
+
+def get_sensitivity(wildcards):
+    """What fourbit.steps.quantize.measure_sensitivity gets of a shared pass: its id and quant."""
+    return {"id": wildcards.sensitivity, "quant": STUDY.sensitivities[wildcards.sensitivity].quant}
 
 
 def get_imatrix_calibration(wildcards):
@@ -411,11 +421,12 @@ def baseline_storage_inputs():
 
 def disk_outputs():
     """The outputs fourbit.diskspace counts, by kind: the rules' outputs, {model}, {arm},
-    {imatrix} and {engine} left open."""
+    {sensitivity}, {imatrix} and {engine} left open."""
     return {
         "source": rules.download.output.model,
         "untied": rules.untie_head.output.model,
         "quantized": rules.quantize.output.checkpoint,
+        "four_bit": rules.sensitivity.output.checkpoint,
         "dense": rules.dequantize.output.checkpoint,
         "gguf_base": rules.convert_gguf.output.gguf,
         "imatrix": rules.imatrix.output.imatrix,

@@ -23,6 +23,35 @@ rule quantize:
         "../../scripts/quantize.py"
 
 
+# One per model and shared pass ({sensitivity}: Arm.sensitivity): the 4-bit weights and
+# each set's measured sensitivity, which the mixed_precision arms that differ only in
+# their budget start from.
+rule sensitivity:
+    input:
+        model=f"{MODEL_DIR}/untied",
+        calibration=f"{RESULTS}/corpus/{CORPUS}/calibration.txt",
+    output:
+        checkpoint=directory(f"{MODEL_DIR}/sensitivity/{{sensitivity}}/four_bit"),
+        record=f"{MODEL_DIR}/sensitivity/{{sensitivity}}/sensitivity.json",
+    log:
+        f"{RESULTS}/logs/sensitivity/{MODEL}/{{sensitivity}}.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/sensitivity/{MODEL}/{{sensitivity}}.tsv"
+    wildcard_constraints:
+        sensitivity="|".join(STUDY.sensitivities) or "(?!)",
+    conda:
+        "../../envs/fourbit.yaml"
+    threads: workflow.cores
+    resources:  # as quantize's, and the model in float32 with its logits for the measurement
+        mem_mb=held("model", 3, 8000),
+        runtime=per_attempt(720),
+        disk_mb=disk_need("four_bit"),
+    params:
+        sensitivity=get_sensitivity,
+    script:
+        "../../scripts/sensitivity.py"
+
+
 rule dequantize:
     input:
         checkpoint=rules.quantize.output.checkpoint,

@@ -17,6 +17,11 @@ measured one at a time, so what two sets cost together is taken as the sum.
 
 The extra bits are counted from each layout's table (Layout.stored_bits), the count the
 checkpoint's bits per weight is made from, so the budget is what the file will show.
+
+Measuring (measure_sets) and spending (promote_sensitive) are apart because only the
+second depends on the budget: arms that differ only in ``extra_bits`` share one 4-bit pass
+and one measurement (the workflow's sensitivity rule), and each budget costs an allocation
+and the rounding of what moves.
 """
 
 from __future__ import annotations
@@ -106,36 +111,47 @@ def allocate(candidates: list[Candidate], budget_bits: float) -> list[Candidate]
     return max(options, key=lambda chosen: (sum(c.kl for c in chosen), -sum(c.extra_bits for c in chosen)))
 
 
-def promote_sensitive(
+def measure_sets(
     model_dir: Path,
-    qweights: dict[str, QuantizedWeight],
+    qweights: Mapping[str, QuantizedWeight],
     four_bit: Format,
-    quant: dict,
+    group_size: int,
     windows: torch.Tensor,
     *,
     embedding: str | None = None,
-) -> tuple[dict[str, QuantizedWeight | Int8Weight], dict]:
-    """``qweights`` with the most sensitive sets of matrices moved to the 8-bit grid within
-    ``quant["mixed_precision"]["extra_bits"]`` per weight of ``qweights``, and the facts the
-    arm's manifest records.
+) -> list[Candidate]:
+    """Every set of matrices of ``qweights`` (all on the 4-bit grid) as a candidate to move
+    to 8 bits: its measured KL on ``windows`` (held-out token windows [W, T]) and what
+    moving it costs in stored bits.
 
     ``four_bit``: the arm's format, whose layout stores its 4-bit matrices (``embedding``,
     the input embedding's name if ``qweights`` holds its table, in table_layout's).
-    ``windows``: held-out token windows [W, T]. A moved matrix is rounded from its
-    unquantized weight.
     """
-    from fourbit.checkpoints.hf import TensorReader
-
-    spec, g = quant["mixed_precision"], quant["group_size"]
     layouts = {name: table_layout(four_bit) if name == embedding else four_bit for name in qweights}
     sets = sibling_groups(list(qweights))
     kls = measure_kl(model_dir, qweights, sets, windows)
     candidates = []
     for group, kl in zip(sets, kls, strict=True):
         # what the tables say each layout stores: the same count as the checkpoint's stats
-        extra = sum(INT8.stored_bits(*qweights[name].shape, g) - layouts[name].stored_bits(*qweights[name].shape, g)
-                    for name in group)
+        extra = sum(INT8.stored_bits(*qweights[name].shape, group_size)
+                    - layouts[name].stored_bits(*qweights[name].shape, group_size) for name in group)
         candidates.append(Candidate(tuple(group), kl, extra))
+    return candidates
+
+
+def promote_sensitive(
+    model_dir: Path,
+    qweights: dict[str, QuantizedWeight],
+    candidates: list[Candidate],
+    quant: dict,
+) -> tuple[dict[str, QuantizedWeight | Int8Weight], dict]:
+    """``qweights`` with the most sensitive sets of ``candidates`` (measure_sets') moved to
+    the 8-bit grid within ``quant["mixed_precision"]["extra_bits"]`` per weight of
+    ``qweights``, and the facts the arm's manifest records. A moved matrix is rounded from
+    its unquantized weight."""
+    from fourbit.checkpoints.hf import TensorReader
+
+    spec, g = quant["mixed_precision"], quant["group_size"]
     weights = sum(q.shape[0] * q.shape[1] for q in qweights.values())
     chosen = allocate(candidates, spec["extra_bits"] * weights)
     moved = sorted(name for c in chosen for name in c.members)
@@ -147,10 +163,10 @@ def promote_sensitive(
     facts = {
         "extra_bits": spec["extra_bits"],
         "extra_bits_spent": spent / weights,
-        "windows": len(windows),
         "eight_bit": moved,
         "sets": [{"members": list(c.members), "kl": c.kl,
                   "extra_bits_per_weight": c.extra_bits / weights, "eight_bit": c in chosen}
                  for c in candidates],
     }
     return {**qweights, **promoted}, facts
+

@@ -155,6 +155,14 @@ def sibling_groups(names) -> list[list[str]]:
     return list(groups.values())
 
 
+def shared_pass_quant(quant: dict) -> dict:
+    """What a mixed_precision arm's 4-bit pass and sensitivity measurement depend on
+    (fourbit.quantizers.sensitivity): its quant without the budget
+    (``mixed_precision.extra_bits``), so arms that differ only there share them."""
+    spec = {k: v for k, v in quant["mixed_precision"].items() if k != "extra_bits"}
+    return {**quant, "mixed_precision": spec}
+
+
 def plan_arm(matrices: Matrices, quant: dict, arm_name: str = "arm") -> ArmPlan:
     """Which matrices a fourbit (Hugging Face format) arm quantizes, which it keeps dense by
     its fallback policy, and whether it can run at all."""

@@ -1,6 +1,7 @@
 """workflow/rules/quantize.smk: the `quantize` rule (quantize_checkpoint: one arm's
-config applied to the untied checkpoint) and the `dequantize` rule
-(dequantize_checkpoint: the control).
+config applied to the untied checkpoint), the `sensitivity` rule (measure_sensitivity:
+the 4-bit pass and the measurement that mixed_precision arms differing only in their
+budget share) and the `dequantize` rule (dequantize_checkpoint: the control).
 
 The control expands a quantized checkpoint back into a plain dense one. Scoring the
 arm (4-bit weights run by a 4-bit kernel) and its dense expansion (the same W_hat as
@@ -14,8 +15,9 @@ from __future__ import annotations
 import logging
 import os
 import resource
+import json
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -38,8 +40,8 @@ from fourbit.checkpoints.quantized import (
 from fourbit.formats import get_format
 from fourbit.quant.int8 import quantize_int8
 from fourbit.quantizers.methods import QuantizeJob, get_method, heldout_tokens
-from fourbit.quantizers.sensitivity import promote_sensitive
-from fourbit.quantizers.shapes import Matrices, plan_arm
+from fourbit.quantizers.sensitivity import Candidate, measure_sets, promote_sensitive
+from fourbit.quantizers.shapes import Matrices, plan_arm, shared_pass_quant
 from fourbit.vllm_plugin import write_arm_knobs
 
 log = logging.getLogger("fourbit")
@@ -105,6 +107,78 @@ def _fallback_stats(folder: Path, stats: dict, kept_dense: dict[str, tuple[int, 
     }
 
 
+def _peak_rss_mib() -> float:
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+def measure_sensitivity(
+    model_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    record_path: str | os.PathLike,
+    sensitivity: dict,
+    *,
+    calibration_text: str | os.PathLike | None = None,
+    threads: int = 1,
+) -> dict:
+    """The pass every mixed_precision arm of one quant but its budget spends its budget on:
+    the method's 4-bit weights of every matrix the arm chooses, written to ``out_dir`` in
+    the arm's format, and each set's measured KL and cost in bits, recorded at
+    ``record_path`` (fourbit.quantizers.sensitivity.measure_sets).
+
+    ``sensitivity``: {"id", "quant"}, the quant being shared_pass_quant's (no ``extra_bits``).
+    """
+    quant = sensitivity["quant"]
+    method = get_method(quant["method"])
+    selection = select_modules(model_dir, quant)  # fails before any expensive work
+    started = time.monotonic()
+    calibration = Path(calibration_text) if calibration_text else None
+    job = QuantizeJob(Path(model_dir), selection.linears, quant, calibration, threads,
+                      selection.embedding)
+    qweights, facts = method.quantize(job)
+    quantized = time.monotonic()
+    windows = heldout_tokens(job)[: quant["mixed_precision"]["windows"]]  # [W, T]
+    fmt = method.format(quant)
+    candidates = measure_sets(job.model_dir, qweights, get_format(fmt), quant["group_size"],
+                              windows, embedding=selection.embedding)
+    measured = time.monotonic()
+    with atomic_dir(out_dir) as folder:
+        write_quantized(folder, model_dir, qweights, fmt, quant)
+    record = {
+        **sensitivity,
+        "format": fmt,
+        "method_facts": facts,
+        "windows": len(windows),
+        "sets": [{**asdict(c), "members": list(c.members)} for c in candidates],
+        "quantize_seconds": round(quantized - started, 2),
+        "measure_seconds": round(measured - quantized, 2),
+        "peak_rss_mib": _peak_rss_mib(),
+    }
+    records.write("sensitivity", record_path, record)
+    log.info("%s: %d sets measured on %d windows; %.1fs quantizing, %.1fs measuring",
+             sensitivity["id"], len(candidates), len(windows), record["quantize_seconds"],
+             record["measure_seconds"])
+    return record
+
+
+def _spend_budget(model_dir: Path, quant: dict, four_bit: Path,
+                  sensitivity_record: Path) -> tuple[dict, dict]:
+    """A mixed_precision arm's weights from its shared pass (measure_sensitivity's
+    checkpoint and record), and the facts its manifest records."""
+    record = records.check("sensitivity", json.loads(sensitivity_record.read_text()),
+                           sensitivity_record)
+    if record["quant"] != shared_pass_quant(quant):
+        raise ValueError(f"{sensitivity_record}: the pass of {record['quant']}, not of this "
+                         f"arm's {shared_pass_quant(quant)}; run its sensitivity job for this "
+                         "arm's quant")
+    _, _, qweights = read_quantized(four_bit)
+    candidates = [Candidate(tuple(s["members"]), s["kl"], s["extra_bits"]) for s in record["sets"]]
+    qweights, mixed = promote_sensitive(model_dir, qweights, candidates, quant)
+    seconds = round(record["quantize_seconds"] + record["measure_seconds"], 2)
+    mixed = {**mixed, "windows": record["windows"],
+             "shared_pass": {"id": record["id"], "seconds": seconds}}
+    return qweights, {**record["method_facts"], "mixed_precision": mixed}
+
+
 def quantize_checkpoint(
     model_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -112,23 +186,28 @@ def quantize_checkpoint(
     arm: dict,
     *,
     calibration_text: str | os.PathLike | None = None,
+    shared_pass: tuple[str | os.PathLike, str | os.PathLike] | None = None,
     threads: int = 1,
 ) -> dict:
+    """One arm's checkpoint and manifest. ``shared_pass``: for a mixed_precision arm, the
+    checkpoint and the record of its sensitivity job (measure_sensitivity), whose 4-bit
+    weights it starts from."""
     quant = arm["quant"]
     method = get_method(quant["method"])
     selection = select_modules(model_dir, quant)  # fails before any expensive work
     kept_dense = selection.kept_dense
     started = time.monotonic()
-    calibration = Path(calibration_text) if calibration_text else None
-    job = QuantizeJob(Path(model_dir), selection.linears, quant, calibration, threads, selection.embedding)
-    qweights, facts = method.quantize(job)
     if "mixed_precision" in quant:
-        windows = heldout_tokens(job)[: quant["mixed_precision"]["windows"]]  # [W, T]
-        qweights, mixed = promote_sensitive(job.model_dir, qweights, get_format(method.format(quant)),
-                                            quant, windows, embedding=selection.embedding)
-        facts = {**facts, "mixed_precision": mixed}
-        if selection.embedding in mixed["eight_bit"]:
+        if shared_pass is None:
+            raise ValueError(f"{arm['id']}: a mixed_precision arm starts from its sensitivity "
+                             "job's pass; give its checkpoint and record as shared_pass")
+        qweights, facts = _spend_budget(Path(model_dir), quant, *map(Path, shared_pass))
+        if selection.embedding in facts["mixed_precision"]["eight_bit"]:
             facts["embedding"] = "rtn, 8 bits (mixed precision)"
+    else:
+        calibration = Path(calibration_text) if calibration_text else None
+        job = QuantizeJob(Path(model_dir), selection.linears, quant, calibration, threads, selection.embedding)
+        qweights, facts = method.quantize(job)
     if selection.eight_bit:  # nothing is measured after the head or the table: no walk
         reader = TensorReader(model_dir)
         for name in selection.eight_bit:  # [N, K], or the table's [V, H]: groups along H
@@ -150,7 +229,7 @@ def quantize_checkpoint(
         "quantized_modules": sorted(qweights),
         "storage": stats,
         "quantize_seconds": round(seconds, 2),
-        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "peak_rss_mib": _peak_rss_mib(),
     }
     records.write("arm", arm_path, manifest)
     log.info("%s: %d modules, %.3f bits/weight in quantized layers, %.1fs",
