@@ -74,11 +74,11 @@ def test_each_output_of_the_tiny_study(tmp_path):
         # rtn g64 (4.5 bits), the head too, the table dense; the budget over the decoder's linears
         **{("quantized", f"rtn_mixed_{name}"): math.ceil(
             ((linears + table) * 4.5 + linears * extra + table * 32) / 8)
-           for name, extra in (("quarter", 0.25), ("half", 0.5))},
+           for name, extra in (("small", 0.5), ("large", 1.1))},
         # the 4-bit pass both mixed arms start from: one, without a budget
         ("four_bit", None): math.ceil(((linears + table) * 4.5 + table * 32) / 8),
-        **{("dense", arm): everything * 4 for arm in ("int4_g128", "int4_g64", "rtn_mixed_quarter",
-                                                       "rtn_mixed_half")},
+        **{("dense", arm): everything * 4 for arm in ("int4_g128", "int4_g64", "rtn_mixed_small",
+                                                       "rtn_mixed_large")},
         ("gguf_base", None): everything * 2,
         ("gguf", "q4_k_m"): math.ceil((linears * 4.9 + 2 * table * 8.5) / 8),
         ("gguf", "q4_k_s_imatrix"): math.ceil((linears * 4.6 + 2 * table * 8.5) / 8),

@@ -42,6 +42,7 @@ HOOK = Path(__file__).resolve().parent / "fault_hook"
 ARM = "results/*/arms/int4_g128-*"  # the tiny study's cpu_int4 arm at group 128
 GGUF_ARM = "results/*/arms/q4_k_m-*"
 IMATRIX = "results/*/imatrix/imatrix-*"  # the one importance matrix of the tiny study
+PASS = "results/*/sensitivity/sensitivity-*"  # the tiny study's one shared mixed_precision pass
 SCORES = "results/*/eval/*/reference-*/int4_g128-*"  # its records from the reference engine
 TEMPORARY = re.compile(r"^\..+\.tmp-\d+$")  # fourbit.atomic's temporary names
 
@@ -64,6 +65,10 @@ FAULTS = [
     Fault("quantize", (f"{ARM}/quantized", f"{ARM}/arm.json"), "open",
           r"/\.quantized\.tmp-\d+/config\.json$",
           "the checkpoint folder's tokenizer and weights written, its config.json not yet"),
+    Fault("sensitivity", (f"{PASS}/four_bit", f"{PASS}/sensitivity.json"), "open",
+          r"/\.four_bit\.tmp-\d+/config\.json$",
+          "every set measured, the 4-bit folder's tokenizer and weights written, its config.json "
+          "not yet"),
     Fault("dequantize", (f"{ARM}/dense",), "open", r"/\.dense\.tmp-\d+/config\.json$",
           "the dense folder's tokenizer and weights written, its config.json not yet"),
     Fault("convert_gguf", ("results/*/gguf/f16.gguf", "results/*/gguf/f16.storage.json"),
@@ -105,6 +110,9 @@ EXCLUDED = {
     # the quantize job's wall time and peak memory, and its model walk's
     "arm.json": {"quantize_seconds", "peak_rss_mib", "method_facts.seconds",
                  "method_facts.peak_rss_mb"},
+    # the shared pass's wall times and peak memory, and its model walk's
+    "sensitivity.json": {"quantize_seconds", "measure_seconds", "peak_rss_mib", "method_facts.seconds",
+                         "method_facts.peak_rss_mb"},
     # the comparison's wall time
     "fidelity.json": {"seconds"},
     # llama.cpp's wall time computing the importance matrix

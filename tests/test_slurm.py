@@ -41,7 +41,7 @@ CONF_MARKER = "# written by fourbit tests/slurm/start.sh"
 FAST_POLL = ["--slurm-init-seconds-before-status-checks", "1"]
 STUDY_RULES = {"prepare_corpus", "download", "untie_head", "tokenize_evaluation", "quantize",
                "dequantize", "ppl", "ppl_baseline", "bench", "fidelity", "serve", "report", "build_llamacpp",
-               "convert_gguf", "imatrix", "quantize_gguf", "dequantize_gguf"}
+               "convert_gguf", "imatrix", "quantize_gguf", "dequantize_gguf", "sensitivity"}
 
 @dataclass
 class Run:

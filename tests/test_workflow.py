@@ -28,7 +28,7 @@ def test_report_has_a_row_per_arm_and_engine(finished_study):
     arms = [r for r in rows if r["arm_id"] != "baseline"]
     for row in arms:
         assert float(row["ppl"]) > 0
-        assert 4.0 < float(row["bits_per_weight"]) < 5.5
+        assert 4.0 < float(row["bits_per_weight"]) < 6.0  # rtn_mixed_large: 4.5 + 1.07
         # Every arm, llama.cpp's included, against its own dense expansion on its engine.
         assert row["control"] == "faithful", row
         assert float(row["dense_ppl"]) > 0
@@ -71,20 +71,20 @@ def test_the_imatrix_arms_share_one_importance_matrix_of_the_calibration_windows
 
 def test_mixed_precision_arms_of_two_budgets_start_from_one_shared_pass(finished_study):
     """The two rtn_mixed arms differ only in extra_bits: one sensitivity job ran, and both
-    arms spent their budget on its measurement, the larger budget moving more."""
+    arms spent their budget on its measurement, the larger budget moving more (tiny.yaml)."""
     results = finished_study / "results"
     [record_path] = results.glob("*/sensitivity/*/sensitivity.json")
     record = json.loads(record_path.read_text())
     assert record["windows"] == 2 and len(record["sets"]) == 5  # 4 sets of the one layer, the head
     moved = {}
-    for name in ("rtn_mixed_quarter", "rtn_mixed_half"):
+    for name in ("rtn_mixed_small", "rtn_mixed_large"):
         arm = json.loads(next(results.glob(f"*/arms/{name}-*/arm.json")).read_text())
         mixed = arm["method_facts"]["mixed_precision"]
         assert mixed["shared_pass"]["id"] == record["id"] == record_path.parent.name
         assert [s["kl"] for s in mixed["sets"]] == [s["kl"] for s in record["sets"]]
         assert mixed["extra_bits_spent"] <= arm["quant"]["mixed_precision"]["extra_bits"]
         moved[name] = mixed["eight_bit"]
-    assert len(moved["rtn_mixed_quarter"]) < len(moved["rtn_mixed_half"])
+    assert (len(moved["rtn_mixed_small"]), len(moved["rtn_mixed_large"])) == (1, 2)
     markdown = (results / "report.md").read_text()
     assert f"4-bit pass and measurement: `{record['id']}`" in markdown
 

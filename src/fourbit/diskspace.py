@@ -9,7 +9,7 @@ the parameters of each matrix) and each arm's bits per weight:
 | ``source/`` (download) | a builtin or synthetic model: every parameter in float32; an hf or path model is linked, 0 |
 | ``untied/`` (untie_head) | a tied model: every parameter, the new head's included, in config.json's dtype; an untied one is linked, 0 |
 | ``arms/<arm>/quantized/`` (quantize) | each matrix at its grid's bits: 4 + 32/G on the 4-bit grid, 8 + 32/G on the 8-bit one (a float16 scale and a zero of at most 16 bits per group of G), the matrices the arm keeps dense in the model's dtype, plus mixed_precision's extra bits |
-| ``sensitivity/<sensitivity>/four_bit/`` (sensitivity) | a mixed_precision arm's checkpoint before its budget is spent: as its quantized one without the extra bits, once per shared pass |
+| ``sensitivity/<sensitivity>/four_bit/`` (sensitivity) | a mixed_precision arm's checkpoint before its budget is spent, once per shared pass: as its quantized one without the extra bits, an 8-bit head or table still dense |
 | ``arms/<arm>/dense/`` (dequantize) | every parameter in float32 |
 | ``gguf/f16.gguf`` (convert_gguf) | every parameter at 16 bits |
 | ``imatrix/<imatrix>/imatrix.gguf`` (imatrix) | per decoder linear, a float32 sum of squares per input column and a float32 count, plus 160 bytes (its tensors' names and alignment); 160 more for the header |
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fourbit.filesystems import existing_ancestor, filesystem, human
@@ -120,8 +120,10 @@ class StudyDisk:
                 p.decoder_linears + 1)
         if kind == "quantized":
             return quantized_bytes(p, self.study.arms[arm_id])
-        if kind == "four_bit":  # the shared pass, an arm without a budget
-            return quantized_bytes(p, self.study.sensitivities[arm_id])
+        if kind == "four_bit":  # the shared pass: no budget, and an 8-bit head or table
+            arm = self.study.sensitivities[arm_id]  # is added after it, so it holds them dense
+            dense = {k: False for k in ("quantize_head", "quantize_embedding") if arm.quant.get(k) == 8}
+            return quantized_bytes(p, replace(arm, quant={**arm.quant, **dense}))
         if kind == "gguf":
             return gguf_bytes(p, self.study.arms[arm_id].quant, self.gguf_fallbacks)
         if kind == "logits":

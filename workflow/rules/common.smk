@@ -97,6 +97,12 @@ def disk_need(kind):
     return disk_mb
 
 
+def quantize_runtime(wildcards, attempt):
+    """GPTQ's hours for a 7-8B model; minutes for a mixed_precision arm, whose job only
+    spends its budget on its shared pass (rule sensitivity ran GPTQ)."""
+    return (60 if STUDY.arms[wildcards.arm].sensitivity else 720) * attempt
+
+
 def per_attempt(amount):
     """`amount` on the first attempt, twice it on the retry."""
 
@@ -155,8 +161,10 @@ def get_quantize_input(wildcards):
     arm = STUDY.arms[wildcards.arm]
     inputs = {"model": f"{MODEL_DIR}/untied"}
     if arm.sensitivity:
-        inputs["shared_pass"] = rules.sensitivity.output.checkpoint.format(sensitivity=arm.sensitivity)
-        inputs["sensitivity"] = rules.sensitivity.output.record.format(sensitivity=arm.sensitivity)
+        inputs["four_bit"] = rules.sensitivity.output.checkpoint.format(sensitivity=arm.sensitivity)
+        inputs["sensitivity_record"] = rules.sensitivity.output.record.format(
+            sensitivity=arm.sensitivity
+        )
     elif arm.needs_calibration:
         inputs["calibration"] = f"{RESULTS}/corpus/{CORPUS}/calibration.txt"
     return inputs

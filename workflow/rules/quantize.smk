@@ -15,7 +15,7 @@ rule quantize:
     threads: workflow.cores
     resources:  # GPTQ: float32 weights + calibration activations + Hessians; runtime for 7-8B
         mem_mb=held("model", 3, 8000),
-        runtime=per_attempt(720),
+        runtime=quantize_runtime,
         disk_mb=disk_need("quantized"),
     params:
         arm=get_arm_manifest,

@@ -243,7 +243,8 @@ def _bandwidth_measured(bandwidth: dict) -> str:
 
 
 def quantization_table(manifests: list[dict]) -> list[str]:
-    """How each fourbit-quantized arm was made, from what its quantize job recorded."""
+    """How each fourbit-quantized arm was made, from what its quantize job (and a mixed arm's
+    shared pass) recorded."""
     header = ("| arm | algorithm | head | embedding | act-order / static groups | calibration | "
               "search kept (held-out check) | time | peak RSS |")
     lines = [header, "|---|---|---|---|---|---|---|---|---|"]
@@ -251,14 +252,16 @@ def quantization_table(manifests: list[dict]) -> list[str]:
         facts, quant = m["method_facts"], m["quant"]
         order = (f"{facts['act_order']} / {facts['static_groups']}" if "act_order" in facts else "—")
         embedding = facts.get("embedding", "dense")  # 4-bit or 8-bit, if the arm asked
-        # a mixed_precision arm's own seconds, and those of the 4-bit pass it shares
+        # a mixed_precision arm's own job, and the 4-bit pass it shares
         shared = facts.get("mixed_precision", {}).get("shared_pass")
         took = f"{m['quantize_seconds']:.1f} s" + (
             f" + {shared['seconds']:.1f} s shared" if shared else "")
+        peak = f"{m['peak_rss_mib']:.0f} MiB" + (
+            f" (shared pass {shared['peak_rss_mib']:.0f})" if shared else "")
         lines.append(f"| `{m['id']}` | {facts['algorithm']} | {facts['head']} | {embedding} | {order} | "
                      f"{_calibration_drawn(quant.get('calibration'))} | "
                      f"{_search_kept(facts.get('heldout_guard'))} | "
-                     f"{took} | {m['peak_rss_mib']:.0f} MiB |")
+                     f"{took} | {peak} |")
     return lines + mixed_precision_lines(manifests)
 
 
@@ -283,8 +286,8 @@ def mixed_precision_lines(manifests: list[dict]) -> list[str]:
             f"{', '.join(_set_label(s['members']) for s in moved) or 'none'}. Most sensitive at 4 bits "
             f"(KL from the unquantized model with only that set at 4 bits, nats/token, "
             f"{mixed['windows']} held-out windows): {top}."
-            + (f" 4-bit pass and measurement: `{mixed['shared_pass']['id']}`, shared by the arms that "
-               "differ only in their budget." if "shared_pass" in mixed else "")
+            + (f" 4-bit pass and measurement: `{mixed['shared_pass']['id']}`, shared by the "
+               "arms that differ only in their budget." if "shared_pass" in mixed else "")
         )
     return ["", *lines] if lines else []
 

@@ -12,10 +12,10 @@ because (q - z) * s is exact there and not in bfloat16 (see fourbit.quant.qweigh
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import resource
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -120,9 +120,9 @@ def measure_sensitivity(
     calibration_text: str | os.PathLike | None = None,
     threads: int = 1,
 ) -> dict:
-    """The pass every mixed_precision arm of one quant but its budget spends its budget on:
-    the method's 4-bit weights of every matrix the arm chooses, written to ``out_dir`` in
-    the arm's format, and each set's measured KL and cost in bits, recorded at
+    """The shared pass of the mixed_precision arms that differ only in their budget: the
+    method's 4-bit weights of every matrix they choose, written to ``out_dir`` in their
+    format, and each set's measured KL and cost in stored bits, recorded at
     ``record_path`` (fourbit.quantizers.sensitivity.measure_sets).
 
     ``sensitivity``: {"id", "quant"}, the quant being shared_pass_quant's (no ``extra_bits``).
@@ -171,11 +171,16 @@ def _spend_budget(model_dir: Path, quant: dict, four_bit: Path,
                          f"arm's {shared_pass_quant(quant)}; run its sensitivity job for this "
                          "arm's quant")
     _, _, qweights = read_quantized(four_bit)
+    measured = sorted(name for s in record["sets"] for name in s["members"])
+    if sorted(qweights) != measured:
+        raise ValueError(f"{four_bit} holds {len(qweights)} 4-bit matrices, but {sensitivity_record} "
+                         f"measured {len(measured)}; both must come from one sensitivity job")
     candidates = [Candidate(tuple(s["members"]), s["kl"], s["extra_bits"]) for s in record["sets"]]
     qweights, mixed = promote_sensitive(model_dir, qweights, candidates, quant)
     seconds = round(record["quantize_seconds"] + record["measure_seconds"], 2)
     mixed = {**mixed, "windows": record["windows"],
-             "shared_pass": {"id": record["id"], "seconds": seconds}}
+             "shared_pass": {"id": record["id"], "seconds": seconds,
+                             "peak_rss_mib": record["peak_rss_mib"]}}
     return qweights, {**record["method_facts"], "mixed_precision": mixed}
 
 
