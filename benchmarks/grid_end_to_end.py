@@ -155,10 +155,11 @@ def main() -> None:
             folder = Path(tmp) / str(i)
             shared = None
             if "mixed_precision" in quant:
-                key = json.dumps(shared_pass_quant(quant), sort_keys=True)
+                pass_quant = shared_pass_quant(quant)
+                key = json.dumps(pass_quant, sort_keys=True)
                 if key not in passes:
                     passes[key] = (folder / "four_bit", folder / "sensitivity.json")
-                    measure_sensitivity(args.model, *passes[key], {"id": f"pass-{i}", "quant": shared_pass_quant(quant)},
+                    measure_sensitivity(args.model, *passes[key], {"id": f"pass-{i}", "quant": pass_quant},
                                         calibration_text=args.corpus / "calibration.txt")
                 shared = passes[key]
             manifest = quantize_checkpoint(

@@ -169,4 +169,3 @@ def promote_sensitive(
                  for c in candidates],
     }
     return {**qweights, **promoted}, facts
-

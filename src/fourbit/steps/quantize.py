@@ -111,6 +111,13 @@ def _peak_rss_mib() -> float:
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
+def _job(model_dir, selection: Selection, quant: dict, calibration_text, threads: int) -> QuantizeJob:
+    """What the arm's method reads: the checkpoint, the chosen matrices, the corpus split."""
+    calibration = Path(calibration_text) if calibration_text else None
+    return QuantizeJob(Path(model_dir), selection.linears, quant, calibration, threads,
+                       selection.embedding)
+
+
 def measure_sensitivity(
     model_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -131,9 +138,7 @@ def measure_sensitivity(
     method = get_method(quant["method"])
     selection = select_modules(model_dir, quant)  # fails before any expensive work
     started = time.monotonic()
-    calibration = Path(calibration_text) if calibration_text else None
-    job = QuantizeJob(Path(model_dir), selection.linears, quant, calibration, threads,
-                      selection.embedding)
+    job = _job(model_dir, selection, quant, calibration_text, threads)
     qweights, facts = method.quantize(job)
     quantized = time.monotonic()
     windows = heldout_tokens(job)[: quant["mixed_precision"]["windows"]]  # [W, T]
@@ -160,10 +165,11 @@ def measure_sensitivity(
     return record
 
 
-def _spend_budget(model_dir: Path, quant: dict, four_bit: Path,
+def _spend_budget(model_dir: Path, quant: dict, embedding: str | None, four_bit: Path,
                   sensitivity_record: Path) -> tuple[dict, dict]:
     """A mixed_precision arm's weights from its shared pass (measure_sensitivity's
-    checkpoint and record), and the facts its manifest records."""
+    checkpoint and record), and the facts its manifest records. ``embedding``: the input
+    embedding's name if the arm puts its table on the 4-bit grid."""
     record = records.check("sensitivity", json.loads(sensitivity_record.read_text()),
                            sensitivity_record)
     if record["quant"] != shared_pass_quant(quant):
@@ -173,15 +179,19 @@ def _spend_budget(model_dir: Path, quant: dict, four_bit: Path,
     _, _, qweights = read_quantized(four_bit)
     measured = sorted(name for s in record["sets"] for name in s["members"])
     if sorted(qweights) != measured:
-        raise ValueError(f"{four_bit} holds {len(qweights)} 4-bit matrices, but {sensitivity_record} "
-                         f"measured {len(measured)}; both must come from one sensitivity job")
+        raise ValueError(f"{four_bit} holds {len(qweights)} 4-bit matrices, but "
+                         f"{sensitivity_record} measured {len(measured)}; both must come from "
+                         "one sensitivity job")
     candidates = [Candidate(tuple(s["members"]), s["kl"], s["extra_bits"]) for s in record["sets"]]
     qweights, mixed = promote_sensitive(model_dir, qweights, candidates, quant)
     seconds = round(record["quantize_seconds"] + record["measure_seconds"], 2)
     mixed = {**mixed, "windows": record["windows"],
              "shared_pass": {"id": record["id"], "seconds": seconds,
                              "peak_rss_mib": record["peak_rss_mib"]}}
-    return qweights, {**record["method_facts"], "mixed_precision": mixed}
+    facts = {**record["method_facts"], "mixed_precision": mixed}
+    if embedding in mixed["eight_bit"]:
+        facts["embedding"] = "rtn, 8 bits (mixed precision)"
+    return qweights, facts
 
 
 def quantize_checkpoint(
@@ -206,13 +216,10 @@ def quantize_checkpoint(
         if shared_pass is None:
             raise ValueError(f"{arm['id']}: a mixed_precision arm starts from its sensitivity "
                              "job's pass; give its checkpoint and record as shared_pass")
-        qweights, facts = _spend_budget(Path(model_dir), quant, *map(Path, shared_pass))
-        if selection.embedding in facts["mixed_precision"]["eight_bit"]:
-            facts["embedding"] = "rtn, 8 bits (mixed precision)"
+        qweights, facts = _spend_budget(Path(model_dir), quant, selection.embedding,
+                                        *map(Path, shared_pass))
     else:
-        calibration = Path(calibration_text) if calibration_text else None
-        job = QuantizeJob(Path(model_dir), selection.linears, quant, calibration, threads, selection.embedding)
-        qweights, facts = method.quantize(job)
+        qweights, facts = method.quantize(_job(model_dir, selection, quant, calibration_text, threads))
     if selection.eight_bit:  # nothing is measured after the head or the table: no walk
         reader = TensorReader(model_dir)
         for name in selection.eight_bit:  # [N, K], or the table's [V, H]: groups along H
