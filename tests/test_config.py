@@ -589,19 +589,23 @@ def test_the_imatrix_is_keyed_in_the_arm_id_and_shared_by_arms_of_one_calibratio
 
 def test_mixed_precision_arms_that_differ_only_in_their_budget_share_one_pass():
     gptq = {"method": "gptq", "group_size": 64, "sym": False}
-    budgets = [{"extra_bits": 0.5}, {"extra_bits": 1.0}, {"extra_bits": 1.0, "windows": 2}]
+    budgets = [{"extra_bits": 0.5}, {"extra_bits": 1.0}, {"extra_bits": 1.0, "windows": 2},
+               {"extra_bits": 0.5, "grids": [8]}, {"extra_bits": 0.5, "grids": [5, 6, 8]}]
     s = study({**BASE, "arms": [
         {"name": "plain", "quant": gptq},
         *({"name": f"m{i}", "quant": {**gptq, "mixed_precision": b}} for i, b in enumerate(budgets)),
         {"name": "g128", "quant": {**gptq, "group_size": 128, "mixed_precision": budgets[0]}},
     ]})
-    plain, m0, m1, m2, g128 = s.arms.values()
-    assert plain.sensitivity is None and len({m0.id, m1.id, m2.id}) == 3
-    # the budget is not in the pass's id; what the pass measures on, and the grid, are
-    assert m0.sensitivity == m1.sensitivity != m2.sensitivity != g128.sensitivity != m0.sensitivity
+    plain, m0, m1, m2, m3, m4, g128 = s.arms.values()
+    assert plain.sensitivity is None and len({m0.id, m1.id, m2.id, m4.id}) == 4
+    assert m3.id == m0.id.replace("m0", "m3")  # grids: [8] is the schema's default, spelt out
+    # the budget is not in the pass's id; what the pass measures on, the grid and the wide
+    # grids measured are
+    assert m0.sensitivity == m1.sensitivity == m3.sensitivity != m2.sensitivity != g128.sensitivity
+    assert len({m0.sensitivity, m2.sensitivity, m4.sensitivity, g128.sensitivity}) == 4
     shared = s.sensitivities[m0.sensitivity]
-    assert list(s.sensitivities) == [m0.sensitivity, m2.sensitivity, g128.sensitivity]
-    assert shared.name == "m0" and shared.quant["mixed_precision"] == {"windows": 4}
+    assert list(s.sensitivities) == [m0.sensitivity, m2.sensitivity, m4.sensitivity, g128.sensitivity]
+    assert shared.name == "m0" and shared.quant["mixed_precision"] == {"windows": 4, "grids": [8]}
     assert {k: v for k, v in shared.quant.items() if k != "mixed_precision"} == plain.quant
 
 

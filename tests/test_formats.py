@@ -460,7 +460,7 @@ def test_vllm_quantizes_lm_head_only_when_asked(vllm_tp1, lm_head):
     assert (type(head.quant_method).__name__ == "CompressedTensorsLinearMethod") == lm_head
 
 
-# --- the 8-bit layout (quantize_head: 8) ----------------------------------------------------
+# --- the wide layouts (quantize_head: 8, mixed_precision.grids) ----------------------------------------------------
 
 def test_int8_layout_round_trip_is_exact_and_its_table_counts_what_it_stores():
     from fourbit.formats import INT8
@@ -475,6 +475,33 @@ def test_int8_layout_round_trip_is_exact_and_its_table_counts_what_it_stores():
     assert stored == INT8.stored_bits(24, 128, 32) == 24 * 128 * (8 + 16 / 32)
     with pytest.raises(ValueError, match="weight_int8 has dtype torch.uint8"):
         INT8.unpack({**packed, "weight_int8": packed["weight_int8"].view(torch.uint8)}, 24, 128, 32)
+
+
+@pytest.mark.parametrize("bits", [5, 6])
+def test_narrower_wide_layouts_pack_eight_codes_in_b_bytes_as_their_table_says(bits):
+    """The 5- and 6-bit layouts: code j of each run of eight, offset by 2**(b-1), in bits
+    b*j..b*j+b-1 of b little-endian bytes (checked against that rule written out here, not
+    against the packer); the round trip is exact and the table counts what is stored."""
+    from fourbit.formats import WIDE_LAYOUTS
+    from fourbit.quant.int8 import max_code, quantize_int8
+
+    layout = WIDE_LAYOUTS[bits]
+    weight = torch.randn(24, 128, generator=torch.Generator().manual_seed(0))
+    qw = quantize_int8(weight, 32, bits=bits)
+    assert qw.bits == bits and int(qw.codes.abs().max()) == max_code(bits) == 2 ** (bits - 1) - 1
+    packed = layout.pack(qw)
+    assert {s: tuple(t.shape) for s, t in packed.items()} == layout.shapes(24, 128, 32)
+    stream = packed[f"weight_int{bits}"][5, 3].tolist()  # row 5, codes 24..31
+    word = sum(byte << (8 * i) for i, byte in enumerate(stream))
+    assert [((word >> (bits * j)) & (2 ** bits - 1)) - 2 ** (bits - 1) for j in range(8)] == (
+        qw.codes[5, 24:32].tolist())
+    assert layout.unpack(packed, 24, 128, 32).equal(qw)
+    stored = sum(t.numel() * t.element_size() * 8 for t in packed.values())
+    assert stored == layout.stored_bits(24, 128, 32) == 24 * 128 * (bits + 16 / 32)
+    with pytest.raises(ValueError, match=f"the {bits}-bit grid holds"):
+        type(qw)(qw.codes.clamp(max=max_code(bits)) + 1, qw.scales, 32, bits)
+    with pytest.raises(ValueError, match=f"int{bits}: a 8-bit weight"):
+        layout.pack(quantize_int8(weight, 32))
 
 
 def test_int8_grid_is_symmetric_per_group_and_exact_in_float32():

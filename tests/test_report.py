@@ -604,16 +604,17 @@ def test_a_mixed_precision_arm_says_what_moved_and_what_costs_most():
     from fourbit.report.markdown import mixed_precision_lines
 
     qkv = [f"model.layers.0.self_attn.{m}_proj" for m in "qkv"]
-    sets = [{"members": qkv, "kl": 3e-5, "extra_bits_per_weight": 0.12, "eight_bit": True},
-            {"members": ["lm_head"], "kl": 2.5e-5, "extra_bits_per_weight": 0.99, "eight_bit": False},
-            {"members": ["model.layers.1.mlp.down_proj"], "kl": 1e-8, "extra_bits_per_weight": 0.2,
-             "eight_bit": False}]
+    sets = [{"members": qkv, "kl": 3e-5, "wider": [], "bits": 8},
+            {"members": ["lm_head"], "kl": 2.5e-5, "wider": [], "bits": 6},
+            {"members": ["model.layers.1.mlp.down_proj"], "kl": 1e-8, "wider": [], "bits": 4}]
     manifest = {"id": "m-1", "method_facts": {"mixed_precision": {
-        "extra_bits": 0.5, "extra_bits_spent": 0.12, "windows": 4, "eight_bit": qkv, "sets": sets}}}
+        "extra_bits": 0.5, "extra_bits_spent": 0.12, "windows": 4, "grids": [6, 8],
+        "moved": {**dict.fromkeys(qkv, 8), "lm_head": 6}, "sets": sets}}}
     [line] = mixed_precision_lines([manifest, {"id": "plain", "method_facts": {}}])[1:]
-    assert line.startswith("- `m-1`, mixed precision: 1 of 3 sets on the 8-bit grid for +0.120 bits "
-                           "per weight (budget 0.5): layers.0.self_attn.q/k/v_proj. Most sensitive")
-    assert line.endswith("layers.0.self_attn.q/k/v_proj 3e-05 (8-bit); lm_head 2.5e-05; "
+    assert line.startswith("- `m-1`, mixed precision: 2 of 3 sets on wider grids (of 6/8 bits) for "
+                           "+0.120 bits per weight (budget 0.5): layers.0.self_attn.q/k/v_proj (8-bit), "
+                           "lm_head (6-bit). Most sensitive")
+    assert line.endswith("layers.0.self_attn.q/k/v_proj 3e-05 (8-bit); lm_head 2.5e-05 (6-bit); "
                          "layers.1.mlp.down_proj 1e-08.")
 
 

@@ -56,15 +56,17 @@ def _save_model(folder, arch: str, seed: int, vocab: int):
 
 # What a mixed_precision arm can write: a merged layer (q/k/v, vLLM's qkv_proj) and a
 # plain one on the 8-bit grid, in different decoder layers.
-MIXED_EIGHT_BIT = tuple(f"model.layers.0.self_attn.{m}_proj" for m in "qkv") + ("model.layers.1.mlp.down_proj",)
+# what a mixed_precision arm moved, and to which grid: q/k/v (merged in vLLM) to 6 bits, a
+# down projection to 5
+MIXED_WIDE = {**{f"model.layers.0.self_attn.{m}_proj": 6 for m in "qkv"}, "model.layers.1.mlp.down_proj": 5}
 
 
 def build_pair(root, fmt_name: str, *, arch: str = "llama", quantize_head: bool | int = True,
                vocab: int = 512, seed: int = 0, embedding: bool | int = False, mixed: bool = False):
     """(quantized folder, dense-control folder) from one random model; ``quantize_head``
     and ``embedding`` as an arm's quantize_head and quantize_embedding (8: in the 8-bit
-    layout, rounded from the model's own matrix); ``mixed``: MIXED_EIGHT_BIT in the 8-bit
-    layout too."""
+    layout, rounded from the model's own matrix); ``mixed``: MIXED_WIDE in their packed 6-
+    and 5-bit layouts too."""
     from safetensors.torch import save_file
 
     from fourbit.quant.int8 import quantize_int8
@@ -90,9 +92,9 @@ def build_pair(root, fmt_name: str, *, arch: str = "llama", quantize_head: bool 
         if name.endswith("_proj.weight") or (quantize_head is True and name == "lm_head.weight")
         or (embedding is True and name == "model.embed_tokens.weight")
     }
-    eight_bit = {name: quantize_int8(state[f"{name}.weight"], GROUP)
-                 for name in ("lm_head",) * (quantize_head == 8) + ("model.embed_tokens",) * (embedding == 8)
-                 + MIXED_EIGHT_BIT * mixed}
+    eight_bit = {name: quantize_int8(state[f"{name}.weight"], GROUP, bits=bits)
+                 for name, bits in [("lm_head", 8)] * (quantize_head == 8)
+                 + [("model.embed_tokens", 8)] * (embedding == 8) + list(MIXED_WIDE.items()) * mixed}
     qws = {name: qw for name, qw in qws.items() if name not in eight_bit}
 
     def write(folder, tensors, cfg):
@@ -110,7 +112,7 @@ def build_pair(root, fmt_name: str, *, arch: str = "llama", quantize_head: bool 
         quant.update({f"{module}.{s}": t for s, t in layout.pack(qw).items()})
         dense[f"{module}.weight"] = qw.dequantize(torch.float32)
     for module, qw in eight_bit.items():
-        quant.update({f"{module}.{s}": t for s, t in formats.INT8.pack(qw).items()})
+        quant.update({f"{module}.{s}": t for s, t in formats.WIDE_LAYOUTS[qw.bits].pack(qw).items()})
         dense[f"{module}.weight"] = qw.dequantize(torch.float32)
     qc = fmt.quantization_config(GROUP, sym, lm_head=quantize_head is True,
                                  embedding=embedding is True and fmt.marks_embedding)
@@ -118,6 +120,8 @@ def build_pair(root, fmt_name: str, *, arch: str = "llama", quantize_head: bool 
         qc[formats.INT4_EMBEDDING] = "model.embed_tokens"
     if eight_bit:
         qc[formats.INT8_MODULES] = sorted(eight_bit)
+    if mixed:
+        qc[formats.INT_BITS] = MIXED_WIDE
     if embedding == 8:
         qc[formats.INT8_EMBEDDING] = True
     qcfg = dict(config, quantization_config=qc)
@@ -345,9 +349,19 @@ def test_every_kernel_an_arm_may_name_is_one_the_plugin_runs():
     assert set(allowed("kernel")) == {*int4_cpu.NUMERICS, "tinygemm"}
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+def test_the_runtime_line_names_each_wide_grid_with_its_matrices():
+    from fourbit.vllm_plugin import describe_int8
+
+    wide = {"lm_head": 8, **{f"model.layers.{i}.mlp.down_proj": 6 for i in range(5)}}
+    line = describe_int8({"kernel": "w4a16"}, 32, wide)
+    assert line.startswith("lm_head at 8 bits; 5 matrices at 6 bits (")
+    assert line.endswith(", 5/6-bit codes unpacked to int8)")
+    assert "unpacked" not in describe_int8({"kernel": "w4a16"}, 32, {"lm_head": 8})
+
+
+@pytest.mark.parametrize("bits", [4, 6, 8])
 def test_embedding_lookup_is_exactly_the_dense_controls_rows(bits):
-    """The quantized table (cpu_int4's 4-bit layout, or the 8-bit one) is loaded through its
+    """The quantized table (cpu_int4's 4-bit layout, or a wide one) is loaded through its
     placeholders like any layer; each looked-up row is bit for bit the row of W_hat the
     dense control stores (and only those rows)."""
     from fourbit.quant.int8 import quantize_int8
@@ -359,9 +373,9 @@ def test_embedding_lookup_is_exactly_the_dense_controls_rows(bits):
     config = FourbitInt4Config.from_config(fmt.quantization_config(GROUP, False, embedding=bits == 4))
     vocab, hidden = 40, 256
     gen = torch.Generator().manual_seed(7)
-    layout = fmt if bits == 4 else formats.INT8
+    layout = fmt if bits == 4 else formats.WIDE_LAYOUTS[bits]
     qw = (_random_qweight(vocab, hidden, sym=False, gen=gen) if bits == 4
-          else quantize_int8(torch.randn(vocab, hidden, generator=gen), GROUP))
+          else quantize_int8(torch.randn(vocab, hidden, generator=gen), GROUP, bits=bits))
     layer, method = torch.nn.Module(), FourbitEmbeddingMethod(config, layout)
     method.create_weights(layer, hidden, [vocab], hidden, vocab, torch.float32)
     for suffix, tensor in layout.pack(qw).items():
@@ -479,10 +493,10 @@ def test_plugin_matches_dense_control(root, cache_root, fmt_name, arch, quantize
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt_name", FORMATS)
 def test_plugin_runs_a_mixed_precision_checkpoint(root, cache_root, fmt_name):
-    """A mixed_precision arm's checkpoint: merged q/k/v and a down projection on the 8-bit
-    grid beside 4-bit layers, in a model with q/k/v biases. The 8-bit layers load shard by
-    shard into one expanded matrix, the 4-bit ones still take the kernel, and the result is
-    the dense control's."""
+    """A mixed_precision arm's checkpoint: merged q/k/v on the 6-bit grid and a down
+    projection on the 5-bit one beside 4-bit layers and an 8-bit head, in a model with
+    q/k/v biases. The packed layers load shard by shard into one matrix of int8 codes, the
+    4-bit ones still take the kernel, and the result is the dense control's."""
     from fourbit.kernels import int4_cpu
     from fourbit.vllm_plugin import ops
 
@@ -490,7 +504,7 @@ def test_plugin_runs_a_mixed_precision_checkpoint(root, cache_root, fmt_name):
     kernel = "w4a16" if int4_cpu.isa() != "none" else "tinygemm"
     ops.clear_calls()
     quant = _score(quant_dir, cache_root, quant_overrides={"kernel": kernel, "prefill_dequant": False})
-    # 2 layers x (qkv, o, gate_up, down) per forward, 2 of them 8-bit, the head 8-bit too;
+    # 2 layers x (qkv, o, gate_up, down) per forward, 2 of them wide, the head 8-bit too;
     # the windows shorter than INT8_DENSE_ROWS take the 8-bit kernel, the 40-token one not
     eight_bit = {"w8a16", "int8_dense"} if int4_cpu.isa() != "none" else {"int8_dense"}
     assert set(ops.path_calls()) == {kernel, *eight_bit} and ops.path_calls()[kernel] >= 6, dict(ops.path_calls())

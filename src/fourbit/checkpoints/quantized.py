@@ -30,11 +30,13 @@ from fourbit.formats import (
     INT8,
     INT8_EMBEDDING,
     INT8_MODULES,
+    INT_BITS,
+    WIDE_LAYOUTS,
     format_for_config,
     get_format,
     int4_embedding,
-    int8_modules,
     table_layout,
+    wide_bits,
 )
 from fourbit.quant.int8 import Int8Weight
 from fourbit.quant.qweight import QuantizedWeight
@@ -63,7 +65,8 @@ def write_quantized(
     table = embedding if embedding in four_bit else None  # a 4-bit table, in table_layout(fmt)
     for name, qweight in qweights.items():
         del tensors[f"{name}.weight"]
-        layout = INT8 if name in eight_bit else table_layout(fmt) if name == table else fmt
+        layout = (WIDE_LAYOUTS[qweight.bits] if name in eight_bit
+                  else table_layout(fmt) if name == table else fmt)
         for suffix, tensor in layout.pack(qweight).items():
             tensors[f"{name}.{suffix}"] = tensor
     config = read_config(source)
@@ -75,8 +78,12 @@ def write_quantized(
         config["quantization_config"][INT4_EMBEDDING] = table
     if eight_bit:
         config["quantization_config"][INT8_MODULES] = eight_bit
+    narrower = {name: qweights[name].bits for name in eight_bit if qweights[name].bits != INT8.bits}
+    if narrower:
+        config["quantization_config"][INT_BITS] = narrower
     if embedding in eight_bit:  # for readers that see the table without its name (vLLM's Llama)
-        config["quantization_config"][INT8_EMBEDDING] = True
+        bits = qweights[embedding].bits
+        config["quantization_config"][INT8_EMBEDDING] = True if bits == INT8.bits else bits
     write_checkpoint(folder, tensors, config, copy_from=source)
 
 
@@ -85,7 +92,7 @@ def read_quantized(
 ) -> tuple[dict, dict[str, torch.Tensor], dict[str, QuantizedWeight | Int8Weight]]:
     """(config, dense tensors, the stored weight by module name) of a quantized checkpoint:
     a QuantizedWeight for each matrix in the checkpoint's format or in the 4-bit table
-    layout (fourbit.formats.table), an Int8Weight for each one in the 8-bit layout
+    layout (fourbit.formats.table), an Int8Weight for each one in a wide layout
     (fourbit.formats.int8)."""
     config = read_config(folder)
     if "quantization_config" not in config:
@@ -95,13 +102,13 @@ def read_quantized(
     tensors = load_tensors(folder)
     marker = f".{fmt.layout[0].suffix}"
     modules = sorted(name[: -len(marker)] for name in tensors if name.endswith(marker))
-    if not modules:
+    if not modules and not wide_bits(config["quantization_config"]):  # mixed precision may move all
         raise ValueError(f"{folder}: {fmt.name} checkpoint without any '*{marker}' tensor")
     model = skeleton(folder)
     qweights = {}
     table = int4_embedding(config["quantization_config"])
     layouts = {**{name: fmt for name in modules},
-               **{name: INT8 for name in int8_modules(config["quantization_config"])},
+               **{name: WIDE_LAYOUTS[bits] for name, bits in wide_bits(config["quantization_config"]).items()},
                **({table: table_layout(fmt)} if table else {})}
     for name, layout in layouts.items():
         parts = {spec.suffix: tensors.pop(f"{name}.{spec.suffix}") for spec in layout.layout}

@@ -17,8 +17,8 @@ so bits per weight come from the bytes on disk, not from a nominal "4".
 
 Extend by registration: subclass ``Format``, decorate it with ``@register_format``, and
 add its table to fourbit.layouts.LAYOUTS.
-``INT8`` (fourbit.formats.int8) is a Layout, not a Format: the 8-bit matrices an arm
-keeps inside a checkpoint of any format. A 4-bit input embedding table is stored in
+``INT8`` and the other WIDE_LAYOUTS (fourbit.formats.int8) are Layouts, not Formats: the
+8-bit (or 5- and 6-bit) matrices an arm keeps inside a checkpoint of any format. A 4-bit input embedding table is stored in
 cpu_int4's layout in every format (fourbit.formats.table).
 """
 
@@ -38,7 +38,16 @@ from fourbit.formats.base import (
 
 # Importing each format registers it.
 from fourbit.formats import compressed_tensors, cpu_int4, gptq  # noqa: E402, F401
-from fourbit.formats.int8 import INT8, INT8_EMBEDDING, INT8_MODULES, int8_modules  # noqa: E402
+from fourbit.formats.int8 import (  # noqa: E402
+    INT8,
+    INT8_EMBEDDING,
+    INT8_MODULES,
+    INT_BITS,
+    WIDE_LAYOUTS,
+    embedding_bits,
+    int8_modules,
+    wide_bits,
+)
 from fourbit.formats.table import INT4_EMBEDDING, int4_embedding, table_layout  # noqa: E402
 
 __all__ = [
@@ -48,8 +57,11 @@ __all__ = [
     "INT8",
     "INT8_EMBEDDING",
     "INT8_MODULES",
+    "INT_BITS",
+    "WIDE_LAYOUTS",
     "Layout",
     "check_nibbles",
+    "embedding_bits",
     "format_for_config",
     "get_format",
     "int4_embedding",
@@ -60,4 +72,5 @@ __all__ = [
     "stored_dtype",
     "table_layout",
     "unpack_nibbles_int32",
+    "wide_bits",
 ]

@@ -1,13 +1,21 @@
-"""The 8-bit layout: a matrix an arm keeps on the 8-bit grid (fourbit.quant.int8: its head
+"""The wide layouts: a matrix an arm keeps on a wide grid (fourbit.quant.int8: its head
 with ``quantize_head: 8``, its embedding table with ``quantize_embedding: 8``, the sets
-``mixed_precision`` moves) inside a checkpoint of any
-of the 4-bit formats.
+``mixed_precision`` moves, to 8 bits or to 5 or 6) inside a checkpoint of any of the
+4-bit formats.
 
-The checkpoint's format stores the 4-bit matrices as usual; a matrix in this layout
+    8 bits     weight_int8        int8   [N, K]       codes[n, k]
+               weight_int8_scale  float  [N, K/G]     scales[n, g]
+    b = 5, 6   weight_int<b>      uint8  [N, K/8, b]  8 codes + 2**(b-1) per b bytes,
+                                                      code j in bits b*j..b*j+b-1
+               weight_int<b>_scale float [N, K/G]     scales[n, g]
+
+The checkpoint's format stores the 4-bit matrices as usual; a matrix in a wide layout
 stores its tensors beside them, and the format's quantization_config lists it under
 INT8_MODULES, which is how readers (the dense control, the reference engine, the vLLM
-plugin) find it. Ecosystems that read only the format itself (vLLM's own GPTQ kernel)
-do not know the layout, so such an arm is not given to them.
+plugin) find it; INT_BITS names those on a 5- or 6-bit grid and their bits (the rest are
+at 8). Every reader unpacks them to int8 codes (Int8Weight), so the file holds b bits per
+weight and memory 8. Ecosystems that read only the format itself (vLLM's own GPTQ kernel)
+do not know the layouts, so such an arm is not given to them.
 """
 
 from __future__ import annotations
@@ -17,32 +25,72 @@ from collections.abc import Mapping
 import torch
 
 from fourbit.formats.base import Layout
-from fourbit.layouts import TensorSpec
-from fourbit.quant.int8 import MAX_CODE, Int8Weight
+from fourbit.layouts import WIDE_LAYOUTS as TABLES
+from fourbit.quant.int8 import BITS, WIDE_BITS, Int8Weight, max_code
 
-INT8_MODULES = "fourbit_int8_modules"  # quantization_config key: the modules in this layout
-INT8_EMBEDDING = "fourbit_int8_embedding"  # true when the input embedding is one of them
+INT8_MODULES = "fourbit_int8_modules"  # quantization_config key: the modules in a wide layout
+INT_BITS = "fourbit_int_bits"  # {module: 5 or 6} for those not at 8 bits
+# true when the input embedding is one of them at 8 bits; its bits (5 or 6) when narrower,
+# since vLLM builds some embeddings without the name INT_BITS would give
+INT8_EMBEDDING = "fourbit_int8_embedding"
 
 
 class Int8Layout(Layout):
-    name = "int8"
-    layout = (
-        TensorSpec("weight_int8", ("N", "K"), "int8", f"codes[n, k], -{MAX_CODE}..{MAX_CODE}"),
-        TensorSpec("weight_int8_scale", ("N", "K/G"), None, "scales[n, g]"),
-    )
+    def __init__(self, bits: int) -> None:
+        self.bits = bits
+        self.name = f"int{bits}"
+        self.layout = TABLES[bits]
+        self.codes, self.scales = (spec.suffix for spec in self.layout)
 
     def pack(self, qw: Int8Weight) -> dict[str, torch.Tensor]:
-        return {"weight_int8": qw.codes.contiguous(), "weight_int8_scale": qw.scales.contiguous()}
+        if qw.bits != self.bits:
+            raise ValueError(f"{self.name}: a {qw.bits}-bit weight")
+        codes = qw.codes if self.bits == BITS else _pack_codes(qw.codes, self.bits)
+        return {self.codes: codes.contiguous(), self.scales: qw.scales.contiguous()}
 
     def unpack(self, tensors: Mapping[str, torch.Tensor], out_features: int, in_features: int,
                group_size: int) -> Int8Weight:
         t = self.checked(tensors, out_features, in_features, group_size)
-        return Int8Weight(t["weight_int8"], t["weight_int8_scale"], group_size)
+        codes = t[self.codes] if self.bits == BITS else _unpack_codes(t[self.codes], self.bits)
+        return Int8Weight(codes, t[self.scales], group_size, self.bits)
 
 
-INT8 = Int8Layout()
+def _pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """int8 codes [N, K] of the b-bit grid -> uint8 [N, K/8, b]: 8 codes, offset to
+    1..2**b - 1, in one little-endian word of 8b <= 48 bits, its low b bytes kept."""
+    n, k = codes.shape
+    shifts = torch.arange(8, dtype=torch.int64) * bits
+    offset = codes.to(torch.int64).view(n, k // 8, 8) + max_code(bits) + 1  # [N, K/8, 8]
+    words = (offset << shifts).sum(-1, keepdim=True)  # [N, K/8, 1], disjoint bits: sum = or
+    return words.view(torch.uint8)[..., :bits]  # [N, K/8, 8] bytes -> the low b
+
+
+def _unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """The inverse of _pack_codes: uint8 [N, K/8, b] -> int8 codes [N, K]."""
+    n, words, _ = packed.shape
+    padded = torch.zeros(n, words, 8, dtype=torch.uint8)
+    padded[..., :bits] = packed
+    shifts = torch.arange(8, dtype=torch.int64) * bits
+    fields = (padded.view(torch.int64) >> shifts) & ((1 << bits) - 1)  # [N, K/8, 1] -> [N, K/8, 8]
+    return (fields - max_code(bits) - 1).to(torch.int8).view(n, words * 8)
+
+
+WIDE_LAYOUTS = {bits: Int8Layout(bits) for bits in WIDE_BITS}
+INT8 = WIDE_LAYOUTS[BITS]
 
 
 def int8_modules(quantization_config: Mapping) -> list[str]:
-    """The modules a checkpoint stores in the 8-bit layout (none in one written before it)."""
+    """The modules a checkpoint stores in a wide layout (none in one written before them)."""
     return list(quantization_config.get(INT8_MODULES, []))
+
+
+def wide_bits(quantization_config: Mapping) -> dict[str, int]:
+    """The bits of each module int8_modules names: 8 unless INT_BITS says 5 or 6."""
+    narrower = quantization_config.get(INT_BITS, {})
+    return {name: int(narrower.get(name, BITS)) for name in int8_modules(quantization_config)}
+
+
+def embedding_bits(quantization_config: Mapping) -> int | None:
+    """The bits of an input embedding kept on a wide grid (INT8_EMBEDDING), else None."""
+    marked = quantization_config.get(INT8_EMBEDDING, False)
+    return BITS if marked is True else int(marked) if marked else None

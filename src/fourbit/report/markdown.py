@@ -269,36 +269,36 @@ MOST_SENSITIVE = 5  # sets listed per mixed_precision arm
 
 
 def mixed_precision_lines(manifests: list[dict]) -> list[str]:
-    """Per mixed_precision arm: what moved to 8 bits for how many bits, and the sets whose
-    4-bit error changed the model most (measured, fourbit.quantizers.sensitivity)."""
+    """Per mixed_precision arm: what moved to which wide grid for how many bits, and the sets
+    whose 4-bit error changed the model most (measured, fourbit.quantizers.sensitivity)."""
     lines = []
     for m in manifests:
         mixed = m["method_facts"].get("mixed_precision")
         if mixed is None:
             continue
         ranked = sorted(mixed["sets"], key=lambda s: -s["kl"])
-        moved = [s for s in mixed["sets"] if s["eight_bit"]]
-        top = "; ".join(f"{_set_label(s['members'])} {s['kl']:.3g}" + (" (8-bit)" * s["eight_bit"])
-                        for s in ranked[:MOST_SENSITIVE])
+        moved = [_set_label(s) for s in mixed["sets"] if s["bits"] != 4]
         lines.append(
-            f"- `{m['id']}`, mixed precision: {len(moved)} of {len(mixed['sets'])} sets on the 8-bit "
-            f"grid for +{mixed['extra_bits_spent']:.3f} bits per weight (budget {mixed['extra_bits']}): "
-            f"{', '.join(_set_label(s['members']) for s in moved) or 'none'}. Most sensitive at 4 bits "
-            f"(KL from the unquantized model with only that set at 4 bits, nats/token, "
-            f"{mixed['windows']} held-out windows): {top}."
+            f"- `{m['id']}`, mixed precision: {len(moved)} of {len(mixed['sets'])} sets on wider grids"
+            f" (of {'/'.join(map(str, mixed['grids']))} bits) for +{mixed['extra_bits_spent']:.3f} bits "
+            f"per weight (budget {mixed['extra_bits']}): {', '.join(moved) or 'none'}. "
+            f"Most sensitive at 4 bits (KL from the unquantized model with only that set at 4 bits, "
+            f"nats/token, {mixed['windows']} held-out windows): "
+            + "; ".join(_set_label(s, kl=True) for s in ranked[:MOST_SENSITIVE]) + "."
             + (f" 4-bit pass and measurement: `{mixed['shared_pass']['id']}`, shared by the "
                "arms that differ only in their budget." if "shared_pass" in mixed else "")
         )
     return ["", *lines] if lines else []
 
 
-def _set_label(members: list[str]) -> str:
-    """``model.layers.0.self_attn.q_proj`` + its siblings -> ``layers.0.self_attn.q/k/v_proj``."""
-    names = [n.removeprefix("model.") for n in members]
-    if len(names) == 1:
-        return names[0]
+def _set_label(mixed_set: dict, kl: bool = False) -> str:
+    """``model.layers.0.self_attn.q_proj`` + siblings -> ``layers.0.self_attn.q/k/v_proj``, KL if asked, grid if moved."""
+    names = [n.removeprefix("model.") for n in mixed_set["members"]]
     parent = names[0].rpartition(".")[0]
-    return f"{parent}.{'/'.join(n.rpartition('.')[2].removesuffix('_proj') for n in names)}_proj"
+    label = names[0] if len(names) == 1 else (
+        f"{parent}.{'/'.join(n.rpartition('.')[2].removesuffix('_proj') for n in names)}_proj")
+    return (label + (f" {mixed_set['kl']:.3g}" if kl else "")
+            + (f" ({mixed_set['bits']}-bit)" if mixed_set["bits"] != 4 else ""))
 
 
 def _calibration_drawn(calibration: dict | None) -> str:

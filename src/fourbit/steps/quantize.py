@@ -40,7 +40,7 @@ from fourbit.checkpoints.quantized import (
 from fourbit.formats import get_format
 from fourbit.quant.int8 import quantize_int8
 from fourbit.quantizers.methods import QuantizeJob, get_method, heldout_tokens
-from fourbit.quantizers.sensitivity import Candidate, measure_sets, promote_sensitive
+from fourbit.quantizers.sensitivity import Candidate, Wider, measure_sets, promote_sensitive
 from fourbit.quantizers.shapes import Matrices, plan_arm, shared_pass_quant
 from fourbit.vllm_plugin import write_arm_knobs
 
@@ -144,7 +144,8 @@ def measure_sensitivity(
     windows = heldout_tokens(job)[: quant["mixed_precision"]["windows"]]  # [W, T]
     fmt = method.format(quant)
     candidates = measure_sets(job.model_dir, qweights, get_format(fmt), quant["group_size"],
-                              windows, embedding=selection.embedding)
+                              windows, quant["mixed_precision"]["grids"],
+                              embedding=selection.embedding)
     measured = time.monotonic()
     with atomic_dir(out_dir) as folder:
         write_quantized(folder, model_dir, qweights, fmt, quant)
@@ -153,7 +154,8 @@ def measure_sensitivity(
         "format": fmt,
         "method_facts": facts,
         "windows": len(windows),
-        "sets": [{**asdict(c), "members": list(c.members)} for c in candidates],
+        "sets": [{"members": list(c.members), "kl": c.kl, "wider": [asdict(w) for w in c.wider]}
+                 for c in candidates],
         "quantize_seconds": round(quantized - started, 2),
         "measure_seconds": round(measured - quantized, 2),
         "peak_rss_mib": _peak_rss_mib(),
@@ -182,15 +184,16 @@ def _spend_budget(model_dir: Path, quant: dict, embedding: str | None, four_bit:
         raise ValueError(f"{four_bit} holds {len(qweights)} 4-bit matrices, but "
                          f"{sensitivity_record} measured {len(measured)}; both must come from "
                          "one sensitivity job")
-    candidates = [Candidate(tuple(s["members"]), s["kl"], s["extra_bits"]) for s in record["sets"]]
+    candidates = [Candidate(tuple(s["members"]), s["kl"], tuple(Wider(**w) for w in s["wider"]))
+                  for s in record["sets"]]
     qweights, mixed = promote_sensitive(model_dir, qweights, candidates, quant)
     seconds = round(record["quantize_seconds"] + record["measure_seconds"], 2)
     mixed = {**mixed, "windows": record["windows"],
              "shared_pass": {"id": record["id"], "seconds": seconds,
                              "peak_rss_mib": record["peak_rss_mib"]}}
     facts = {**record["method_facts"], "mixed_precision": mixed}
-    if embedding in mixed["eight_bit"]:
-        facts["embedding"] = "rtn, 8 bits (mixed precision)"
+    if embedding in mixed["moved"]:
+        facts["embedding"] = f"rtn, {mixed['moved'][embedding]} bits (mixed precision)"
     return qweights, facts
 
 

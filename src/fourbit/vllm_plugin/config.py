@@ -20,6 +20,7 @@ import glob
 import json
 import logging
 import os
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -112,9 +113,10 @@ class FourbitInt4Config(QuantizationConfig):
         # Module names (HF naming, then vLLM's after apply_vllm_mapper) that the
         # checkpoint stores quantized; None until maybe_update_config has read it.
         self.quantized_modules: set[str] | None = None
-        # Those it stores in the 8-bit layout instead (fourbit.formats.int8: the head of
-        # quantize_head: 8 arm, the sets mixed_precision moved), named by its quantization_config.
-        self.int8_modules: set[str] = set(formats.int8_modules(self.checkpoint_config))
+        # Those it stores in a wide layout instead (fourbit.formats.int8: the head of a
+        # quantize_head: 8 arm, the sets mixed_precision moved), named by its
+        # quantization_config, with their bits.
+        self.wide_bits: dict[str, int] = formats.wide_bits(self.checkpoint_config)
         # The embedding it stores as a 4-bit table beside them (fourbit.formats.table), if any.
         table = formats.int4_embedding(self.checkpoint_config)
         self.table_modules: set[str] = {table} if table else set()
@@ -192,7 +194,7 @@ class FourbitInt4Config(QuantizationConfig):
             return
         marker = "." + self.format.layout[0].suffix
         self.quantized_modules = {k[: -len(marker)] for k in keys if k.endswith(marker)}
-        if not self.quantized_modules:
+        if not self.quantized_modules and not self.wide_bits:  # mixed precision may move all
             raise ValueError(
                 f"{QUANT_METHOD}: no tensor named *{marker} in {model_name}; "
                 f"not a {self.format_name} checkpoint"
@@ -202,21 +204,33 @@ class FourbitInt4Config(QuantizationConfig):
         if self.quantized_modules is not None:
             mapped = hf_to_vllm_mapper.apply_list(sorted(self.quantized_modules))
             self.quantized_modules = set(self.quantized_modules) | set(mapped)
-        mapped = hf_to_vllm_mapper.apply_list(sorted(self.int8_modules))
-        self.int8_modules = self.int8_modules | set(mapped)
+        for name, bits in list(self.wide_bits.items()):
+            for mapped in hf_to_vllm_mapper.apply_list([name]):
+                self.wide_bits[mapped] = bits
         self.table_modules |= set(hf_to_vllm_mapper.apply_list(sorted(self.table_modules)))
 
-    def _all_stored(self, prefix: str, stored: set[str], how: str) -> bool:
-        """Whether the checkpoint module(s) behind ``prefix`` are all in ``stored``; a merged
-        layer (qkv_proj: q/k/v) whose members are stored two ways cannot be run."""
+    def _members(self, prefix: str) -> list[str]:
+        """The checkpoint module(s) behind ``prefix``: a merged layer's (qkv_proj: q/k/v)."""
         head, _, last = prefix.rpartition(".")
-        names = [prefix]
         if last in self.packed_modules_mapping:
-            names = [f"{head}.{s}" if head else s for s in self.packed_modules_mapping[last]]
+            return [f"{head}.{s}" if head else s for s in self.packed_modules_mapping[last]]
+        return [prefix]
+
+    def _all_stored(self, prefix: str, stored: Collection[str], how: str) -> bool:
+        """Whether the checkpoint module(s) behind ``prefix`` are all in ``stored``; a merged
+        layer whose members are stored two ways cannot be run."""
+        names = self._members(prefix)
         flags = [n in stored for n in names]
         if any(flags) and not all(flags):
             raise ValueError(f"{QUANT_METHOD}: {prefix} merges {names}, only some {how}: {flags}")
         return all(flags)
+
+    def _wide_layout(self, prefix: str) -> formats.Layout:
+        """The one wide layout of the module(s) behind ``prefix``."""
+        bits = {self.wide_bits[n] for n in self._members(prefix)}
+        if len(bits) != 1:
+            raise ValueError(f"{QUANT_METHOD}: {prefix} merges modules stored at {sorted(bits)} bits")
+        return formats.WIDE_LAYOUTS[bits.pop()]
 
     def is_quantized(self, prefix: str, layer: torch.nn.Module) -> bool:
         if self.quantized_modules is None:
@@ -227,18 +241,18 @@ class FourbitInt4Config(QuantizationConfig):
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         if isinstance(layer, LinearBase | ParallelLMHead) and self._all_stored(
-                prefix, self.int8_modules, "stored at 8 bits"):
-            return FourbitInt8LinearMethod(self)
+                prefix, self.wide_bits, "stored on a wide grid"):
+            return FourbitInt8LinearMethod(self, self._wide_layout(prefix))
         if isinstance(layer, ParallelLMHead):
             return FourbitLinearMethod(self) if self.is_quantized(prefix, layer) else None
         if isinstance(layer, VocabParallelEmbedding):
             # Some models build their embedding without a prefix (vLLM's Llama does), so
             # the checkpoint's own flags decide; where the name is known they must agree.
-            eight_bit = bool(self.checkpoint_config.get(formats.INT8_EMBEDDING, False))
-            stored = (eight_bit or bool(self.table_modules)
+            wide = formats.embedding_bits(self.checkpoint_config)
+            stored = (wide is not None or bool(self.table_modules)
                       or bool(self.checkpoint_config.get("embedding", False)))
             known = prefix and self.quantized_modules is not None
-            in_checkpoint = prefix in self.int8_modules | self.table_modules
+            in_checkpoint = prefix in self.wide_bits.keys() | self.table_modules
             if known and (self.is_quantized(prefix, layer) or in_checkpoint) != stored:
                 raise ValueError(
                     f"{QUANT_METHOD}: quantization_config says embedding={stored}, but the "
@@ -246,7 +260,8 @@ class FourbitInt4Config(QuantizationConfig):
                 )
             if not stored:
                 return None
-            return FourbitEmbeddingMethod(self, formats.INT8 if eight_bit else formats.table_layout(self.format))
+            layout = formats.table_layout(self.format) if wide is None else formats.WIDE_LAYOUTS[wide]
+            return FourbitEmbeddingMethod(self, layout)
         if isinstance(layer, LinearBase):
             if self.is_quantized(prefix, layer):
                 return FourbitLinearMethod(self)

@@ -62,10 +62,20 @@ def describe(knobs: dict[str, Any], model_dtype: str) -> str:
     return f"{small} below {knobs['dequant_threshold']} rows, dense {compute} from {source} above"
 
 
-def describe_int8(knobs: dict[str, Any], group_size: int) -> str:
-    """What runs a matrix stored at 8 bits on this host (fourbit.vllm_plugin.ops, int8_linear)
-    for these knobs: W8A8 where the kernel knob rounds activations to int8 and the group
-    size allows it (FourbitInt8LinearMethod), else W8A16."""
+def describe_int8(knobs: dict[str, Any], group_size: int, wide: dict[str, int]) -> str:
+    """Which matrices a checkpoint keeps on wide grids (``wide``: module -> bits,
+    fourbit.formats.wide_bits) and what runs them on this host (fourbit.vllm_plugin.ops,
+    int8_linear) for these knobs: W8A8 where the kernel knob rounds activations to int8 and
+    the group size allows it (FourbitInt8LinearMethod), else W8A16."""
+    counts = []
+    for bits in sorted(set(wide.values()), reverse=True):
+        names = sorted(name for name, b in wide.items() if b == bits)
+        counts.append(f"{', '.join(names) if len(names) <= 3 else f'{len(names)} matrices'} at {bits} bits")
+    unpacked = ", 5/6-bit codes unpacked to int8" if min(wide.values()) < 8 else ""
+    return f"{'; '.join(counts)} ({_runs_int8(knobs, group_size)}{unpacked})"
+
+
+def _runs_int8(knobs: dict[str, Any], group_size: int) -> str:
     from fourbit.kernels import int4_cpu
     from fourbit.vllm_plugin.ops import INT8_DENSE_ROWS
 

@@ -82,7 +82,8 @@ class FourbitEmbeddingMethod(StoredTensors, QuantizeMethodBase):
 
     The table is kept as stored, in the 4-bit table layout (fourbit.formats.table, in
     every format: codes two to a byte, scales, integer zeros, 4 + 24/G bits per weight) or
-    in the 8-bit layout (int8 codes and scales, quantize_embedding: 8), and the rows a step
+    in a wide layout (int8 codes and scales, quantize_embedding: 8, or mixed precision's
+    5 or 6 bits packed), and the rows a step
     looks up are decoded by that layout's own unpack and dequantize, i.e. exactly as the
     dense control was expanded.
     """
@@ -217,14 +218,15 @@ class FourbitLinearMethod(_Method, LinearMethodBase):
 
 
 class FourbitInt8LinearMethod(StoredTensors, LinearMethodBase):
-    """A linear or head stored in the 8-bit layout (fourbit.formats.int8; quantize_head: 8
-    or mixed_precision), kept as stored (codes int8, scales widened to float32: exact) and
+    """A linear or head stored in a wide layout (fourbit.formats.int8; quantize_head: 8
+    or mixed_precision, at 8 bits or packed at 5 or 6), held as int8 codes (a narrower
+    grid's unpacked: its codes are a subset) and scales widened to float32 (exact), and
     run by fourbit::int8_linear (ops.py): the W8A16 kernel for small batches (W8A8 when the
     arm's kernel rounds activations to int8), the exact W_hat block by block for large ones. A head's rows are padded to vLLM's vocab with zero
     codes."""
 
-    def __init__(self, config: PluginSettings) -> None:
-        super().__init__(formats.INT8, config.group_size)
+    def __init__(self, config: PluginSettings, layout: formats.Layout) -> None:
+        super().__init__(layout, config.group_size)
         self.config = config
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:

@@ -331,7 +331,7 @@ def runtime(checkpoint: str | os.PathLike, settings: Mapping[str, Any] | VllmSet
     import torch
 
     from fourbit import formats
-    from fourbit.formats.int8 import int8_modules
+    from fourbit.formats.int8 import wide_bits
     from fourbit.vllm_plugin import describe, describe_int8  # no vllm import: this stays cheap
 
     settings = resolve(settings)
@@ -347,13 +347,12 @@ def runtime(checkpoint: str | os.PathLike, settings: Mapping[str, Any] | VllmSet
                   else "cpu_gemm_wna16, W4A16")
         return f"{where}, vLLM's own {qc['quant_method']} method ({kernel}), no plugin"
 
-    eight_bit = int8_modules(qc)
-    which = ", ".join(eight_bit) if len(eight_bit) <= 3 else f"{len(eight_bit)} matrices"
+    wide = wide_bits(qc)
     knobs = _plugin_knobs(qc, settings)
     held = ""
-    if eight_bit:
+    if wide:
         group_size = formats.format_for_config(qc).group_size_from_config(qc)
-        held = f"; {which} at 8 bits ({describe_int8(knobs, group_size)})"
+        held = f"; {describe_int8(knobs, group_size, wide)}"
     return (f"{where}, fourbit_int4 plugin on {qc['quant_method']} weights "
             f"({describe(knobs, dtype)}{held})")
 
