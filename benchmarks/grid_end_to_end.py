@@ -175,7 +175,7 @@ def main() -> None:
             kept = f"  minmax kept on {guard['kept_minmax']}" if guard else ""
             mixed = manifest["method_facts"].get("mixed_precision")
             if mixed:
-                kept += f"  8-bit: {mixed['eight_bit']}"
+                kept += "  wider: " + ", ".join(f"{n}:{b}" for n, b in mixed["moved"].items())
             se = kl.mean(-1).std().item() / args.windows**0.5  # over windows
             delta = math.exp(nll) - math.exp(base_nll)
             storage = manifest["storage"]

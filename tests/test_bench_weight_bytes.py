@@ -31,3 +31,27 @@ def test_an_engine_holds_every_tensor_in_its_dtype(int4_checkpoints):
     assert resident_weight_bytes(baseline, "bfloat16") == dense // 2
     packed = resident_weight_bytes(arm, "float32")
     assert packed == LINEAR_WEIGHTS // 2 + LINEAR_WEIGHTS // 64 * 3 + 4 * (512 * 256 + 5 * 256)
+
+
+def test_a_linears_packed_6_bit_codes_count_as_the_int8_codes_the_plugin_holds(int4_checkpoints, tmp_path):
+    """A mixed_precision arm with a down projection and the embedding table at 6 bits: the
+    linear is held as one int8 per code (decode reads those), the table stays packed
+    (only looked-up rows are unpacked)."""
+    from fourbit.checkpoints.hf import TensorReader
+    from fourbit.checkpoints.quantized import read_quantized, write_quantized
+    from fourbit.quant.int8 import quantize_int8
+
+    arm, baseline = int4_checkpoints
+    _, _, qweights = read_quantized(arm)
+    reader = TensorReader(baseline)
+    down, table = "model.layers.0.mlp.down_proj", "model.embed_tokens"
+    for name in (down, table):
+        qweights[name] = quantize_int8(reader.get(f"{name}.weight"), 64, bits=6)
+    write_quantized(tmp_path / "six", baseline, qweights, "cpu_int4", {"group_size": 64, "sym": False})
+    four_bit = 256 * 512 // 2 + 256 * 512 // 64 * 3  # the down projection as arm stores it
+    held = 256 * 512 + 256 * 512 // 64 * 2  # int8 codes, a float16 scale per 64
+    assert linear_weight_bytes(tmp_path / "six", "float32")["bytes"] == (
+        linear_weight_bytes(arm, "float32")["bytes"] - four_bit + held)
+    packed_table = 512 * 256 * 6 // 8 + 512 * 256 // 64 * 2
+    assert resident_weight_bytes(tmp_path / "six", "float32") == (
+        resident_weight_bytes(arm, "float32") - four_bit + held - 4 * 512 * 256 + packed_table)

@@ -590,7 +590,7 @@ def test_the_imatrix_is_keyed_in_the_arm_id_and_shared_by_arms_of_one_calibratio
 def test_mixed_precision_arms_that_differ_only_in_their_budget_share_one_pass():
     gptq = {"method": "gptq", "group_size": 64, "sym": False}
     budgets = [{"extra_bits": 0.5}, {"extra_bits": 1.0}, {"extra_bits": 1.0, "windows": 2},
-               {"extra_bits": 0.5, "grids": [8]}, {"extra_bits": 0.5, "grids": [5, 6, 8]}]
+               {"extra_bits": 0.5, "grids": [8]}, {"extra_bits": 0.5, "grids": [8, 6, 5]}]
     s = study({**BASE, "arms": [
         {"name": "plain", "quant": gptq},
         *({"name": f"m{i}", "quant": {**gptq, "mixed_precision": b}} for i, b in enumerate(budgets)),
@@ -606,6 +606,7 @@ def test_mixed_precision_arms_that_differ_only_in_their_budget_share_one_pass():
     shared = s.sensitivities[m0.sensitivity]
     assert list(s.sensitivities) == [m0.sensitivity, m2.sensitivity, m4.sensitivity, g128.sensitivity]
     assert shared.name == "m0" and shared.quant["mixed_precision"] == {"windows": 4, "grids": [8]}
+    assert m4.quant["mixed_precision"]["grids"] == [5, 6, 8]  # a set, in one order
     assert {k: v for k, v in shared.quant.items() if k != "mixed_precision"} == plain.quant
 
 

@@ -498,6 +498,8 @@ def test_narrower_wide_layouts_pack_eight_codes_in_b_bytes_as_their_table_says(b
     assert layout.unpack(packed, 24, 128, 32).equal(qw)
     stored = sum(t.numel() * t.element_size() * 8 for t in packed.values())
     assert stored == layout.stored_bits(24, 128, 32) == 24 * 128 * (bits + 16 / 32)
+    tall = quantize_int8(torch.randn(1030, 64, generator=torch.Generator().manual_seed(1)), 32, bits=bits)
+    assert layout.unpack(layout.pack(tall), 1030, 64, 32).equal(tall)  # packed a block of rows at a time
     with pytest.raises(ValueError, match=f"the {bits}-bit grid holds"):
         type(qw)(qw.codes.clamp(max=max_code(bits)) + 1, qw.scales, 32, bits)
     with pytest.raises(ValueError, match=f"int{bits}: a 8-bit weight"):

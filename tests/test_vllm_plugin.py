@@ -62,18 +62,20 @@ MIXED_WIDE = {**{f"model.layers.0.self_attn.{m}_proj": 6 for m in "qkv"}, "model
 
 
 def build_pair(root, fmt_name: str, *, arch: str = "llama", quantize_head: bool | int = True,
-               vocab: int = 512, seed: int = 0, embedding: bool | int = False, mixed: bool = False):
+               vocab: int = 512, seed: int = 0, embedding: bool | int = False,
+               mixed: bool | str = False):
     """(quantized folder, dense-control folder) from one random model; ``quantize_head``
     and ``embedding`` as an arm's quantize_head and quantize_embedding (8: in the 8-bit
-    layout, rounded from the model's own matrix); ``mixed``: MIXED_WIDE in their packed 6-
-    and 5-bit layouts too."""
+    layout, rounded from the model's own matrix; an embedding at 6: the packed 6-bit one);
+    ``mixed``: MIXED_WIDE in their packed 6- and 5-bit layouts too, or "all": every
+    decoder linear at 6 bits (with an 8-bit head, no matrix left in the format's own)."""
     from safetensors.torch import save_file
 
     from fourbit.quant.int8 import quantize_int8
 
     head = {True: "head", False: "nohead", 8: "head8"}[quantize_head]
-    table = {False: "", True: "-emb", 8: "-emb8"}[embedding]
-    tag = f"{arch}{vocab}-{fmt_name}-{head}{table}{'-mixed' * mixed}"
+    table = {False: "", True: "-emb", 8: "-emb8", 6: "-emb6"}[embedding]
+    tag = f"{arch}{vocab}-{fmt_name}-{head}{table}{f'-mixed-{mixed}' if mixed else ''}"
     if (root / tag).exists():
         return root / tag, root / f"dense-{tag}"
     src = root / f"source-{arch}{vocab}"
@@ -94,7 +96,10 @@ def build_pair(root, fmt_name: str, *, arch: str = "llama", quantize_head: bool 
     }
     eight_bit = {name: quantize_int8(state[f"{name}.weight"], GROUP, bits=bits)
                  for name, bits in [("lm_head", 8)] * (quantize_head == 8)
-                 + [("model.embed_tokens", 8)] * (embedding == 8) + list(MIXED_WIDE.items()) * mixed}
+                 + [("model.embed_tokens", embedding)] * (embedding in (6, 8))
+                 + list(MIXED_WIDE.items()) * (mixed is True)
+                 + [(name[: -len(".weight")], 6) for name in state
+                    if name.endswith("_proj.weight")] * (mixed == "all")}
     qws = {name: qw for name, qw in qws.items() if name not in eight_bit}
 
     def write(folder, tensors, cfg):
@@ -120,10 +125,11 @@ def build_pair(root, fmt_name: str, *, arch: str = "llama", quantize_head: bool 
         qc[formats.INT4_EMBEDDING] = "model.embed_tokens"
     if eight_bit:
         qc[formats.INT8_MODULES] = sorted(eight_bit)
-    if mixed:
-        qc[formats.INT_BITS] = MIXED_WIDE
-    if embedding == 8:
-        qc[formats.INT8_EMBEDDING] = True
+    narrower = {name: qw.bits for name, qw in eight_bit.items() if qw.bits < 8}
+    if narrower:
+        qc[formats.INT_BITS] = narrower
+    if embedding in (6, 8):  # true at 8 bits, the bits of a narrower grid
+        qc[formats.INT8_EMBEDDING] = True if embedding == 8 else embedding
     qcfg = dict(config, quantization_config=qc)
     return write(root / tag, quant, qcfg), write(root / f"dense-{tag}", dense, config)
 
@@ -441,6 +447,7 @@ CASES = [(f, "llama", True, 512, False, "w4a16") for f in FORMATS] + [
 ] + [(f, "llama", 8, 488, False, "w4a16") for f in FORMATS] + [  # the head at 8 bits, padded
     ("gptq", "llama", 8, 488, 8, "w4a16"),  # the embedding at 8 bits, in any format
     ("compressed_tensors", "qwen2", True, 512, 8, "w4a16"),  # ... where vLLM names it
+    ("cpu_int4", "llama", True, 488, 6, "w4a16"),  # the table packed at 6 bits, no name
 ] + [(f, "llama", True, 512, False, "w4a8") for f in FORMATS] + [
     ("cpu_int4", "llama", True, 488, False, "w4a8_group"),  # int8 per group, padded head
     ("gptq", "llama", 8, 488, False, "w4a8_group"),  # ... and the 8-bit head on W8A8
@@ -510,6 +517,20 @@ def test_plugin_runs_a_mixed_precision_checkpoint(root, cache_root, fmt_name):
     assert set(ops.path_calls()) == {kernel, *eight_bit} and ops.path_calls()[kernel] >= 6, dict(ops.path_calls())
     diff = _max_diff(quant, _score(dense_dir, cache_root))
     assert diff <= TOL, diff
+
+
+@pytest.mark.slow
+def test_plugin_runs_a_checkpoint_with_no_matrix_in_its_format(root, cache_root):
+    """A budget that moved every set: decoder linears at 6 bits, the head at 8, nothing in
+    the format's own layout. The plugin still reads it, runs only the wide op, and gives
+    the dense control's result."""
+    from fourbit.vllm_plugin import ops
+
+    quant_dir, dense_dir = build_pair(root, "cpu_int4", quantize_head=8, mixed="all")
+    ops.clear_calls()
+    quant = _score(quant_dir, cache_root, quant_overrides={"prefill_dequant": False})
+    assert set(ops.path_calls()) <= EIGHT_BIT_PATHS, dict(ops.path_calls())
+    assert _max_diff(quant, _score(dense_dir, cache_root)) <= TOL
 
 
 @pytest.mark.slow

@@ -132,6 +132,8 @@ def canonical_quant(quant: dict, schema: dict, where: str = "quant") -> dict:
             f"{where}.mixed_precision.windows: {mixed['windows']} windows, but calibration.heldout "
             f"draws only {filled['calibration']['heldout']}; lower windows or raise heldout"
         )
+    if mixed:  # a set of grids: [8, 6] and [6, 8] are one arm
+        mixed["grids"] = sorted(mixed["grids"])
     return sorted_keys(filled)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from fourbit.checkpoints.hf import quantizable_linears, skeleton, weight_files
+from fourbit.layouts import WIDE_LAYOUTS
 
 _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2,
                       "I8": 1, "U8": 1, "BOOL": 1}
@@ -41,9 +42,9 @@ def linear_weight_bytes(checkpoint: str | os.PathLike, dense_dtype: str) -> dict
     """A Hugging Face folder's linear weights (the head included), as an engine reads them.
 
     A quantized module counts its stored tensors (packed codes, scales, zeros: the
-    runtime's copy differs by a few percent in how scales and zeros are held); a dense
-    one counts its weights in the engine's dtype, since the engine casts the checkpoint
-    to that.
+    runtime's copy differs by a few percent in how scales and zeros are held), codes of a
+    5- or 6-bit grid as the int8 codes the plugin unpacks them to; a dense one counts its
+    weights in the engine's dtype, since the engine casts the checkpoint to that.
     """
     if dense_dtype not in _DTYPE_BYTES:
         raise ValueError(f"dtype {dense_dtype!r}; expected one of {sorted(_DTYPE_BYTES)}")
@@ -60,7 +61,7 @@ def linear_weight_bytes(checkpoint: str | os.PathLike, dense_dtype: str) -> dict
                 if suffix == "weight":
                     dense += count * _DTYPE_BYTES[dense_dtype]
                 else:
-                    quantized += count * _SAFETENSORS_BYTES[piece.get_dtype()]
+                    quantized += _held(suffix, count, piece.get_dtype())
     return {"bytes": quantized + dense, "quantized_bytes": quantized, "dense_bytes": dense,
             "dense_dtype": dense_dtype, "linear_modules": len(modules)}
 
@@ -81,17 +82,35 @@ def gguf_weight_bytes(checkpoint: str | os.PathLike) -> dict:
 def resident_weight_bytes(checkpoint: str | os.PathLike, dense_dtype: str) -> int:
     """Every tensor of a Hugging Face folder as an engine holds it: dense weights and
     biases in the engine's dtype (the input embedding and the norms included), packed
-    codes, scales and zeros as stored."""
+    codes, scales and zeros as stored, except a linear's 5- or 6-bit codes, which the
+    plugin holds as int8 (a table's stay packed: only looked-up rows are unpacked)."""
+    linears = set(quantizable_linears(skeleton(checkpoint)))
     total = 0
     for path in weight_files(checkpoint):
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():
+                module, _, suffix = name.rpartition(".")
                 piece = handle.get_slice(name)
                 stored = piece.get_dtype()
-                dense = name.rpartition(".")[2] in ("weight", "bias") and stored in _FLOATING
-                total += _elements(piece) * (_DTYPE_BYTES[dense_dtype] if dense
-                                             else _SAFETENSORS_BYTES[stored])
+                count = _elements(piece)
+                if suffix in ("weight", "bias") and stored in _FLOATING:
+                    total += count * _DTYPE_BYTES[dense_dtype]
+                else:
+                    total += (_held(suffix, count, stored) if module in linears
+                              else count * _SAFETENSORS_BYTES[stored])
     return total
+
+
+# a 5- or 6-bit grid's packed codes (fourbit.layouts.WIDE_LAYOUTS) -> its bits per code
+_PACKED_CODES = {table[0].suffix: bits for bits, table in WIDE_LAYOUTS.items() if bits < 8}
+
+
+def _held(suffix: str, count: int, stored: str) -> int:
+    """Bytes a quantized linear's tensor takes in the plugin: as stored, or, for packed
+    5- or 6-bit codes, one int8 per code."""
+    if suffix in _PACKED_CODES:
+        return count * 8 // _PACKED_CODES[suffix]
+    return count * _SAFETENSORS_BYTES[stored]
 
 
 def _elements(piece) -> int:

@@ -60,12 +60,12 @@ def write_quantized(
     head = module_name(model, model.get_output_embeddings())
     embedding = module_name(model, model.get_input_embeddings())
     tensors = load_tensors(source)
-    eight_bit = sorted(name for name, qweight in qweights.items() if isinstance(qweight, Int8Weight))
-    four_bit = set(qweights) - set(eight_bit)
+    wide = sorted(name for name, qweight in qweights.items() if isinstance(qweight, Int8Weight))
+    four_bit = set(qweights) - set(wide)
     table = embedding if embedding in four_bit else None  # a 4-bit table, in table_layout(fmt)
     for name, qweight in qweights.items():
         del tensors[f"{name}.weight"]
-        layout = (WIDE_LAYOUTS[qweight.bits] if name in eight_bit
+        layout = (WIDE_LAYOUTS[qweight.bits] if name in wide
                   else table_layout(fmt) if name == table else fmt)
         for suffix, tensor in layout.pack(qweight).items():
             tensors[f"{name}.{suffix}"] = tensor
@@ -76,12 +76,12 @@ def write_quantized(
     )
     if table is not None and not fmt.marks_embedding:
         config["quantization_config"][INT4_EMBEDDING] = table
-    if eight_bit:
-        config["quantization_config"][INT8_MODULES] = eight_bit
-    narrower = {name: qweights[name].bits for name in eight_bit if qweights[name].bits != INT8.bits}
+    if wide:
+        config["quantization_config"][INT8_MODULES] = wide
+    narrower = {name: qweights[name].bits for name in wide if qweights[name].bits != INT8.bits}
     if narrower:
         config["quantization_config"][INT_BITS] = narrower
-    if embedding in eight_bit:  # for readers that see the table without its name (vLLM's Llama)
+    if embedding in wide:  # for readers that see the table without its name (vLLM's Llama)
         bits = qweights[embedding].bits
         config["quantization_config"][INT8_EMBEDDING] = True if bits == INT8.bits else bits
     write_checkpoint(folder, tensors, config, copy_from=source)
@@ -108,7 +108,8 @@ def read_quantized(
     qweights = {}
     table = int4_embedding(config["quantization_config"])
     layouts = {**{name: fmt for name in modules},
-               **{name: WIDE_LAYOUTS[bits] for name, bits in wide_bits(config["quantization_config"]).items()},
+               **{name: WIDE_LAYOUTS[bits]
+                  for name, bits in wide_bits(config["quantization_config"]).items()},
                **({table: table_layout(fmt)} if table else {})}
     for name, layout in layouts.items():
         parts = {spec.suffix: tensors.pop(f"{name}.{spec.suffix}") for spec in layout.layout}

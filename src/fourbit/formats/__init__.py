@@ -18,8 +18,8 @@ so bits per weight come from the bytes on disk, not from a nominal "4".
 Extend by registration: subclass ``Format``, decorate it with ``@register_format``, and
 add its table to fourbit.layouts.LAYOUTS.
 ``INT8`` and the other WIDE_LAYOUTS (fourbit.formats.int8) are Layouts, not Formats: the
-8-bit (or 5- and 6-bit) matrices an arm keeps inside a checkpoint of any format. A 4-bit input embedding table is stored in
-cpu_int4's layout in every format (fourbit.formats.table).
+8-bit (or 5- and 6-bit) matrices an arm keeps inside a checkpoint of any format. A 4-bit
+input embedding table is stored in cpu_int4's layout in every format (fourbit.formats.table).
 """
 
 from fourbit.formats.base import (

@@ -14,7 +14,8 @@ stores its tensors beside them, and the format's quantization_config lists it un
 INT8_MODULES, which is how readers (the dense control, the reference engine, the vLLM
 plugin) find it; INT_BITS names those on a 5- or 6-bit grid and their bits (the rest are
 at 8). Every reader unpacks them to int8 codes (Int8Weight), so the file holds b bits per
-weight and memory 8. Ecosystems that read only the format itself (vLLM's own GPTQ kernel)
+weight and memory 8 (the vLLM plugin keeps an embedding table packed, unpacking the rows
+it looks up). Ecosystems that read only the format itself (vLLM's own GPTQ kernel)
 do not know the layouts, so such an arm is not given to them.
 """
 
@@ -55,24 +56,35 @@ class Int8Layout(Layout):
         return Int8Weight(codes, t[self.scales], group_size, self.bits)
 
 
+_ROWS = 1024  # rows packed at a time: a block's int64 words, not a whole head's
+
+
 def _pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """int8 codes [N, K] of the b-bit grid -> uint8 [N, K/8, b]: 8 codes, offset to
-    1..2**b - 1, in one little-endian word of 8b <= 48 bits, its low b bytes kept."""
+    1..2**b - 1, side by side in one word of 8b <= 48 bits, cut into b bytes low byte first
+    (by shifts, so the file is the same on any host)."""
     n, k = codes.shape
-    shifts = torch.arange(8, dtype=torch.int64) * bits
-    offset = codes.to(torch.int64).view(n, k // 8, 8) + max_code(bits) + 1  # [N, K/8, 8]
-    words = (offset << shifts).sum(-1, keepdim=True)  # [N, K/8, 1], disjoint bits: sum = or
-    return words.view(torch.uint8)[..., :bits]  # [N, K/8, 8] bytes -> the low b
+    code_shifts = torch.arange(8, dtype=torch.int64) * bits
+    byte_shifts = torch.arange(bits, dtype=torch.int64) * 8
+    out = torch.empty(n, k // 8, bits, dtype=torch.uint8)
+    for r in range(0, n, _ROWS):
+        offset = codes[r : r + _ROWS].to(torch.int64).view(-1, k // 8, 8) + max_code(bits) + 1
+        words = (offset << code_shifts).sum(-1, keepdim=True)  # [R, K/8, 1]: disjoint bits
+        out[r : r + _ROWS] = ((words >> byte_shifts) & 0xFF).to(torch.uint8)  # [R, K/8, b]
+    return out
 
 
 def _unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """The inverse of _pack_codes: uint8 [N, K/8, b] -> int8 codes [N, K]."""
     n, words, _ = packed.shape
-    padded = torch.zeros(n, words, 8, dtype=torch.uint8)
-    padded[..., :bits] = packed
-    shifts = torch.arange(8, dtype=torch.int64) * bits
-    fields = (padded.view(torch.int64) >> shifts) & ((1 << bits) - 1)  # [N, K/8, 1] -> [N, K/8, 8]
-    return (fields - max_code(bits) - 1).to(torch.int8).view(n, words * 8)
+    code_shifts = torch.arange(8, dtype=torch.int64) * bits
+    byte_shifts = torch.arange(bits, dtype=torch.int64) * 8
+    out = torch.empty(n, words * 8, dtype=torch.int8)
+    for r in range(0, n, _ROWS):
+        word = (packed[r : r + _ROWS].to(torch.int64) << byte_shifts).sum(-1, keepdim=True)
+        fields = (word >> code_shifts) & ((1 << bits) - 1)  # [R, K/8, 1] -> [R, K/8, 8]
+        out[r : r + _ROWS] = (fields - max_code(bits) - 1).to(torch.int8).view(-1, words * 8)
+    return out
 
 
 WIDE_LAYOUTS = {bits: Int8Layout(bits) for bits in WIDE_BITS}

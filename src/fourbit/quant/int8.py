@@ -38,8 +38,6 @@ def max_code(bits: int) -> int:
     return (1 << (bits - 1)) - 1
 
 
-MAX_CODE = max_code(BITS)  # 127
-
 
 @dataclass
 class Int8Weight:

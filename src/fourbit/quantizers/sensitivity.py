@@ -176,7 +176,8 @@ def measure_sets(
     kls = measure_kl(model_dir, sets, windows, [four, *(wide(b) for b in measured)])
     left = dict(zip(measured, kls[1:], strict=True))
     return [Candidate(tuple(group), kls[0][i],
-                      tuple(Wider(b, left[b][i] if b in left else 0.0, extra(b, group)) for b in sorted(grids)))
+                      tuple(Wider(b, left[b][i] if b in left else 0.0, extra(b, group))
+                            for b in sorted(grids)))
             for i, group in enumerate(sets)]
 
 
@@ -212,8 +213,8 @@ def promote_sensitive(
         "grids": list(spec["grids"]),
         "moved": dict(sorted(moved.items())),
         "sets": [{"members": list(c.members), "kl": c.kl,
-                  "wider": [{"bits": w.bits, "kl": w.kl, "extra_bits_per_weight": w.extra_bits / weights}
-                            for w in c.wider],
+                  "wider": [{"bits": w.bits, "kl": w.kl,
+                             "extra_bits_per_weight": w.extra_bits / weights} for w in c.wider],
                   "bits": bits}
                  for c, bits in zip(candidates, chosen, strict=True)],
     }

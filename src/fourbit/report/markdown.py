@@ -292,7 +292,7 @@ def mixed_precision_lines(manifests: list[dict]) -> list[str]:
 
 
 def _set_label(mixed_set: dict, kl: bool = False) -> str:
-    """``model.layers.0.self_attn.q_proj`` + siblings -> ``layers.0.self_attn.q/k/v_proj``, KL if asked, grid if moved."""
+    """``model.layers.0.self_attn.q_proj`` + siblings -> ``layers.0.self_attn.q/k/v_proj``."""
     names = [n.removeprefix("model.") for n in mixed_set["members"]]
     parent = names[0].rpartition(".")[0]
     label = names[0] if len(names) == 1 else (

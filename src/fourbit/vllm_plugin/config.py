@@ -6,7 +6,7 @@ Which layers are quantized: read from the checkpoint itself (safetensors headers
 it has the format's first tensor (e.g. "lm_head.qweight"). A merged layer must be all
 or nothing. Other layers get vLLM's UnquantizedLinearMethod, an unquantized lm_head
 or input embedding gets None, i.e. vLLM's own. A quantized input embedding
-(``quantize_embedding``: the 4-bit table of fourbit.formats.table, or the 8-bit layout)
+(``quantize_embedding``: the 4-bit table of fourbit.formats.table, or a wide layout)
 gets FourbitEmbeddingMethod: the table stays packed and each lookup dequantizes only the
 rows it reads.
 

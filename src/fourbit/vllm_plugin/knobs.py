@@ -70,7 +70,8 @@ def describe_int8(knobs: dict[str, Any], group_size: int, wide: dict[str, int]) 
     counts = []
     for bits in sorted(set(wide.values()), reverse=True):
         names = sorted(name for name, b in wide.items() if b == bits)
-        counts.append(f"{', '.join(names) if len(names) <= 3 else f'{len(names)} matrices'} at {bits} bits")
+        which = ", ".join(names) if len(names) <= 3 else f"{len(names)} matrices"
+        counts.append(f"{which} at {bits} bits")
     unpacked = ", 5/6-bit codes unpacked to int8" if min(wide.values()) < 8 else ""
     return f"{'; '.join(counts)} ({_runs_int8(knobs, group_size)}{unpacked})"
 

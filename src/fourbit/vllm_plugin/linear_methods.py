@@ -1,5 +1,6 @@
 """The plugin's methods for the layers FourbitInt4Config quantizes: a linear on fourbit's
-4-bit kernel (or tinygemm), a linear stored at 8 bits, and a quantized embedding table.
+4-bit kernel (or tinygemm), a linear stored on a wide grid (8 bits, or 5 and 6 packed), and
+a quantized embedding table.
 
 Each holds its layer's stored tensors as the checkpoint's format lays them out
 (fourbit.vllm_plugin.loading.StoredTensors) and decodes them once after loading.

@@ -64,7 +64,7 @@ def _stack(parts: list[QuantizedWeight | Int8Weight]) -> QuantizedWeight | Int8W
     g = parts[0].group_size
     codes, scales = torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts])
     if isinstance(parts[0], Int8Weight):
-        return Int8Weight(codes, scales, g)
+        return Int8Weight(codes, scales, g, parts[0].bits)
     return QuantizedWeight(codes, scales, torch.cat([p.zeros for p in parts]), g)
 
 
