@@ -6,7 +6,9 @@ The formats (fourbit.formats) pack, unpack and count bits by these tables, and t
 planner (fourbit.quantizers.shapes) checks every matrix of a model against the same
 tables while the workflow builds its DAG, where importing torch would cost seconds. So
 they live here, below both, not in the format modules: importing anything under
-fourbit.formats imports torch. The wide grids' tables (WIDE_LAYOUTS) are here too. llama.cpp's
+fourbit.formats imports torch. The wide layouts (fourbit.formats.int8: 8 bits, or 5
+and 6) keep their tables beside their code, since they store any N x K and the planner
+never asks them. llama.cpp's
 types (GGUF_TYPES) are rows of one table: their layouts are ggml's.
 """
 
@@ -82,38 +84,6 @@ LAYOUTS: dict[str, tuple[TensorSpec, ...]] = {
         TensorSpec("weight_shape", ("2",), "int64", "(N, K)"),
     ),
 }
-
-# The wide grids' layouts (fourbit.formats.int8, fourbit.quant.int8) by bits: codes
-# -M..M with M = 2**(b-1) - 1 and a scale per group; 5 and 6 bits packed eight codes to b
-# bytes.
-WIDE_BITS = (5, 6, 8)
-
-
-def _wide_table(bits: int) -> tuple[TensorSpec, ...]:
-    limit = (1 << (bits - 1)) - 1
-    codes = (TensorSpec("weight_int8", ("N", "K"), "int8", f"codes[n, k], -{limit}..{limit}")
-             if bits == 8 else
-             TensorSpec(f"weight_int{bits}", ("N", "K/8", str(bits)), "uint8",
-                        f"bits {bits}j..{bits}j+{bits - 1} of bytes [n, i, :] = "
-                        f"codes[n, 8i+j] + {limit + 1}"))
-    return codes, TensorSpec(f"weight_int{bits}_scale", ("N", "K/G"), None, "scales[n, g]")
-
-
-WIDE_LAYOUTS: dict[int, tuple[TensorSpec, ...]] = {bits: _wide_table(bits) for bits in WIDE_BITS}
-
-_DTYPE_BITS = {"int8": 8, "uint8": 8, "int32": 32, "int64": 64}
-
-
-def table_bits(table: tuple[TensorSpec, ...], n: int, k: int, g: int, scale_bits: int = 16) -> int:
-    """Bits a layout ``table`` stores for one N x K matrix, scales at ``scale_bits``."""
-    total = 0
-    for spec in table:
-        numel = 1
-        for d in spec.dims(n, k, g):
-            numel *= d
-        total += numel * (scale_bits if spec.dtype is None else _DTYPE_BITS[spec.dtype])
-    return total
-
 
 # The layout a 4-bit input embedding table is stored in, whatever the checkpoint's format:
 # a lookup gathers whole rows, and this one keeps each row's codes, scales and zeros in that

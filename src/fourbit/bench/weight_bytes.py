@@ -15,7 +15,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from fourbit.checkpoints.hf import quantizable_linears, skeleton, weight_files
-from fourbit.layouts import WIDE_LAYOUTS
+from fourbit.formats.int8 import WIDE_LAYOUTS
 
 _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2,
                       "I8": 1, "U8": 1, "BOOL": 1}
@@ -101,8 +101,8 @@ def resident_weight_bytes(checkpoint: str | os.PathLike, dense_dtype: str) -> in
     return total
 
 
-# a 5- or 6-bit grid's packed codes (fourbit.layouts.WIDE_LAYOUTS) -> its bits per code
-_PACKED_CODES = {table[0].suffix: bits for bits, table in WIDE_LAYOUTS.items() if bits < 8}
+# a 5- or 6-bit grid's packed codes (fourbit.formats.int8) -> its bits per code
+_PACKED_CODES = {layout.codes: bits for bits, layout in WIDE_LAYOUTS.items() if bits < 8}
 
 
 def _held(suffix: str, count: int, stored: str) -> int:

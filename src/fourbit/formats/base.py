@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from fourbit.layouts import TensorSpec, table_bits
+from fourbit.layouts import TensorSpec
 from fourbit.quant.qweight import QuantizedWeight
 
 
@@ -53,8 +53,14 @@ class Layout(abc.ABC):
         scale_dtype: torch.dtype = torch.float16,
     ) -> int:
         """Bits the checkpoint stores for one N x K layer, summed over the layout table."""
-        return table_bits(self.layout, out_features, in_features, group_size,
-                          scale_bits=torch.finfo(scale_dtype).bits)
+        total = 0
+        for spec in self.layout:
+            numel = 1
+            for d in spec.dims(out_features, in_features, group_size):
+                numel *= d
+            dtype = stored_dtype(spec, scale_dtype)
+            total += numel * torch.empty((), dtype=dtype).element_size() * 8
+        return total
 
     def checked(
         self,

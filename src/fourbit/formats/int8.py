@@ -26,7 +26,7 @@ from collections.abc import Mapping
 import torch
 
 from fourbit.formats.base import Layout
-from fourbit.layouts import WIDE_LAYOUTS as TABLES
+from fourbit.layouts import TensorSpec
 from fourbit.quant.int8 import BITS, WIDE_BITS, Int8Weight, max_code
 
 INT8_MODULES = "fourbit_int8_modules"  # quantization_config key: the modules in a wide layout
@@ -40,8 +40,14 @@ class Int8Layout(Layout):
     def __init__(self, bits: int) -> None:
         self.bits = bits
         self.name = f"int{bits}"
-        self.layout = TABLES[bits]
-        self.codes, self.scales = (spec.suffix for spec in self.layout)
+        limit = max_code(bits)
+        self.codes, self.scales = f"weight_int{bits}", f"weight_int{bits}_scale"
+        codes = (TensorSpec(self.codes, ("N", "K"), "int8", f"codes[n, k], -{limit}..{limit}")
+                 if bits == BITS else
+                 TensorSpec(self.codes, ("N", "K/8", str(bits)), "uint8",
+                            f"bits {bits}j..{bits}j+{bits - 1} of bytes [n, i, :] = "
+                            f"codes[n, 8i+j] + {limit + 1}"))
+        self.layout = (codes, TensorSpec(self.scales, ("N", "K/G"), None, "scales[n, g]"))
 
     def pack(self, qw: Int8Weight) -> dict[str, torch.Tensor]:
         if qw.bits != self.bits:

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from fourbit.layouts import WIDE_BITS  # the grids a matrix can be kept on besides the 4-bit one
 from fourbit.quant.qweight import check_groups
 
 BITS = 8
+WIDE_BITS = (5, 6, 8)  # the grids a matrix can be kept on besides the arm's 4-bit one
 
 
 def max_code(bits: int) -> int:
