@@ -20,8 +20,8 @@ include: "workflow/rules/prepare.smk"
 include: "workflow/rules/quantize.smk"
 include: "workflow/rules/llamacpp.smk"
 include: "workflow/rules/evaluate.smk"
-include: "workflow/rules/bench.smk"
 include: "workflow/rules/fidelity.smk"
+include: "workflow/rules/bench.smk"
 include: "workflow/rules/serve.smk"
 
 

@@ -8,4 +8,5 @@ bench_study(
     dict(snakemake.params.bench),
     threads=snakemake.threads,
     model_weights_sha256=source_weights_sha256(snakemake.input.source),
+    control_tolerance=dict(snakemake.params.control_tolerance),
 )

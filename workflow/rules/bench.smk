@@ -14,6 +14,8 @@ if BENCH_PAIRS:
     rule bench:
         input:
             checkpoints=sorted({pair[side] for pair in BENCH_PAIRS for side in ("arm", "baseline")}),
+            # bench.runtimes.arms best_faithful: the records the job chooses the arm by
+            records=sorted({path for pair in BENCH_PAIRS for path in pair["records"].values()}),
             source=f"{MODEL_DIR}/source",
         output:
             [pair["out"] for pair in BENCH_PAIRS],
@@ -29,5 +31,6 @@ if BENCH_PAIRS:
         params:
             pairs=BENCH_PAIRS,
             bench=STUDY.config["bench"],
+            control_tolerance=STUDY.config["evaluation"]["control_tolerance"],
         script:
             "../../scripts/bench.py"

@@ -5,6 +5,7 @@ import glob
 import sys
 from pathlib import Path
 
+from fourbit.bench.variants import has_variants
 from fourbit.config import ID_PATTERN, Study
 from fourbit.diskspace import StudyDisk, refuse_short_disk
 from fourbit.inputs.folder_state import check_as_planned, local_state
@@ -265,11 +266,19 @@ def get_ppl_caches(wildcards):
 
 def bench_pairs():
     """Every arm each engine that can run here runs, with that engine's baseline and the
-    arm's bench record: the one bench job times them all (rule bench)."""
+    arm's bench record: the one bench job times them all (rule bench). bench.runtimes:
+    whether the arm's runtime variants are timed too ("named", "none", or "best_faithful"
+    with the records the job chooses by, fourbit.steps.bench.BenchPair)."""
+    wanted = STUDY.config["bench"]["runtimes"]["arms"]
     pairs = []
     for engine in STUDY.runnable_engines:
         for arm_id in STUDY.arms_for(engine):
             checkpoints = arm_and_baseline(engine.id, arm_id)
+            ids = {"engine": engine.id, "arm": arm_id}
+            choice = "none"
+            if has_variants(engine.name):
+                choice = ("best_faithful" if wanted == "best_faithful" else
+                          "named" if STUDY.arms[arm_id].name in wanted else "none")
             pairs.append(
                 {
                     "name": f"{engine.id}/{arm_id}",
@@ -280,8 +289,19 @@ def bench_pairs():
                     "caches": {
                         "arm": compile_cache(engine.id, arm_id, "bench"),
                         "baseline": compile_cache(engine.id, "baseline", "bench"),
+                        "variants": compile_cache(engine.id, arm_id, "bench.variants"),
                     },
                     "refusal": STUDY.bench_refusals[engine.name],
+                    "variant_choice": choice,
+                    "records": (
+                        {
+                            "ppl_quantized": rules.ppl.output.quantized.format(**ids),
+                            "ppl_dense": rules.ppl.output.dense.format(**ids),
+                            "fidelity": rules.fidelity.output.fidelity.format(**ids),
+                        }
+                        if choice == "best_faithful"
+                        else {}
+                    ),
                 }
             )
     return pairs

@@ -12,7 +12,8 @@ from collections.abc import Mapping
 
 from fourbit.metrics.stats import CONFIDENCE, overlapping
 from fourbit.report.frontier import frontier_section
-from fourbit.report.runtimes import compile_note, runtime_candidates, runtime_line
+from fourbit.report.runtimes import compile_note, runtime_candidates, runtime_line, variant_tables
+from fourbit.report.runtimes import variant_verdicts
 from fourbit.report.serving import (
     Serving,
     one_user_against_bench,
@@ -36,23 +37,22 @@ def render_markdown(study: dict, rows: list[dict], facts: dict, settings: Mappin
                     plots: list[tuple[str, str]], serving: Serving | None = None,
                     tasks: list[TaskResult] | None = None) -> str:
     """``facts``: records.run_facts' plus ``records_weights_sha256``; ``settings``: the
-    config's report block; ``plots``: each figure's title and its link from the report;
-    ``serving``: the serve record as read (fourbit.report.serving), None when not served;
-    ``tasks``: the tasks record as read (fourbit.report.tasks), None when no task ran."""
-    lines = preamble(study, facts) + results_table(rows)
-    lines += unavailable_engines(study)
+    config's report block; ``plots``: each figure's title and link; ``serving``, ``tasks``:
+    the serve and tasks records as read (fourbit.report.serving, .tasks), None if not run."""
+    lines = preamble(study, facts) + results_table(rows) + unavailable_engines(study)
     lines += arms_refused_or_falling_back(study, facts["quantization"])
     lines += ["", "## What the evaluation split can and cannot tell apart", ""] + separability(rows)
     lines += ["", "## Fidelity to the baseline", ""] + fidelity_table(rows)
     lines += ["", "## Throughput", ""] + throughput_table(rows)
     timing = bench_job(facts["benches"])
     if timing:
-        lines += [""] + timing + compile_note(facts["benches"])
+        lines += [""] + timing + compile_note(facts["benches"]) + variant_tables(study, facts["benches"])
     lines += serving_section(serving) + one_user_against_bench(serving, rows)
     lines += tasks_section(tasks, rows)
     if facts["quantization"]:
         lines += ["", "## How each arm was quantized", ""] + quantization_table(facts["quantization"])
     lines += ["", "## Recommendation for this host", ""] + recommend(rows, settings)
+    lines += variant_verdicts(study, facts["benches"], study["evaluation"]["control_tolerance"])
     lines += serving_verdicts(serving, rows)
     lines += task_verdicts(tasks, recommended_arms(rows, settings) + serving_named(serving, rows))
     lines += ["", "## Quality per bit: the frontier", ""] + frontier_section(rows)

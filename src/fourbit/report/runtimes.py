@@ -1,6 +1,7 @@
 """The report's lines on what ran: each row's runtime as scored and, where the bench ran
-it otherwise, as timed (vLLM timed compiled after scoring eager); and what compiling
-cost the bench's engine starts."""
+it otherwise, as timed (vLLM timed compiled after scoring eager); what compiling cost the
+bench's engine starts; and the runtime variants the bench timed beside the arms chosen for
+them (fourbit.bench.variants), with the fastest way to run each for decode and prefill."""
 
 from __future__ import annotations
 
@@ -52,8 +53,9 @@ def runtime_candidates(provenance: dict, benches: dict[str, list[dict]]) -> list
     table = provenance.get("vllm_runtimes")
     if not table:
         return []
-    timed = {b[side].get("variant") for records in benches.values() for b in records
-             if b.get("measured") for side in ("arm", "baseline")}
+    measured = [b for records in benches.values() for b in records if b.get("measured")]
+    timed = {b[side].get("variant") for b in measured for side in ("arm", "baseline")}
+    timed |= {v["name"] for b in measured for v in (b.get("variants") or {}).get("timed", [])}
 
     def named(r: dict) -> str:
         return f"`{r['name']}`" + (" (AMX)" if r["amx"] else "")
@@ -64,3 +66,85 @@ def runtime_candidates(provenance: dict, benches: dict[str, list[dict]]) -> list
     return [f"- vLLM 4-bit runtimes this host was probed for (fourbit.bench.hostprobe): timed in "
             f"this study: {', '.join(ran) or 'none'}; runnable here, not in this study: "
             f"{', '.join(idle) or 'none'}; refused here: {'; '.join(refused) or 'none'}"]
+
+
+def _timed_ways(bench: dict) -> list[dict]:
+    """The arm as scored, then each runtime variant timed beside it: name, runtime,
+    numerics, stats and ratio to the arm as scored (1 for itself)."""
+    arm = bench["arm"]
+    scored = {"name": arm.get("variant") or arm["runtime"], "runtime": arm["runtime"],
+              "numerics": None, "stats": arm["stats"], "ratio_to_scored": None}
+    return [scored, *bench["variants"]["timed"]]
+
+
+def _metric(stats: dict, prefix: str) -> str:
+    return next(key for key in stats if key.startswith(prefix) and key.endswith("_tok_s"))
+
+
+def _span(stats: dict) -> str:
+    return f"{stats['median']:.1f} [{stats['min']:.1f}–{stats['max']:.1f}]"
+
+
+def _cells(way: dict, prefix: str) -> str:
+    """tok/s and the ratio to the arm as scored, two table cells."""
+    metric = _metric(way["stats"], prefix)
+    ratio = way["ratio_to_scored"]
+    if ratio is None:
+        return f"{_span(way['stats'][metric])} | 1"
+    r = ratio[metric]
+    return f"{_span(way['stats'][metric])} | ×{r['median']:.2f} [{r['min']:.2f}–{r['max']:.2f}]"
+
+
+def _with_variants(study: dict, benches: dict[str, list[dict]]) -> list[tuple[str, dict]]:
+    """(arm id, its bench record) of every arm whose runtime variants were chosen."""
+    return [(arm_id, b) for engine_id, records in benches.items()
+            for arm_id, b in zip(study["engines"][engine_id]["arms"], records)
+            if b.get("measured") and (b.get("variants") or {}).get("chosen")]
+
+
+def variant_tables(study: dict, benches: dict[str, list[dict]]) -> list[str]:
+    """Under Throughput: each arm whose runtime variants were timed (bench.runtimes), as
+    scored and in every other way this host runs it, side by side in the bench job's
+    rounds, each paired pass by pass with the arm as scored; then the variants refused."""
+    lines = []
+    for arm_id, bench in _with_variants(study, benches):
+        lines += ["", f"Runtime variants of `{arm_id}` (bench.runtimes; ×: pass-by-pass ratio "
+                  "to the arm as scored, median [min–max]; numerics per decode row / prompt):", "",
+                  "| runtime | numerics | pp tok/s | ×as scored | tg tok/s | ×as scored |",
+                  "|---|---|---|---|---|---|"]
+        for way in _timed_ways(bench):
+            numerics = ("as scored" if way["numerics"] is None else
+                        f"{way['numerics']['decode']} / {way['numerics']['prefill']}")
+            lines.append(f"| `{way['name']}` | {numerics} | {_cells(way, 'pp')} | {_cells(way, 'tg')} |")
+        refused = bench["variants"]["refused"]
+        if refused:
+            lines += ["", "Asked for, not run here: " + "; ".join(
+                f"`{v['name']}` ({v['reason']})" for v in refused)]
+        if len(_timed_ways(bench)) == 1:
+            lines += ["", "No other variant of its engine was timed on this host (see Host)."]
+    return lines
+
+
+def _fastest(ways: list[dict], what: str, prefix: str, tolerances: dict[str, float]) -> str:
+    best = max(ways, key=lambda w: w["stats"][_metric(w["stats"], prefix)]["median"])
+    metric = _metric(best["stats"], prefix)
+    text = f"for {what} `{best['name']}` ({_span(best['stats'][metric])} tok/s"
+    if best["ratio_to_scored"] is None:
+        return text + ", as scored)"
+    ratio = best["ratio_to_scored"][metric]
+    margin = ("faster in every pass" if ratio["min"] > 1 else
+              "not faster in every pass, so not separable from it")
+    numerics = best["numerics"][what]
+    return (f"{text}, ×{ratio['median']:.2f} the arm as scored, {margin}; it rounds {numerics}, "
+            f"whose control tolerance is {tolerances[numerics]:g} nats/token: its quality was "
+            "scored as scored, not in this runtime)")
+
+
+def variant_verdicts(study: dict, benches: dict[str, list[dict]],
+                     tolerances: dict[str, float]) -> list[str]:
+    """For each arm whose variants were timed: the fastest way to run it here for decode
+    and for prefill, how it compares with the arm as scored, and what its quality rests on."""
+    return [f"- **The fastest way to run `{arm_id}` on this host**: "
+            + "; ".join(_fastest(_timed_ways(bench), what, prefix, tolerances)
+                        for what, prefix in (("decode", "tg"), ("prefill", "pp"))) + "."
+            for arm_id, bench in _with_variants(study, benches)]

@@ -57,11 +57,12 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
 from fourbit import records
+from fourbit.bench import variants
 from fourbit.bench.bandwidth import decode_roofline, measure_bandwidth
 from fourbit.bench.contention import check_quiet
 from fourbit.bench.hostmemory import available_memory_bytes
@@ -74,7 +75,9 @@ from fourbit.bench.weight_bytes import decode_weight_bytes
 from fourbit.schema import block
 from fourbit.engines import Bench, EngineSpec, NotBenchmarked, engine_spec, get_engine
 from fourbit.engines.base import TimesInSession, TimesPasses, capable
+from fourbit.cpuinfo import isa_flags
 from fourbit.hashing import require_sha256
+from fourbit.steps.faithful import best_faithful
 
 log = logging.getLogger("fourbit")
 
@@ -107,14 +110,25 @@ class BenchPair:
     # Why this engine cannot time this model, found before any job (fourbit.config's
     # bench_refusals); None: it is timed.
     refusal: str | None = None
+    # Whether the arm's runtime variants are timed too (bench.runtimes, fourbit.bench.
+    # variants): "named" yes, "best_faithful" if it is its engine's best faithful arm by
+    # ``records`` ({"ppl_quantized", "ppl_dense", "fidelity"}: paths), "none" no. Their
+    # compile caches go under caches["variants"].
+    variant_choice: str = "none"
+    records: dict[str, Path] = field(default_factory=dict)
+    # The baseline side's engine settings, when not ``engine``'s: a variant's pair times
+    # the arm under the variant against the arm as scored.
+    baseline_engine: dict | None = None
 
 
 def bench_study(pairs: list[BenchPair], bench_settings: dict, threads: int, *,
-                model_weights_sha256: str) -> list[dict]:
+                model_weights_sha256: str, control_tolerance: dict | None = None) -> list[dict]:
     """Time every pair in one job, interleaved in rounds (bench.passes.run_rounds); write
     and return each pair's record, in ``pairs``' order. Every record, timed or not, carries
     ``model_weights_sha256``: the source model's weights every checkpoint of the study was
-    made from (fourbit.hashing.model_weights_sha256).
+    made from (fourbit.hashing.model_weights_sha256). The chosen arms' runtime variants
+    (bench.runtimes) are timed in the same rounds against the arm as scored and kept in its
+    record; best_faithful chooses by ``control_tolerance`` (evaluation.control_tolerance).
 
     Every checkpoint is opened once for the job: an arm by its pair, a baseline once for
     all its engine's arms. Nothing is written until every pass has run, so a refusal or a
@@ -131,16 +145,56 @@ def bench_study(pairs: list[BenchPair], bench_settings: dict, threads: int, *,
     # Why a pair is not timed: its engine is not a deployment engine, or cannot time this model.
     untimed = {pair.name: pair.refusal or _not_deployed(specs[pair.name]) for pair in pairs}
     timed = [pair for pair in pairs if untimed[pair.name] is None]
+    by_name = {pair.name: pair for pair in pairs}
     record_of = {pair.name: _not_benchmarked(pair, untimed[pair.name])
                  for pair in pairs if pair not in timed}
     if timed:
-        record_of |= _time_pairs(timed, specs, resolve_settings(bench_settings, threads))
+        settings = resolve_settings(bench_settings, threads)
+        chosen, planned = _plan_variants(timed, settings, control_tolerance)
+        variant_pairs = [_variant_pair(by_name[v.pair], v) for v in planned if v.settings]
+        specs |= {vp.name: specs[vp.name.split(variants.SEPARATOR)[0]] for vp in variant_pairs}
+        timed_records = _time_pairs(timed + variant_pairs, specs, settings)
+        record_of |= {pair.name: timed_records[pair.name] for pair in timed}
+        for pair in timed:
+            record_of[pair.name]["variants"] = variants.record(
+                pair.name in chosen, [v for v in planned if v.pair == pair.name], timed_records)
     for pair in pairs:
         record_of[pair.name]["model_weights_sha256"] = model_weights_sha256
         records.write("bench", pair.out, record_of[pair.name])
     for pair in timed:
         _log_summary(pair, record_of[pair.name])
     return [record_of[pair.name] for pair in pairs]
+
+
+def _plan_variants(timed: list[BenchPair], settings: dict,
+                   tolerances: dict | None) -> tuple[set[str], list[variants.Variant]]:
+    """The pairs whose arms' variants are timed (BenchPair.variant_choice), and their
+    variants, each to time (with its numerics for a decode row and a prompt) or refused
+    here by the host probe of this CPU (the job's: on a cluster, not the DAG's host)."""
+    chosen = {pair.name for pair in timed if pair.variant_choice == "named"}
+    for engine_name in dict.fromkeys(pair.engine["name"] for pair in timed):
+        candidates = {pair.name: pair.records for pair in timed if pair.engine["name"] == engine_name
+                      and pair.variant_choice == "best_faithful"}
+        chosen.add(best_faithful(candidates, tolerances or {}) if candidates else None)
+    flags, planned = isa_flags(), []
+    for pair in (pair for pair in timed if pair.name in chosen):
+        engine = get_engine(pair.engine["name"])
+        for variant in variants.plan_variants(
+                pair.engine, engine.runtime_variant(pair.arm, pair.engine),
+                settings["runtimes"]["variants"], flags, pair.name, Path(pair.caches["variants"])):
+            if variant.settings:
+                variant = replace(variant, numerics={
+                    rows: engine.numerics(pair.arm, variant.settings, count) for rows, count in
+                    (("decode", 1), ("prefill", settings["prompt_tokens"]))})
+            planned.append(variant)
+    return chosen, planned
+
+
+def _variant_pair(pair: BenchPair, variant: variants.Variant) -> BenchPair:
+    """The arm under ``variant`` against the arm as scored, as a pair of its own."""
+    return replace(pair, name=variant.key, engine=variant.settings, baseline=pair.arm,
+                   baseline_engine=pair.engine,
+                   caches={"arm": variant.cache, "baseline": pair.caches["arm"]})
 
 
 def _not_deployed(spec: EngineSpec) -> str | None:
@@ -233,25 +287,29 @@ class _Side:
     weights: dict  # what a decode step reads (decode_weight_bytes)
 
 
+def _side_engine(pair: BenchPair, side: str) -> dict:
+    return pair.baseline_engine if side == "baseline" and pair.baseline_engine else pair.engine
+
+
 def _side_key(pair: BenchPair, side: str) -> str:
     checkpoint = pair.arm if side == "arm" else pair.baseline
-    return json.dumps([pair.engine, str(checkpoint)], sort_keys=True)
+    return json.dumps([_side_engine(pair, side), str(checkpoint)], sort_keys=True)
 
 
 def _sides(pairs: list[BenchPair], specs: dict[str, EngineSpec],
            vllm_compiled: bool) -> dict[str, _Side]:
     sides = {}
     for pair in pairs:
-        timed = specs[pair.name].deployed_settings(pair.engine, vllm_compiled)
         # Compile caches per checkpoint: a cache shared between two can load the other's graph.
         for side, checkpoint in (("arm", pair.arm), ("baseline", pair.baseline)):
             key = _side_key(pair, side)
+            timed = specs[pair.name].deployed_settings(_side_engine(pair, side), vllm_compiled)
             if key not in sides:
                 sides[key] = _Side(checkpoint, {**timed, "cache_root": str(pair.caches[side])},
                                    capable(get_engine(pair.engine["name"]), TimesPasses),
                                    specs[pair.name].bench,
                                    decode_weight_bytes(checkpoint, reads=specs[pair.name].reads,
-                                                       dense_dtype=pair.engine.get("dtype")))
+                                                       dense_dtype=_side_engine(pair, side).get("dtype")))
     return sides
 
 

@@ -44,9 +44,8 @@ from fourbit.bench.provenance import provenance
 from fourbit.bench.residency import cache_state, warm_and_check
 from fourbit.engines import engine_spec, get_engine
 from fourbit.hashing import require_sha256
-from fourbit.report.rows import control
+from fourbit.steps.faithful import best_faithful
 from fourbit.steps.llamacpp import load_tools
-from fourbit.report.verdicts import closest_to_baseline, distribution_measures
 from fourbit.schema import block
 from fourbit.serving.load import LoadError, load_generator, run_level
 from fourbit.serving.process import (
@@ -155,18 +154,9 @@ def choose_arms(arms: list[ServedArm], settings: dict, tolerances: dict) -> list
 
 def _best_faithful(candidates: list[ServedArm], tolerances: dict) -> ServedArm | None:
     """The report's choice among one engine's arms, from their records."""
-    rows = []
-    for arm in candidates:
-        read = {kind: json.loads(Path(path).read_text()) for kind, path in arm.records.items()}
-        if arm.refusal or "fidelity" not in read:
-            continue
-        row = {"arm_id": arm.arm, "control": None, "_measures": distribution_measures(read["fidelity"]),
-               "_served": arm}
-        if "ppl_dense" in read:
-            row.update(control(read["ppl_quantized"], read["ppl_dense"], tolerances))
-        rows.append(row)
-    best = closest_to_baseline(rows)
-    return None if best is None else best["_served"]
+    by_id = {arm.arm: arm for arm in candidates if not arm.refusal}
+    best = best_faithful({arm_id: arm.records for arm_id, arm in by_id.items()}, tolerances)
+    return None if best is None else by_id[best]
 
 
 def _check_context(arms: list[ServedArm], tokens: int) -> None:
