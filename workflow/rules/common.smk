@@ -277,8 +277,11 @@ def bench_pairs():
             ids = {"engine": engine.id, "arm": arm_id}
             choice = "none"
             if has_variants(engine.name):
-                choice = ("best_faithful" if wanted == "best_faithful" else
-                          "named" if STUDY.arms[arm_id].name in wanted else "none")
+                choice = (
+                    "best_faithful"
+                    if wanted == "best_faithful"
+                    else "named" if STUDY.arms[arm_id].name in wanted else "none"
+                )
             pairs.append(
                 {
                     "name": f"{engine.id}/{arm_id}",
