@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import logging
 import os
 import shutil
 import sys
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 from engine_settings import engine_settings
 from test_hostprobe import LAPTOP_AVX2
-from test_serve import TOLERANCES, _records
+from arm_records import arm_records
 
 from fourbit.bench.contention import ContentionError, check_quiet
 from fourbit.bench.memory_groups import held_open_bytes
@@ -372,6 +373,7 @@ def test_a_pair_its_engine_cannot_time_is_recorded_with_the_reason(int4_checkpoi
     assert calls == []
 
 
+TOLERANCES = {"exact": 1e-4, "bf16_activations": 1e-2, "int8_activations": 1e-2}
 KERNEL_SPEED = {"w4a16": 1.0, "w4a8": 1.5, "w4a8_group": 2.0}  # the fake's arm rates times this
 
 
@@ -439,9 +441,57 @@ def test_an_arms_runtime_variants_are_timed_against_it_as_scored_in_the_same_rou
     assert caches == {None: str(pair.caches["arm"]),
                       "w4a8": str(pair.out.parent / "variants" / "vllm-float32-w4a8"),
                       "w4a8_group": str(pair.out.parent / "variants" / "vllm-float32-w4a8_group")}
-    # the three pairs ran in rounds: the arm as scored ran in each of them
-    assert record["job"]["pairs"] == 3
+    # the arm's pair and its two variants' pairs ran in rounds; four engines, two checkpoints
+    assert {key: record["job"][key] for key in ("pairs", "variant_pairs", "engines", "checkpoints")} == {
+        "pairs": 1, "variant_pairs": 2, "engines": 4, "checkpoints": 2}
     assert json.loads(pair.out.read_text())["variants"] == json.loads(json.dumps(variants))
+
+
+def session_vllm(monkeypatch, opened: list, fail_kernel: str | None = None) -> None:
+    """fake_vllm's engine held open for the job (Bench.SESSION), each opening appended to
+    ``opened`` as (checkpoint, kernel); opening it with ``fail_kernel`` raises."""
+    base = sys.modules["fake_engine"].FakeEngine
+
+    class Held(base, TimesInSession):
+        @contextlib.contextmanager
+        def throughput_session(self, checkpoint, settings, threads, **sizes):
+            kernel = settings["quant"].get("kernel")
+            if fail_kernel and kernel == fail_kernel:
+                raise RuntimeError(f"engine core failed to compile {kernel}")
+            opened.append((checkpoint.name, kernel))
+            yield lambda: self.throughput(checkpoint, settings, threads, **sizes)
+
+    monkeypatch.setitem(sys.modules, "fake_engine", types.SimpleNamespace(FakeEngine=Held))
+    monkeypatch.setitem(ENGINES, "vllm", EngineSpec("fake_engine:FakeEngine", reads="hf",
+                                                    bench=Bench.SESSION,
+                                                    fidelity=Fidelity.NOT_COMPARED))
+
+
+def test_the_arm_as_scored_is_one_engine_for_its_own_pair_and_its_variants(
+        int4_checkpoints, fake_vllm, monkeypatch, tmp_path):
+    opened = []
+    session_vllm(monkeypatch, opened)
+    arm, baseline = int4_checkpoints
+    pair = with_variants(pair_of(arm, baseline, VLLM, tmp_path / "a" / "bench.json"), "named")
+    [record] = benchmark.bench_study([pair], {"passes": 3}, threads=1, model_weights_sha256=WEIGHTS)
+    assert sorted(opened, key=str) == sorted(
+        [("arm", None), ("baseline", None), ("arm", "w4a8"), ("arm", "w4a8_group")], key=str)
+    assert [v["ratio_to_scored"]["tg128_tok_s"]["median"] for v in record["variants"]["timed"]] == [1.5, 2.0]
+
+
+def test_a_variant_whose_engine_fails_to_start_is_refused_and_the_study_still_timed(
+        int4_checkpoints, fake_vllm, monkeypatch, tmp_path):
+    opened = []
+    session_vllm(monkeypatch, opened, fail_kernel="w4a8")
+    arm, baseline = int4_checkpoints
+    pair = with_variants(pair_of(arm, baseline, VLLM, tmp_path / "a" / "bench.json"), "named")
+    [record] = benchmark.bench_study([pair], {"passes": 3}, threads=1, model_weights_sha256=WEIGHTS)
+    assert record["measured"] is True and record["ratio"]["tg128_tok_s"]["median"] == 2.0
+    assert [v["name"] for v in record["variants"]["timed"]] == ["vllm float32 w4a8_group"]
+    assert record["variants"]["refused"] == [{
+        "name": "vllm float32 w4a8",
+        "reason": "its engine failed to start: RuntimeError: engine core failed to compile w4a8"}]
+    assert record["job"]["variant_pairs"] == 2  # planned; one refused at its start
 
 
 def test_best_faithful_times_the_variants_of_its_engines_closest_arm_only(
@@ -449,8 +499,8 @@ def test_best_faithful_times_the_variants_of_its_engines_closest_arm_only(
     arm, baseline = int4_checkpoints
     second = tmp_path / "second"
     shutil.copytree(arm, second)
-    near = _records(tmp_path / "records" / "near", kl=0.01, control_delta=0.0)
-    far = _records(tmp_path / "records" / "far", kl=0.2, control_delta=0.0)
+    near = arm_records(tmp_path / "records" / "near", kl=0.01, control_delta=0.0)
+    far = arm_records(tmp_path / "records" / "far", kl=0.2, control_delta=0.0)
     pairs = [with_variants(pair_of(arm, baseline, VLLM, tmp_path / "far" / "bench.json", "v/far"),
                            "best_faithful", far),
              with_variants(pair_of(second, baseline, VLLM, tmp_path / "near" / "bench.json", "v/near"),
@@ -461,6 +511,22 @@ def test_best_faithful_times_the_variants_of_its_engines_closest_arm_only(
     assert far_record["variants"] == {"chosen": False, "timed": [], "refused": []}
     assert near_record["variants"]["chosen"] is True
     assert [v["name"] for v in near_record["variants"]["timed"]] == ["vllm float32 w4a8_group"]
+
+
+def test_best_faithful_without_a_judged_arm_times_no_variant_and_needs_the_tolerances(
+        int4_checkpoints, fake_vllm, tmp_path, caplog):
+    arm, baseline = int4_checkpoints
+    failing = arm_records(tmp_path / "records" / "a", kl=0.01, control_delta=0.5)  # NOT faithful
+    pair = with_variants(pair_of(arm, baseline, VLLM, tmp_path / "a" / "bench.json", "v/a"),
+                         "best_faithful", failing)
+    with pytest.raises(ValueError, match="evaluation.control_tolerance"):
+        benchmark.bench_study([pair], {"passes": 3}, threads=1, model_weights_sha256=WEIGHTS)
+    assert not pair.out.exists()
+    with caplog.at_level(logging.INFO, logger="fourbit"):
+        [record] = benchmark.bench_study([pair], {"passes": 3}, threads=1,
+                                         model_weights_sha256=WEIGHTS, control_tolerance=TOLERANCES)
+    assert record["variants"] == {"chosen": False, "timed": [], "refused": []}
+    assert "vllm: no arm's fidelity was judged; no runtime variants timed" in caplog.text
 
 
 @pytest.mark.slow

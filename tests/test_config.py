@@ -102,6 +102,8 @@ def test_two_arms_of_one_name_are_refused_even_with_different_quant():
      r"bench.runtimes.variants: unknown variant\(s\) \['vllm float16 w4a8'\].*'vllm bfloat16 w4a8'"),
     ({"arms": ["a", "zz"]}, r"bench.runtimes.arms: \['zz'\] are not arms of this config; its arms are"),
     ({"variants": []}, r"bench.runtimes.variants"),
+    # vLLM's own kernels are engines of their own, scored, not variants of the plugin's
+    ({"variants": ["vllm_native bfloat16 cpu_gemm_wna16"]}, r"unknown variant\(s\)"),
 ])
 def test_runtime_variants_name_known_variants_and_arms_before_any_job(runtimes, message):
     bad = copy.deepcopy(BASE)
@@ -110,7 +112,12 @@ def test_runtime_variants_name_known_variants_and_arms_before_any_job(runtimes, 
         study(bad)
     good = copy.deepcopy(BASE)
     good["bench"] = {"runtimes": {"arms": ["a"], "variants": ["vllm bfloat16 w4a8_group"]}}
+    good["engines"] = {"vllm": {}}
     assert study(good).config["bench"]["runtimes"]["arms"] == ["a"]
+    del good["engines"]  # the reference engine alone: no arm has variants to time
+    with pytest.raises(ConfigError, match=r"bench.runtimes.arms: \['a'\] run on no engine with "
+                                          r"runtime variants \(engines: vllm\)"):
+        study(good)
 
 
 def test_model_identity_follows_the_model_not_the_arms():

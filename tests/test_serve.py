@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from arm_records import arm_records
 from conftest import save_tiny_tokenizer
 from fourbit.serving.process import ServerError
 from fourbit.steps.serve import ServedArm, choose_arms, serve_study
@@ -27,25 +28,9 @@ SERVE = {"arms": ["t"], "baseline": False, "concurrency": [1, 2], "prompt_tokens
          "output_tokens": 16, "requests_per_level": 4, "warmup_requests": 1, "passes": 3}
 
 
-def _records(folder: Path, *, kl: float, control_delta: float) -> dict[str, Path]:
-    """An arm's ppl (as stored, as its dense expansion) and fidelity records, as the
-    study's steps write them, with the fields the report's fidelity choice reads."""
-    folder.mkdir(parents=True)
-    paths = {kind: folder / f"{kind}.json" for kind in ("ppl_quantized", "ppl_dense", "fidelity")}
-    paths["ppl_quantized"].write_text(json.dumps({"mean_nll": 2.0 + control_delta, "numerics": "exact"}))
-    paths["ppl_dense"].write_text(json.dumps({"mean_nll": 2.0, "numerics": "exact"}))
-    # per-window sums of 4 windows of 100 positions, a little scattered, as every engine writes them
-    paths["fidelity"].write_text(json.dumps({
-        "computed": True, "kl_mean": kl, "top1_agreement": 0.9, "token_ids_sha256": "t",
-        "window_kl_sum": [100 * kl * (1 + d) for d in (-0.01, 0.0, 0.01, 0.0)],
-        "window_top1": [90, 90, 90, 90], "window_positions": [100] * 4,
-        "greedy": {"identical": 3, "prompts": 4}}))
-    return paths
-
-
 def _arm(tmp_path: Path, name: str, engine: str = "vllm-1", **records) -> ServedArm:
     return ServedArm(engine, VLLM, f"{name}-0000000000", name, tmp_path / name,
-                     records=_records(tmp_path / "records" / engine / name, **records) if records else {})
+                     records=arm_records(tmp_path / "records" / engine / name, **records) if records else {})
 
 
 def test_best_faithful_serves_each_engines_closest_arm_and_its_baseline(tmp_path):

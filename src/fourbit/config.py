@@ -161,6 +161,7 @@ class Study:
         if not arms:
             raise ConfigError("no arm of the config can run on this model:\n  "
                               + "\n  ".join(r["reason"] for r in refused))
+        _check_variant_arms(config["bench"]["runtimes"]["arms"], engines, arms)
         return cls(
             config=sorted_keys(config),
             results=config["results"],
@@ -245,6 +246,18 @@ def _check_runtime_variants(runtimes: dict, arms: list[dict]) -> None:
         if unknown:
             raise ConfigError(f"bench.runtimes.arms: {unknown} are not arms of this config; "
                               f"its arms are {names} (or say best_faithful)")
+
+
+def _check_variant_arms(wanted: str | list[str], engines: dict, arms: dict) -> None:
+    """bench.runtimes.arms names arms an engine with runtime variants runs."""
+    if wanted == "best_faithful":
+        return
+    runs = {arm.name for arm in arms.values() for engine in engines.values()
+            if variants.has_variants(engine.name) and engine.runs(arm)}
+    if set(wanted) - runs:
+        raise ConfigError(f"bench.runtimes.arms: {sorted(set(wanted) - runs)} run on no engine "
+                          "with runtime variants (engines: vllm); the arms that do: "
+                          f"{sorted(runs)}")
 
 
 def _model_config(config: dict, model_id: str) -> dict:

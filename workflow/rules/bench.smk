@@ -24,8 +24,13 @@ if BENCH_PAIRS:
         conda:
             "../../envs/fourbit.yaml"
         threads: workflow.cores
-        resources:  # one engine per checkpoint held open at once
-            mem_mb=held("checkpoints", 3, 4000, per_checkpoint_mb=1024),
+        resources:  # one engine per checkpoint held open at once, and each runtime variant's
+            mem_mb=held(
+                "checkpoints",
+                3,
+                4000 + 2048 * bench_variant_engines(BENCH_PAIRS),
+                per_checkpoint_mb=1024,
+            ),
             runtime=per_attempt(120),
             disk_mb=disk_need("records"),
         params:

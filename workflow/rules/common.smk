@@ -5,7 +5,7 @@ import glob
 import sys
 from pathlib import Path
 
-from fourbit.bench.variants import has_variants
+from fourbit.bench.variants import engine_variants, has_variants
 from fourbit.config import ID_PATTERN, Study
 from fourbit.diskspace import StudyDisk, refuse_short_disk
 from fourbit.inputs.folder_state import check_as_planned, local_state
@@ -266,7 +266,7 @@ def get_ppl_caches(wildcards):
 
 def bench_pairs():
     """Every arm each engine that can run here runs, with that engine's baseline and the
-    arm's bench record: the one bench job times them all (rule bench). bench.runtimes:
+    arm's bench record: the one bench job times them all (rule bench). Per bench.runtimes,
     whether the arm's runtime variants are timed too ("named", "none", or "best_faithful"
     with the records the job chooses by, fourbit.steps.bench.BenchPair)."""
     wanted = STUDY.config["bench"]["runtimes"]["arms"]
@@ -276,7 +276,7 @@ def bench_pairs():
             checkpoints = arm_and_baseline(engine.id, arm_id)
             ids = {"engine": engine.id, "arm": arm_id}
             choice = "none"
-            if has_variants(engine.name):
+            if has_variants(engine.name) and not STUDY.bench_refusals[engine.name]:
                 choice = (
                     "best_faithful"
                     if wanted == "best_faithful"
@@ -308,6 +308,16 @@ def bench_pairs():
                 }
             )
     return pairs
+
+
+def bench_variant_engines(pairs):
+    """At most how many runtime-variant engines the bench holds beside its pairs' own: each
+    chosen arm's other variants (best_faithful chooses one arm per engine)."""
+    chosen = [p for p in pairs if p["variant_choice"] == "named"]
+    chosen += list(
+        {p["engine"]["name"]: p for p in pairs if p["variant_choice"] == "best_faithful"}.values()
+    )
+    return sum(len(engine_variants(p["engine"]["name"])) - 1 for p in chosen)
 
 
 def serve_arms():

@@ -7,14 +7,15 @@ so the bench also times each other variant of the arm's engine that this host ru
 (bench.runtimes), paired pass by pass with the arm as scored, in the same job and rounds.
 A variant is the arm's checkpoint under other engine settings: its compiled graph
 differs, so it gets a compile cache of its own, and its numerics may differ (bfloat16 or
-int8 activations), which its record names; its quality is the scored runtime's within
-that numerics' control tolerance, not measured again here.
+int8 activations), which its record names. It is timed, not scored: no control runs in it
+here (tests/test_vllm_plugin.py holds each runtime to its control on tiny models).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fourbit.bench.hostprobe import VLLM_RUNTIMES, VllmRuntime, vllm_runtimes
 
@@ -33,8 +34,9 @@ def has_variants(engine_name: str) -> bool:
 
 
 def check_names(names: list[str]) -> None:
-    """bench.runtimes.variants names known variants, or a ValueError listing them."""
-    known = [runtime.name for runtime in VLLM_RUNTIMES]
+    """bench.runtimes.variants names variants of an engine that has several, or a
+    ValueError listing them (vLLM's own kernels are engines of their own, each scored)."""
+    known = [runtime.name for runtime in VLLM_RUNTIMES if has_variants(runtime.engine)]
     unknown = [name for name in names if name not in known]
     if unknown:
         raise ValueError(f"bench.runtimes.variants: unknown variant(s) {unknown}; each is "
@@ -42,12 +44,9 @@ def check_names(names: list[str]) -> None:
 
 
 def variant_settings(engine: dict, runtime: VllmRuntime) -> dict:
-    """The engine's settings (the workflow's mapping, its name included) under ``runtime``:
-    its dtype, and for the plugin its kernel knob, overriding the checkpoint's."""
-    settings = {**engine, "dtype": runtime.dtype}
-    if "quant" in engine:
-        settings["quant"] = {**engine["quant"], "kernel": runtime.kernel}
-    return settings
+    """The plugin engine's settings (the workflow's mapping, its name included) under
+    ``runtime``: its dtype, and its kernel knob overriding the checkpoint's."""
+    return {**engine, "dtype": runtime.dtype, "quant": {**engine["quant"], "kernel": runtime.kernel}}
 
 
 @dataclass(frozen=True)
@@ -67,46 +66,59 @@ class Variant:
         return f"{self.pair}{SEPARATOR}{self.name}"
 
 
-def plan_variants(engine: dict, scored_variant: str | None, wanted: str | list[str],
-                  flags: set[str], pair: str, cache_root: Path) -> list[Variant]:
-    """The variants of ``engine`` (its settings mapping) to time for the arm of bench pair
-    ``pair``, whose scored runtime is ``scored_variant`` (None: a dense checkpoint, which
-    runs one way): every other one this CPU (``flags``) runs when ``wanted`` is "auto",
-    else the ones named; a named one this CPU cannot run is listed refused, with the host
-    probe's reason. Each timed variant's compile cache is a folder of ``cache_root``."""
-    if scored_variant is None:
+def plan_variants(runs: Any, engine: dict, checkpoint: Path, wanted: str | list[str],
+                  flags: set[str], pair: str, cache_root: Path, *,
+                  prompt_tokens: int) -> list[Variant]:
+    """The variants of ``engine`` (its settings mapping; ``runs``, its Engine) to time for
+    ``checkpoint``, the arm of bench pair ``pair``: every one this CPU (``flags``) runs but
+    the one the arm scored with when ``wanted`` is "auto", else the ones named; a named one
+    this CPU cannot run is refused with the host probe's reason. A dense checkpoint runs
+    one way: none. Each timed variant's compile cache is a folder of ``cache_root``, and
+    it carries what it rounds for a decode row and a prompt of ``prompt_tokens``."""
+    scored = runs.runtime_variant(checkpoint, engine)
+    if scored is None:
         return []
     probed = {row["name"]: row for row in vllm_runtimes(flags)}
-    candidates = [r for r in engine_variants(engine["name"]) if r.name != scored_variant]
+    candidates = [r for r in engine_variants(engine["name"]) if r.name != scored]
     if wanted != "auto":
         candidates = [r for r in candidates if r.name in wanted]
     variants = []
     for runtime in candidates:
-        row = probed[runtime.name]
-        if not row["available"]:
+        if not probed[runtime.name]["available"]:
             if wanted != "auto":  # asked for by name: say why it did not run
-                variants.append(Variant(pair, runtime.name, None, None, row["reason"]))
+                variants.append(Variant(pair, runtime.name, None, None, probed[runtime.name]["reason"]))
             continue
-        variants.append(Variant(pair, runtime.name, variant_settings(engine, runtime),
-                                cache_root / runtime.name.replace(" ", "-")))
+        settings = variant_settings(engine, runtime)
+        named = runs.runtime_variant(checkpoint, settings)
+        if named != runtime.name:  # the engine would run it another way: not this variant
+            variants.append(Variant(pair, runtime.name, None, None,
+                                    f"the engine runs this checkpoint as {named!r} under it"))
+            continue
+        numerics = {rows: runs.numerics(checkpoint, settings, count)
+                    for rows, count in (("decode", 1), ("prefill", prompt_tokens))}
+        variants.append(Variant(pair, runtime.name, settings,
+                                cache_root / runtime.name.replace(" ", "-"), numerics=numerics))
     return variants
 
 
-def record(chosen: bool, planned: list[Variant], timed: dict[str, dict]) -> dict:
+def record(chosen: bool, planned: list[Variant], records_by_pair: dict[str, dict]) -> dict:
     """An arm's bench record's "variants": whether its variants were chosen, each timed one
     (what ran, its start, its stats, its ratio to the arm as scored pass by pass, its
-    numerics), and the refused ones with the reason. ``timed``: the job's records by pair
-    name."""
-    ran = []
+    numerics), and the refused ones with the reason: refused here before the job, or an
+    engine that failed to start ({"failed": reason} in ``records_by_pair``, the job's
+    records by pair name)."""
+    ran, refused = [], [{"name": v.name, "reason": v.refusal} for v in planned if v.refusal]
     for variant in planned:
         if variant.settings is None:
             continue
-        pair = timed[variant.key]
+        pair = records_by_pair[variant.key]
+        if "failed" in pair:
+            refused.append({"name": variant.name, "reason": pair["failed"]})
+            continue
         ran.append({"name": variant.name, "settings": variant.settings,
                     "runtime": pair["arm"]["runtime"], "start": pair["arm"]["start"],
                     "memory": pair["arm"]["memory"], "stats": pair["arm"]["stats"],
                     "numerics": variant.numerics, "passes": pair["passes"],
                     "ratio_to_scored": pair["ratio"], "group": pair["group"],
                     "contention": pair["contention"]})
-    return {"chosen": chosen, "timed": ran,
-            "refused": [{"name": v.name, "reason": v.refusal} for v in planned if v.refusal]}
+    return {"chosen": chosen, "timed": ran, "refused": refused}

@@ -12,8 +12,7 @@ from collections.abc import Mapping
 
 from fourbit.metrics.stats import CONFIDENCE, overlapping
 from fourbit.report.frontier import frontier_section
-from fourbit.report.runtimes import compile_note, runtime_candidates, runtime_line, variant_tables
-from fourbit.report.runtimes import variant_verdicts
+from fourbit.report import runtimes
 from fourbit.report.serving import (
     Serving,
     one_user_against_bench,
@@ -46,13 +45,14 @@ def render_markdown(study: dict, rows: list[dict], facts: dict, settings: Mappin
     lines += ["", "## Throughput", ""] + throughput_table(rows)
     timing = bench_job(facts["benches"])
     if timing:
-        lines += [""] + timing + compile_note(facts["benches"]) + variant_tables(study, facts["benches"])
+        lines += [""] + timing + runtimes.compile_note(facts["benches"])
+        lines += runtimes.variant_tables(study, facts["benches"])
     lines += serving_section(serving) + one_user_against_bench(serving, rows)
     lines += tasks_section(tasks, rows)
     if facts["quantization"]:
         lines += ["", "## How each arm was quantized", ""] + quantization_table(facts["quantization"])
     lines += ["", "## Recommendation for this host", ""] + recommend(rows, settings)
-    lines += variant_verdicts(study, facts["benches"], study["evaluation"]["control_tolerance"])
+    lines += runtimes.variant_verdicts(study, facts["benches"])
     lines += serving_verdicts(serving, rows)
     lines += task_verdicts(tasks, recommended_arms(rows, settings) + serving_named(serving, rows))
     lines += ["", "## Quality per bit: the frontier", ""] + frontier_section(rows)
@@ -61,7 +61,7 @@ def render_markdown(study: dict, rows: list[dict], facts: dict, settings: Mappin
     lines += ["", "## Host", ""] + host_block(study, facts, rows)
     lines += ["", "## Definitions", ""] + definitions(study, facts, settings) + serving_rules(serving)
     lines += task_rules(tasks)
-    lines += ["", "## Runtimes", ""] + [runtime_line(r) for r in rows]
+    lines += ["", "## Runtimes", ""] + [runtimes.runtime_line(r) for r in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -226,7 +226,7 @@ def host_block(study: dict, facts: dict, rows: list[dict]) -> list[str]:
     versions = ", ".join(f"{k} {v}" for k, v in sorted(host["versions"].items()))
     return lines + [
         f"- CPU: {host['cpu_model']}; ISA: {isa}",
-        *runtime_candidates(host, facts.get("benches", {})),
+        *runtimes.runtime_candidates(host, facts.get("benches", {})),
         f"- Cores used: {host['cores']} ({host['threads']} threads); load average {' '.join(f'{x:.2f}' for x in host['load_average'])}",
         f"- Memory bandwidth (STREAM-like triad at the start of the bench job, on its cores): "
         f"{_bandwidth_measured(facts['bandwidth'])}",

@@ -121,30 +121,40 @@ def variant_tables(study: dict, benches: dict[str, list[dict]]) -> list[str]:
             lines += ["", "Asked for, not run here: " + "; ".join(
                 f"`{v['name']}` ({v['reason']})" for v in refused)]
         if len(_timed_ways(bench)) == 1:
-            lines += ["", "No other variant of its engine was timed on this host (see Host)."]
+            lines += ["", "No other runtime variant was timed for it (Host lists this CPU's "
+                      "candidates)."]
     return lines
 
 
-def _fastest(ways: list[dict], what: str, prefix: str, tolerances: dict[str, float]) -> str:
-    best = max(ways, key=lambda w: w["stats"][_metric(w["stats"], prefix)]["median"])
-    metric = _metric(best["stats"], prefix)
+def _ratio(way: dict, metric: str) -> float:
+    return 1.0 if way["ratio_to_scored"] is None else way["ratio_to_scored"][metric]["median"]
+
+
+def _fastest(ways: list[dict], what: str, prefix: str) -> str:
+    """The fastest of ``ways`` for one phase, ranked by the pass-by-pass ratio to the arm
+    as scored (1 for itself): each variant ran beside it in every pass, so that ratio, not
+    tok/s taken in other pairs' passes, is what compares them."""
+    metric = _metric(ways[0]["stats"], prefix)
+    best = max(ways, key=lambda way: _ratio(way, metric))  # the first, as scored, on a tie
     text = f"for {what} `{best['name']}` ({_span(best['stats'][metric])} tok/s"
     if best["ratio_to_scored"] is None:
-        return text + ", as scored)"
+        close = [w for w in ways[1:] if w["ratio_to_scored"][metric]["max"] >= 1]
+        return text + ", as scored" + ("; not separable from " + ", ".join(
+            f"`{w['name']}` (×{_ratio(w, metric):.2f}, faster in some pass)" for w in close)
+            if close else "") + ")"
     ratio = best["ratio_to_scored"][metric]
     margin = ("faster in every pass" if ratio["min"] > 1 else
               "not faster in every pass, so not separable from it")
-    numerics = best["numerics"][what]
-    return (f"{text}, ×{ratio['median']:.2f} the arm as scored, {margin}; it rounds {numerics}, "
-            f"whose control tolerance is {tolerances[numerics]:g} nats/token: its quality was "
-            "scored as scored, not in this runtime)")
+    return (f"{text}, ×{ratio['median']:.2f} [{ratio['min']:.2f}–{ratio['max']:.2f}] the arm as "
+            f"scored, {margin}; it rounds {best['numerics'][what]}, and no control ran in this "
+            "runtime: the quality columns are the scored runtime's)")
 
 
-def variant_verdicts(study: dict, benches: dict[str, list[dict]],
-                     tolerances: dict[str, float]) -> list[str]:
-    """For each arm whose variants were timed: the fastest way to run it here for decode
-    and for prefill, how it compares with the arm as scored, and what its quality rests on."""
-    return [f"- **The fastest way to run `{arm_id}` on this host**: "
-            + "; ".join(_fastest(_timed_ways(bench), what, prefix, tolerances)
-                        for what, prefix in (("decode", "tg"), ("prefill", "pp"))) + "."
+def variant_verdicts(study: dict, benches: dict[str, list[dict]]) -> list[str]:
+    """For each arm whose variants were timed: the fastest of the ways the bench ran it,
+    for decode and for prefill, against the arm as scored, and what its quality rests on."""
+    return [f"- **The fastest of the {len(_timed_ways(bench))} ways the bench ran `{arm_id}` "
+            "on this host**: " + "; ".join(_fastest(_timed_ways(bench), what, prefix)
+                                            for what, prefix in (("decode", "tg"), ("prefill", "pp")))
+            + "."
             for arm_id, bench in _with_variants(study, benches)]

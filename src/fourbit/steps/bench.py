@@ -1,56 +1,41 @@
 """workflow/rules/bench.smk: rule bench (bench_study). Every arm's prefill and decode
-speed against its engine's baseline.
+speed against its engine's baseline, and the chosen arms' runtime variants.
 
 One job times the whole study: every arm of every engine, each paired with its
 engine's unquantized baseline, interleaved in rounds (fourbit.bench.passes says
 why). Each arm still gets a record of its own, its ``bench.json``:
 
-    arm / baseline   per side: the checkpoint, what runs it in the timed passes
-                     (vLLM compiled unless bench.vllm_compiled is false:
-                     EngineSpec.deployed_settings),
-                     what its untimed start cost (an engine held open: its mode and
-                     the seconds spent compiling), min/median/max and spread of every
-                     metric over the passes, the weight bytes a decode step reads and
-                     the decode roofline they imply
+    arm / baseline   per side: the checkpoint, what runs it in the timed passes (vLLM
+                     compiled unless bench.vllm_compiled is false), its untimed start
+                     (mode, seconds compiling), min/median/max and spread of every
+                     metric, the weight bytes a decode step reads, the decode roofline
     ratio            arm / baseline, pass by pass (both timed in the same pass,
                      order rotated), and its min/median/max/spread
     runs             every pass: its order, its slot in its round, when it started,
-                     its checks (contention gate and page-cache residency before
-                     the pass), its values
-    job              when the job started, how many pairs and distinct
-                     checkpoints it timed, in how many groups, the memory available
-    group            the group this pair was timed in and the pairs beside it
+                     its checks (contention gate and page-cache residency), its values
+    variants         the arm's runtime variants (fourbit.bench.variants), each timed
+                     against the arm as scored in the same rounds, or refused here
+    job, group       when the job started, what it timed, in how many memory groups;
+                     the group this pair ran in
     contention       threshold, allow_busy, whether the override was used, the
                      busiest core seen
     bandwidth        the triad bandwidth measured in this job, on its pinned cores
     provenance       host, ISA, cores, threads, load, versions, speed-relevant env
 
 How an engine takes part is its EngineSpec's ``bench`` (fourbit.engines.ENGINES):
-Bench.PER_PASS, its class is a TimesPasses (fourbit.engines.base), whose
-``throughput(checkpoint, settings, threads, *, prompt_tokens, decode_tokens) ->
-{"pp<prompt>_tok_s": .., "tg<decode>_tok_s": ..}`` times one pass in an engine started
-for it; NotBenchmarked(reason), when its speed means nothing for a shipped build: the
-record then says so and ``measured`` is false; or Bench.SESSION, a TimesInSession, when
-the engine can also stay open across passes through ``throughput_session`` (same
-arguments, a context manager yielding the one-pass function): the job then holds every
-checkpoint's engine open at once (vLLM: one
-worker process each, all their weights resident) and a pass costs only its runs (an
-untimed one and the timed ones), so many passes fit where one engine start per pass
-left room for few. When those engines would not fit in memory together (a model of a
-billion parameters, nine arms), the pairs are timed in groups that do, one after the
-other (fourbit.bench.memory_groups); the records say which group each pair ran in, and
-every held engine's estimated and measured peak memory.
-llama.cpp's llama-bench loads its model itself, as llama.cpp users run it. The
-page-cache check before every pass matters for engines that read their files
-while timing (llama-bench maps the GGUF); an engine kept open read its files
-once, untimed, at its start, and for it the check only records the cache state.
-
-The bandwidth is measured once per bench job, right before its passes, on the
-same pinned cores and threads: on a shared host it moves with the neighbours'
-load, so only a figure taken in the same job as the decode timings makes their
-fraction of it meaningful (a per-run rule output would also be cached across runs
-by Snakemake and go stale). It costs about as long as one engine start.
-"""
+Bench.PER_PASS, a TimesPasses (fourbit.engines.base) whose ``throughput`` times one
+pass in an engine started for it (llama-bench loads its model itself, as its users run
+it); NotBenchmarked(reason), when its speed means nothing for a shipped build (the
+record says so, ``measured`` false); or Bench.SESSION, a TimesInSession whose
+``throughput_session`` keeps an engine open across passes: the job then holds every
+checkpoint's engine open at once (vLLM: one worker process each) and a pass costs only
+its runs. Engines that would not fit in memory together are timed in groups that do,
+one after the other (fourbit.bench.memory_groups). The page-cache check before every
+pass matters for engines that read their files while timing (llama-bench maps the
+GGUF); for an engine kept open it only records the cache state. The bandwidth is
+measured once per job, before its passes, on the same pinned cores: on a shared host
+it moves with the neighbours' load, so only a figure from the same job as the decode
+timings makes their fraction of it meaningful. docs/measurement.md tells the rest."""
 
 from __future__ import annotations
 
@@ -152,12 +137,12 @@ def bench_study(pairs: list[BenchPair], bench_settings: dict, threads: int, *,
         settings = resolve_settings(bench_settings, threads)
         chosen, planned = _plan_variants(timed, settings, control_tolerance)
         variant_pairs = [_variant_pair(by_name[v.pair], v) for v in planned if v.settings]
-        specs |= {vp.name: specs[vp.name.split(variants.SEPARATOR)[0]] for vp in variant_pairs}
-        timed_records = _time_pairs(timed + variant_pairs, specs, settings)
-        record_of |= {pair.name: timed_records[pair.name] for pair in timed}
+        specs |= {v.key: specs[v.pair] for v in planned if v.settings}
+        records_by_pair = _time_pairs(timed + variant_pairs, specs, settings)
+        record_of |= {pair.name: records_by_pair[pair.name] for pair in timed}
         for pair in timed:
             record_of[pair.name]["variants"] = variants.record(
-                pair.name in chosen, [v for v in planned if v.pair == pair.name], timed_records)
+                pair.name in chosen, [v for v in planned if v.pair == pair.name], records_by_pair)
     for pair in pairs:
         record_of[pair.name]["model_weights_sha256"] = model_weights_sha256
         records.write("bench", pair.out, record_of[pair.name])
@@ -175,19 +160,19 @@ def _plan_variants(timed: list[BenchPair], settings: dict,
     for engine_name in dict.fromkeys(pair.engine["name"] for pair in timed):
         candidates = {pair.name: pair.records for pair in timed if pair.engine["name"] == engine_name
                       and pair.variant_choice == "best_faithful"}
-        chosen.add(best_faithful(candidates, tolerances or {}) if candidates else None)
-    flags, planned = isa_flags(), []
-    for pair in (pair for pair in timed if pair.name in chosen):
-        engine = get_engine(pair.engine["name"])
-        for variant in variants.plan_variants(
-                pair.engine, engine.runtime_variant(pair.arm, pair.engine),
-                settings["runtimes"]["variants"], flags, pair.name, Path(pair.caches["variants"])):
-            if variant.settings:
-                variant = replace(variant, numerics={
-                    rows: engine.numerics(pair.arm, variant.settings, count) for rows, count in
-                    (("decode", 1), ("prefill", settings["prompt_tokens"]))})
-            planned.append(variant)
-    return chosen, planned
+        if candidates and tolerances is None:
+            raise ValueError("bench.runtimes.arms best_faithful chooses by the study's "
+                             "evaluation.control_tolerance: pass control_tolerance")
+        best = best_faithful(candidates, tolerances) if candidates else None
+        if best is None and candidates:
+            log.info("%s: no arm's fidelity was judged; no runtime variants timed", engine_name)
+        chosen |= {best} - {None}
+    flags = isa_flags()
+    return chosen, [variant for pair in timed if pair.name in chosen
+                    for variant in variants.plan_variants(
+                        get_engine(pair.engine["name"]), pair.engine, pair.arm,
+                        settings["runtimes"]["variants"], flags, pair.name,
+                        Path(pair.caches["variants"]), prompt_tokens=settings["prompt_tokens"])]
 
 
 def _variant_pair(pair: BenchPair, variant: variants.Variant) -> BenchPair:
@@ -231,7 +216,9 @@ def _time_pairs(pairs: list[BenchPair], specs: dict[str, EngineSpec],
             residency[side] = (cache_state if held_open else warm_and_check)([checkpoint])
         return {"contention": gate, "residency": residency}
 
-    results, peaks, group_of, starts = {}, {}, {}, {}
+    results, peaks, group_of, starts, failed = {}, {}, {}, {}, {}
+    # A runtime variant's engine that fails to start is refused, not the job's failure.
+    variant_engines = {_side_key(p, "arm") for p in pairs if p.baseline_engine}
     with pinned(cores):
         bandwidth = measure_bandwidth(threads=len(cores))  # before any engine starts
         for number, group in enumerate(groups, start=1):
@@ -242,25 +229,37 @@ def _time_pairs(pairs: list[BenchPair], specs: dict[str, EngineSpec],
                          number, len(groups), ", ".join(p.name for p in group),
                          sum(held.get(key, 0) for key in keys) / 2**30, available / 2**30)
             with contextlib.ExitStack() as open_engines:
-                runs = {key: open_engines.enter_context(_pass_runner(
+                runs = {}
+                for key in keys:
+                    try:
+                        runs[key] = open_engines.enter_context(_pass_runner(
                             sides[key], len(cores), prompt_tokens=settings["prompt_tokens"],
                             decode_tokens=settings["decode_tokens"]))
-                        for key in keys}
-                results |= run_rounds(
-                    {p.name: (runs[_side_key(p, "arm")], runs[_side_key(p, "baseline")])
-                     for p in group},
-                    passes=settings["passes"], warmup=settings["warmup"], before_pass=before_pass,
-                )
+                    except Exception as error:  # noqa: BLE001 - a variant's failure is its own
+                        if key not in variant_engines:
+                            raise
+                        log.warning("a runtime variant's engine failed to start: %s", error)
+                        failed[key] = f"its engine failed to start: {type(error).__name__}: {error}"
+                group = [p for p in group if _side_key(p, "arm") not in failed]
+                if group:
+                    results |= run_rounds(
+                        {p.name: (runs[_side_key(p, "arm")], runs[_side_key(p, "baseline")])
+                         for p in group},
+                        passes=settings["passes"], warmup=settings["warmup"],
+                        before_pass=before_pass)
                 _note_engines(runs, peaks, starts)
             for pair in group:
                 group_of[pair.name] = {"number": number, "of": len(groups),
                                        "pairs": [p.name for p in group]}
     memory = {key: {"estimated_peak_bytes": held.get(key), "peak_rss_bytes": peaks.get(key)}
               for key in sides}
-    job = {"started": started, "pairs": len(pairs), "checkpoints": len(sides),
+    job = {"started": started, "pairs": len(pairs) - len(variant_engines),
+           "variant_pairs": len(variant_engines), "engines": len(sides),
+           "checkpoints": len({side.checkpoint for side in sides.values()}),
            "groups": len(groups), "available_memory_bytes": available}
-    return {pair.name: _record(pair, sides, results[pair.name], settings, bandwidth, job,
-                               group_of[pair.name], memory, starts)
+    return {pair.name: {"failed": failed[_side_key(pair, "arm")]} if _side_key(pair, "arm") in failed
+            else _record(pair, sides, results[pair.name], settings, bandwidth, job,
+                         group_of[pair.name], memory, starts)
             for pair in pairs}
 
 
