@@ -8,6 +8,8 @@
 # saying they were not benchmarked. No benchmark: directive: Snakemake's resource
 # sampler would run beside the timed passes.
 BENCH_PAIRS = bench_pairs()
+# Beside one engine per checkpoint: each runtime variant's engine (bench.runtimes).
+BENCH_BASE_MB = 4000 + 2048 * bench_variant_engines(BENCH_PAIRS)
 
 if BENCH_PAIRS:
 
@@ -24,13 +26,8 @@ if BENCH_PAIRS:
         conda:
             "../../envs/fourbit.yaml"
         threads: workflow.cores
-        resources:  # one engine per checkpoint held open at once, and each runtime variant's
-            mem_mb=held(
-                "checkpoints",
-                3,
-                4000 + 2048 * bench_variant_engines(BENCH_PAIRS),
-                per_checkpoint_mb=1024,
-            ),
+        resources:  # one engine per checkpoint held open at once, and each variant's
+            mem_mb=held("checkpoints", 3, BENCH_BASE_MB, per_checkpoint_mb=1024),
             runtime=per_attempt(120),
             disk_mb=disk_need("records"),
         params:

@@ -68,11 +68,8 @@ log = logging.getLogger("fourbit")
 
 
 def resolve_settings(given: dict, threads: int) -> dict:
-    """``given`` checked against the schema's bench block, its defaults filled, cores chosen.
-
-    The workflow has already validated the config; this makes direct callers get the
-    same defaults and the same refusals (e.g. fewer than 3 passes).
-    """
+    """``given`` checked against the schema's bench block, its defaults filled, cores
+    chosen: direct callers get the workflow's defaults and refusals (e.g. < 3 passes)."""
     settings = block("bench", given)
     settings["cores"] = choose_cores(settings["cores"], threads)
     return settings
@@ -95,15 +92,12 @@ class BenchPair:
     # Why this engine cannot time this model, found before any job (fourbit.config's
     # bench_refusals); None: it is timed.
     refusal: str | None = None
-    # Whether the arm's runtime variants are timed too (bench.runtimes, fourbit.bench.
-    # variants): "named" yes, "best_faithful" if it is its engine's best faithful arm by
-    # ``records`` ({"ppl_quantized", "ppl_dense", "fidelity"}: paths), "none" no. Their
-    # compile caches go under caches["variants"].
+    # Its arm's runtime variants (bench.runtimes) are timed: "named" yes, "none" no,
+    # "best_faithful" if its engine's best faithful arm by ``records`` (ppl_quantized,
+    # ppl_dense, fidelity: paths); their compile caches go under caches["variants"].
     variant_choice: str = "none"
     records: dict[str, Path] = field(default_factory=dict)
-    # The baseline side's engine settings, when not ``engine``'s: a variant's pair times
-    # the arm under the variant against the arm as scored.
-    baseline_engine: dict | None = None
+    baseline_engine: dict | None = None  # a variant's pair: the arm as scored is its baseline
 
 
 def bench_study(pairs: list[BenchPair], bench_settings: dict, threads: int, *,
@@ -160,11 +154,13 @@ def _plan_variants(timed: list[BenchPair], settings: dict,
     for engine_name in dict.fromkeys(pair.engine["name"] for pair in timed):
         candidates = {pair.name: pair.records for pair in timed if pair.engine["name"] == engine_name
                       and pair.variant_choice == "best_faithful"}
-        if candidates and tolerances is None:
+        if not candidates:
+            continue
+        if tolerances is None:
             raise ValueError("bench.runtimes.arms best_faithful chooses by the study's "
                              "evaluation.control_tolerance: pass control_tolerance")
-        best = best_faithful(candidates, tolerances) if candidates else None
-        if best is None and candidates:
+        best = best_faithful(candidates, tolerances)
+        if best is None:
             log.info("%s: no arm's fidelity was judged; no runtime variants timed", engine_name)
         chosen |= {best} - {None}
     flags = isa_flags()
@@ -178,8 +174,7 @@ def _plan_variants(timed: list[BenchPair], settings: dict,
 def _variant_pair(pair: BenchPair, variant: variants.Variant) -> BenchPair:
     """The arm under ``variant`` against the arm as scored, as a pair of its own."""
     return replace(pair, name=variant.key, engine=variant.settings, baseline=pair.arm,
-                   baseline_engine=pair.engine,
-                   caches={"arm": variant.cache, "baseline": pair.caches["arm"]})
+                   baseline_engine=pair.engine, caches={"arm": variant.cache, "baseline": pair.caches["arm"]})
 
 
 def _not_deployed(spec: EngineSpec) -> str | None:
@@ -217,7 +212,6 @@ def _time_pairs(pairs: list[BenchPair], specs: dict[str, EngineSpec],
         return {"contention": gate, "residency": residency}
 
     results, peaks, group_of, starts, failed = {}, {}, {}, {}, {}
-    # A runtime variant's engine that fails to start is refused, not the job's failure.
     variant_engines = {_side_key(p, "arm") for p in pairs if p.baseline_engine}
     with pinned(cores):
         bandwidth = measure_bandwidth(threads=len(cores))  # before any engine starts
@@ -229,17 +223,8 @@ def _time_pairs(pairs: list[BenchPair], specs: dict[str, EngineSpec],
                          number, len(groups), ", ".join(p.name for p in group),
                          sum(held.get(key, 0) for key in keys) / 2**30, available / 2**30)
             with contextlib.ExitStack() as open_engines:
-                runs = {}
-                for key in keys:
-                    try:
-                        runs[key] = open_engines.enter_context(_pass_runner(
-                            sides[key], len(cores), prompt_tokens=settings["prompt_tokens"],
-                            decode_tokens=settings["decode_tokens"]))
-                    except Exception as error:  # noqa: BLE001 - a variant's failure is its own
-                        if key not in variant_engines:
-                            raise
-                        log.warning("a runtime variant's engine failed to start: %s", error)
-                        failed[key] = f"its engine failed to start: {type(error).__name__}: {error}"
+                runs = {key: _open(open_engines, sides[key], len(cores), settings, failed, key,
+                                   variant=key in variant_engines) for key in keys}
                 group = [p for p in group if _side_key(p, "arm") not in failed]
                 if group:
                     results |= run_rounds(
@@ -261,6 +246,22 @@ def _time_pairs(pairs: list[BenchPair], specs: dict[str, EngineSpec],
             else _record(pair, sides, results[pair.name], settings, bandwidth, job,
                          group_of[pair.name], memory, starts)
             for pair in pairs}
+
+
+def _open(open_engines: contextlib.ExitStack, side: "_Side", threads: int, settings: dict,
+          failed: dict, key: str, *, variant: bool):
+    """``side``'s pass runner, open until ``open_engines`` closes. A runtime variant's
+    engine that fails to start is its own refusal (in ``failed``), not the job's failure."""
+    try:
+        return open_engines.enter_context(_pass_runner(
+            side, threads, prompt_tokens=settings["prompt_tokens"],
+            decode_tokens=settings["decode_tokens"]))
+    except Exception as error:  # noqa: BLE001 - any start failure; it is recorded
+        if not variant:
+            raise
+        log.warning("a runtime variant's engine failed to start: %s", error)
+        failed[key] = f"its engine failed to start: {type(error).__name__}: {error}"
+        return None
 
 
 def _note_engines(runs: dict, peaks: dict, starts: dict) -> None:
