@@ -126,28 +126,39 @@ def variant_tables(study: dict, benches: dict[str, list[dict]]) -> list[str]:
     return lines
 
 
-def _ratio(way: dict, metric: str) -> float:
-    return 1.0 if way["ratio_to_scored"] is None else way["ratio_to_scored"][metric]["median"]
+def _ratio_range(way: dict, metric: str) -> tuple[float, float]:
+    if way["ratio_to_scored"] is None:
+        return 1.0, 1.0
+    ratio = way["ratio_to_scored"][metric]
+    return ratio["min"], ratio["max"]
 
 
 def _fastest(ways: list[dict], what: str, prefix: str) -> str:
     """The fastest of ``ways`` for one phase, ranked by the pass-by-pass ratio to the arm
     as scored (1 for itself): each variant ran beside it in every pass, so that ratio, not
-    tok/s taken in other pairs' passes, is what compares them."""
+    tok/s taken in other pairs' passes, is what compares them. The ways whose ratio range
+    reaches the fastest one's are named as not separable from it."""
     metric = _metric(ways[0]["stats"], prefix)
-    best = max(ways, key=lambda way: _ratio(way, metric))  # the first, as scored, on a tie
+
+    def median(way: dict) -> float:
+        return 1.0 if way["ratio_to_scored"] is None else way["ratio_to_scored"][metric]["median"]
+
+    best = max(ways, key=median)  # the first, as scored, on a tie
+    low = _ratio_range(best, metric)[0]
+    close = [w for w in ways if w is not best and _ratio_range(w, metric)[1] >= low]
     text = f"for {what} `{best['name']}` ({_span(best['stats'][metric])} tok/s"
     if best["ratio_to_scored"] is None:
-        close = [w for w in ways[1:] if w["ratio_to_scored"][metric]["max"] >= 1]
-        return text + ", as scored" + ("; not separable from " + ", ".join(
-            f"`{w['name']}` (×{_ratio(w, metric):.2f}, faster in some pass)" for w in close)
-            if close else "") + ")"
-    ratio = best["ratio_to_scored"][metric]
-    margin = ("faster in every pass" if ratio["min"] > 1 else
-              "not faster in every pass, so not separable from it")
-    return (f"{text}, ×{ratio['median']:.2f} [{ratio['min']:.2f}–{ratio['max']:.2f}] the arm as "
-            f"scored, {margin}; it rounds {best['numerics'][what]}, and no control ran in this "
-            "runtime: the quality columns are the scored runtime's)")
+        text += ", as scored"
+    else:
+        ratio = best["ratio_to_scored"][metric]
+        text += (f", ×{ratio['median']:.2f} [{ratio['min']:.2f}–{ratio['max']:.2f}] the arm as "
+                 f"scored; it rounds {best['numerics'][what]}, and no control ran in this runtime: "
+                 "the quality columns are the scored runtime's")
+    if close:
+        text += "; not separable from " + ", ".join(
+            f"`{w['name']}` (×{median(w):.2f}, {'as scored' if w['ratio_to_scored'] is None else 'overlapping'})"
+            for w in close)
+    return text + ")"
 
 
 def variant_verdicts(study: dict, benches: dict[str, list[dict]]) -> list[str]:
