@@ -54,6 +54,14 @@ def test_the_compile_note_counts_each_engine_started_once():
         "includes.")]
 
 
+def test_the_compile_note_counts_each_runtime_variants_engine():
+    with_variant = bench("a", "base", start("compiled", 30.0), start("compiled", 60.0))
+    with_variant["variants"] = {"chosen": True, "refused": [],
+                                "timed": [{"name": "vllm bfloat16 w4a8", "start": start("compiled", 90.0)}]}
+    note = compile_note({"vllm-0": [with_variant]})[1]
+    assert note.startswith("3 vLLM engine(s) were timed compiled") and "30.0-90.0 s" in note
+
+
 def test_an_eager_bench_says_so_and_a_bench_without_held_engines_says_nothing():
     eager = {"vllm-0": [bench("a", "base", start("eager", 0.0), start("eager", 0.0))]}
     assert compile_note(eager) == ["", "2 vLLM engine(s) were timed eager "

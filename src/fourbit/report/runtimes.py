@@ -21,12 +21,14 @@ def runtime_line(row: dict) -> str:
 def compile_note(benches: dict[str, list[dict]]) -> list[str]:
     """How the engines that compile were timed, and what compiling cost their starts: a
     paragraph of its own, or nothing when no engine was held open for the job."""
-    starts = {}  # one per checkpoint opened: each arm, and each engine's baseline once
+    starts = {}  # one per engine opened: each arm, each engine's baseline once, each variant
     for engine_id, records in benches.items():
         for b in records:
             if b.get("measured"):
                 for side in ("arm", "baseline"):
                     starts[(engine_id, b[side].get("checkpoint"))] = b[side].get("start")
+                for variant in (b.get("variants") or {}).get("timed", []):
+                    starts[(engine_id, b["arm"].get("checkpoint"), variant["name"])] = variant["start"]
     compiled = [s for s in starts.values() if s and s["mode"] == "compiled"]
     eager = [s for s in starts.values() if s and s["mode"] == "eager"]
     lines = []
