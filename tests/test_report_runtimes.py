@@ -124,6 +124,9 @@ def test_an_arms_variants_are_tabled_beside_it_as_scored_and_the_fastest_named_p
     assert ("| `vllm bfloat16 w4a8_group` | int8_activations / int8_activations | 450.0 [440.0–480.0] "
             "| ×2.20 [2.10–2.30] | 66.0 [61.0–70.0] | ×1.10 [0.98–1.20] |") in table
     assert "`vllm bfloat16 w4a16` (needs avx512_bf16)" in table[-1]
+    # what ran, exactly (kernel, dtype, compiled or eager), as the Runtimes lines say it
+    assert f"- `vllm float32 w4a16`: {SCORED}" in table
+    assert "- `vllm bfloat16 w4a8_group`: vllm bfloat16 w4a8_group" in table
 
     [line] = variant_verdicts(STUDY, benches)
     assert line.startswith("- **The fastest of the 3 ways the bench ran `a-1` on this host**")

@@ -118,6 +118,8 @@ def variant_tables(study: dict, benches: dict[str, list[dict]]) -> list[str]:
             numerics = ("as scored" if way["numerics"] is None else
                         f"{way['numerics']['decode']} / {way['numerics']['prefill']}")
             lines.append(f"| `{way['name']}` | {numerics} | {_cells(way, 'pp')} | {_cells(way, 'tg')} |")
+        lines += ["", "What ran each way:", ""] + [f"- `{way['name']}`: {way['runtime']}"
+                                                   for way in _timed_ways(bench)]
         refused = bench["variants"]["refused"]
         if refused:
             lines += ["", "Asked for, not run here: " + "; ".join(
