@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from fourbit.bench.contention import ContentionError, check_quiet, core_busy
+from fourbit.bench.contention import ContentionError, check_quiet, core_busy, wait_until_quiet
 
 
 def fake_stat(*samples: dict[int, tuple[int, ...]]):
@@ -45,6 +45,27 @@ def test_busy_core_with_override_is_recorded_not_refused():
     result = check_quiet([0, 1], threshold=0.2, override=True, window_s=0, read_stat=fake_stat(START, after))
     assert result["override_used"] is True
     assert result["busy"][0] == pytest.approx(0.9)
+
+
+def stepping_stat(busy_per_step: list[int]):
+    """A reader whose core 0 is busy for busy_per_step[i] of 100 ticks in window i."""
+    samples, user, idle = [], 1000, 1000
+    samples.append({0: (user, 0, 0, idle, 0, 0, 0, 0, 0, 0)})
+    for busy in busy_per_step:
+        user, idle = user + busy, idle + 100 - busy
+        samples += [{0: (user, 0, 0, idle, 0, 0, 0, 0, 0, 0)}] * 2  # each window's end, next start
+    return fake_stat(*samples)
+
+
+def test_settling_waits_until_the_cores_go_quiet_then_gives_up_after_its_timeout():
+    # busy for two windows after the engines started (caches written back), then quiet
+    waited = wait_until_quiet([0], 0.25, timeout_s=60, window_s=0,
+                              read_stat=stepping_stat([80, 60, 5]))
+    assert 0 <= waited < 60
+    with pytest.raises(ContentionError, match=r"core 0 was still 90% busy \(threshold 25%\) after 0 s "
+                                              r"of waiting after the start; .*allow_busy"):
+        wait_until_quiet([0], 0.25, timeout_s=0, window_s=0, when="after the start",
+                         read_stat=stepping_stat([90]))
 
 
 def test_unknown_core_and_bad_threshold_are_refused_with_the_fix():

@@ -25,7 +25,7 @@ from engine_settings import engine_settings
 from test_hostprobe import LAPTOP_AVX2
 from arm_records import arm_records
 
-from fourbit.bench.contention import ContentionError, check_quiet
+from fourbit.bench.contention import ContentionError, check_quiet, wait_until_quiet
 from fourbit.bench.memory_groups import held_open_bytes
 from fourbit.bench.weight_bytes import linear_weight_bytes
 from fourbit.schema import block
@@ -114,6 +114,9 @@ def fake_host(monkeypatch):
         monkeypatch.setattr(benchmark, "check_quiet", gate)
 
     set_busy(0.05)
+    # the cores settle at once after the engines start (their gate's own test below)
+    monkeypatch.setattr(benchmark, "wait_until_quiet", functools.partial(
+        wait_until_quiet, window_s=0, read_stat=busy_stat(0.05)))
     return calls, set_busy
 
 
@@ -315,6 +318,20 @@ def test_busy_cores_are_refused_and_nothing_is_written(int4_checkpoints, fake_ho
     with pytest.raises(ContentionError, match="60% busy.*before pass 1 of engine/arm.*allow_busy"):
         bench_one(*int4_checkpoints, ENGINE, {}, out, threads=1)
     assert not out.exists()
+
+
+def test_cores_still_busy_after_the_engines_started_refuse_the_job_once_the_wait_is_over(
+        int4_checkpoints, fake_host, monkeypatch, tmp_path):
+    monkeypatch.setattr(benchmark, "wait_until_quiet", functools.partial(
+        wait_until_quiet, window_s=0, read_stat=busy_stat(0.7)))
+    monkeypatch.setattr(benchmark, "SETTLE_S", 0)
+    out = tmp_path / "bench.json"
+    with pytest.raises(ContentionError, match="70% busy.*after 0 s of waiting after group 1's "
+                                              "engines started"):
+        bench_one(*int4_checkpoints, ENGINE, {}, out, threads=1)
+    assert not out.exists()
+    # with the override the job times anyway; its gates record the busy cores
+    assert bench_one(*int4_checkpoints, ENGINE, {"allow_busy": True}, out, 1)["measured"] is True
 
 
 def test_allow_busy_times_anyway_and_says_so(int4_checkpoints, fake_host, tmp_path):

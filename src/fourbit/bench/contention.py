@@ -109,3 +109,31 @@ def check_quiet(
             busy=busy[busiest],
         )
     return {"busy": busy, "threshold": threshold, "override_used": too_busy}
+
+
+def wait_until_quiet(cores: list[int], threshold: float, *, timeout_s: float, when: str = "",
+                     window_s: float = 0.5, read_stat: StatReader = read_proc_stat) -> float:
+    """Sample the cores until none is busier than ``threshold``, for at most ``timeout_s``;
+    return the seconds waited. Engines that just started leave work behind them for a
+    while (their compile caches written back to disk, compile worker pools winding down):
+    the bench settles once before its first pass instead of refusing it. After
+    ``timeout_s`` the cores are someone else's: ContentionError, as check_quiet says it."""
+    start = time.monotonic()
+    while True:
+        busy = core_busy(cores, window_s, read_stat)
+        busiest = max(busy, key=busy.get)
+        if busy[busiest] <= threshold:
+            return time.monotonic() - start
+        if time.monotonic() - start >= timeout_s:
+            raise ContentionError(
+                f"core {busiest} was still {busy[busiest]:.0%} busy (threshold {threshold:.0%}) "
+                f"after {timeout_s:.0f} s of waiting{' ' + when if when else ''}; rerun on quiet "
+                "cores or set bench.allow_busy: true", core=busiest, busy=busy[busiest])
+
+
+def gates_summary(gates: list[dict], threshold: float, allow_busy: bool) -> dict:
+    """What the gates before a pair's passes saw: the threshold, whether the override was
+    used, the busiest core."""
+    return {"threshold": threshold, "allow_busy": allow_busy,
+            "override_used": any(gate["override_used"] for gate in gates),
+            "max_busy": max(max(gate["busy"].values()) for gate in gates)}

@@ -49,7 +49,7 @@ from pathlib import Path
 from fourbit import records
 from fourbit.bench import variants
 from fourbit.bench.bandwidth import decode_roofline, measure_bandwidth
-from fourbit.bench.contention import check_quiet
+from fourbit.bench.contention import check_quiet, gates_summary, wait_until_quiet
 from fourbit.bench.hostmemory import available_memory_bytes
 from fourbit.bench.memory_groups import held_open_bytes, plan_groups
 from fourbit.bench.passes import run_rounds
@@ -65,6 +65,7 @@ from fourbit.hashing import require_sha256
 from fourbit.steps.faithful import best_faithful
 
 log = logging.getLogger("fourbit")
+SETTLE_S = 120  # at most, for the cores to go quiet once a group's engines have started
 
 
 def resolve_settings(given: dict, threads: int) -> dict:
@@ -226,6 +227,10 @@ def _time_pairs(pairs: list[BenchPair], specs: dict[str, EngineSpec],
                 runs = {key: _open(open_engines, sides[key], len(cores), settings, failed, key,
                                    variant=key in variant_engines) for key in keys}
                 group = [p for p in group if _side_key(p, "arm") not in failed]
+                if group and not settings["allow_busy"]:
+                    settled = wait_until_quiet(cores, settings["busy_threshold"], timeout_s=SETTLE_S,
+                                               when=f"after group {number}'s engines started")
+                    log.info("cores quiet %.1f s after group %d's engines started", settled, number)
                 if group:
                     results |= run_rounds(
                         {p.name: (runs[_side_key(p, "arm")], runs[_side_key(p, "baseline")])
@@ -336,7 +341,8 @@ def _record(pair: BenchPair, sides: dict[str, _Side], result: dict, settings: di
         "runs": result["runs"],
         "ratio": result["ratio"],
         "bandwidth": bandwidth,
-        "contention": _contention_summary(result["runs"], settings),
+        "contention": gates_summary([run["checks"]["contention"] for run in result["runs"]],
+                                    settings["busy_threshold"], settings["allow_busy"]),
         "provenance": provenance(len(settings["cores"]), settings["cores"]),
     }
     decode_metric = f"tg{settings['decode_tokens']}_tok_s"
@@ -373,16 +379,6 @@ def _pass_runner(side: _Side, threads: int, **sizes):
     with capable(engine, TimesInSession).throughput_session(checkpoint, settings, threads,
                                                             **sizes) as one_pass:
         yield one_pass
-
-
-def _contention_summary(runs: list[dict], settings: dict) -> dict:
-    gates = [run["checks"]["contention"] for run in runs]
-    return {
-        "threshold": settings["busy_threshold"],
-        "allow_busy": settings["allow_busy"],
-        "override_used": any(gate["override_used"] for gate in gates),
-        "max_busy": max(max(gate["busy"].values()) for gate in gates),
-    }
 
 
 def _log_summary(pair: BenchPair, record: dict) -> None:
