@@ -189,6 +189,9 @@ def _not_benchmarked(pair: BenchPair, reason: str) -> dict:
 
 def _time_pairs(pairs: list[BenchPair], specs: dict[str, EngineSpec],
                 settings: dict) -> dict[str, dict]:
+    """Each pair's record, or {"failed": why} for a variant whose engine did not start.
+    Long because each memory group's engines are opened, settled, timed and closed in one
+    with-block."""
     cores = settings["cores"]
     sides = _sides(pairs, specs, settings["vllm_compiled"])
     held = {key: held_open_bytes(side.checkpoint, side.settings["dtype"])
@@ -200,9 +203,8 @@ def _time_pairs(pairs: list[BenchPair], specs: dict[str, EngineSpec],
     by_name = {pair.name: pair for pair in pairs}
 
     def before_pass(name: str, number: int) -> dict:
-        # Both sides run in the pass, so both are warmed and checked: neither may have
-        # been evicted by the other pairs' runs. A side held open read its files at its
-        # start: its cache state is only recorded.
+        # Both sides run in the pass, so both are warmed and checked (a side held open read
+        # its files at its start: its cache state is only recorded).
         pair = by_name[name]
         gate = check_quiet(cores, settings["busy_threshold"], settings["allow_busy"],
                            when=f"before pass {number} of {name}")
@@ -227,11 +229,10 @@ def _time_pairs(pairs: list[BenchPair], specs: dict[str, EngineSpec],
                 runs = {key: _open(open_engines, sides[key], len(cores), settings, failed, key,
                                    variant=key in variant_engines) for key in keys}
                 group = [p for p in group if _side_key(p, "arm") not in failed]
-                if group and not settings["allow_busy"]:
-                    settled = wait_until_quiet(cores, settings["busy_threshold"], timeout_s=SETTLE_S,
-                                               when=f"after group {number}'s engines started")
-                    log.info("cores quiet %.1f s after group %d's engines started", settled, number)
                 if group:
+                    if not settings["allow_busy"]:  # their compile caches' write-back, first
+                        wait_until_quiet(cores, settings["busy_threshold"], timeout_s=SETTLE_S,
+                                         when=f"after group {number}'s engines started")
                     results |= run_rounds(
                         {p.name: (runs[_side_key(p, "arm")], runs[_side_key(p, "baseline")])
                          for p in group},
