@@ -310,6 +310,11 @@ def bench_pairs():
     return pairs
 
 
+# What the serve and tasks jobs take from the bench block (its gate and cores): not which
+# runtime variants the bench times, so that changing those re-runs the bench alone.
+BENCH_GATE = {k: v for k, v in STUDY.config["bench"].items() if k != "runtimes"}
+
+
 def bench_variant_engines(pairs):
     """At most how many runtime-variant engines the bench holds beside its pairs' own: each
     chosen arm's other variants (best_faithful chooses one arm per engine)."""

@@ -33,7 +33,7 @@ if SERVING:
         params:
             arms=SERVE_ARMS,
             serve=STUDY.config["serve"],
-            bench=STUDY.config["bench"],
+            bench=BENCH_GATE,
             control_tolerance=STUDY.config["evaluation"]["control_tolerance"],
             # each server's own log, beside the job's
             server_logs=f"{RESULTS}/logs/serve/{MODEL}/{CORPUS}/servers",

@@ -29,7 +29,7 @@ rule tasks:
         arms=SERVE_ARMS,
         tasks=STUDY.config["tasks"],
         serve=STUDY.config["serve"],
-        bench=STUDY.config["bench"],
+        bench=BENCH_GATE,
         control_tolerance=STUDY.config["evaluation"]["control_tolerance"],
         # bound each request's context (tasks.context_tokens)
         positions=STUDY.model_config.get("max_position_embeddings"),
