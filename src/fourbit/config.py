@@ -127,7 +127,6 @@ class Study:
         quant_parts = [arm.get("quant") for arm in config.get("arms", []) if isinstance(arm, dict)]
         validate(config, schema, "config")
         _check_unique_names(config["arms"])
-        _check_runtime_variants(config["bench"]["runtimes"], config["arms"])
         corpus_id = corpus_identity(config["corpus"])
         model_id = model_identity(config["model"], corpus_id)
         engines = {
@@ -161,7 +160,7 @@ class Study:
         if not arms:
             raise ConfigError("no arm of the config can run on this model:\n  "
                               + "\n  ".join(r["reason"] for r in refused))
-        _check_variant_arms(config["bench"]["runtimes"]["arms"], engines, arms)
+        _check_runtimes(config["bench"]["runtimes"], config["arms"], engines, arms)
         return cls(
             config=sorted_keys(config),
             results=config["results"],
@@ -233,25 +232,22 @@ def _check_unique_names(arms: list[dict]) -> None:
         seen[arm["name"]] = index
 
 
-def _check_runtime_variants(runtimes: dict, arms: list[dict]) -> None:
-    """bench.runtimes names variants the host probe knows and arms of this config."""
+def _check_runtimes(runtimes: dict, config_arms: list[dict], engines: dict, arms: dict) -> None:
+    """bench.runtimes names variants the host probe knows, and arms of this config that an
+    engine with runtime variants runs."""
     if runtimes["variants"] != "auto":
         try:
             variants.check_names(runtimes["variants"])
         except ValueError as error:
             raise ConfigError(str(error)) from None
-    if runtimes["arms"] != "best_faithful":
-        names = [arm["name"] for arm in arms]
-        unknown = sorted(set(runtimes["arms"]) - set(names))
-        if unknown:
-            raise ConfigError(f"bench.runtimes.arms: {unknown} are not arms of this config; "
-                              f"its arms are {names} (or say best_faithful)")
-
-
-def _check_variant_arms(wanted: str | list[str], engines: dict, arms: dict) -> None:
-    """bench.runtimes.arms names arms an engine with runtime variants runs."""
+    wanted = runtimes["arms"]
     if wanted == "best_faithful":
         return
+    names = [arm["name"] for arm in config_arms]
+    unknown = sorted(set(wanted) - set(names))
+    if unknown:
+        raise ConfigError(f"bench.runtimes.arms: {unknown} are not arms of this config; "
+                          f"its arms are {names} (or say best_faithful)")
     runs = {arm.name for arm in arms.values() for engine in engines.values()
             if variants.has_variants(engine.name) and engine.runs(arm)}
     if set(wanted) - runs:

@@ -264,6 +264,17 @@ def get_ppl_caches(wildcards):
     }
 
 
+def verdict_records(engine_id, arm_id):
+    """An arm's ppl and fidelity records, what the report's fidelity verdict reads (and the
+    serve and bench jobs when they choose its best faithful arm)."""
+    ids = {"engine": engine_id, "arm": arm_id}
+    return {
+        "ppl_quantized": rules.ppl.output.quantized.format(**ids),
+        "ppl_dense": rules.ppl.output.dense.format(**ids),
+        "fidelity": rules.fidelity.output.fidelity.format(**ids),
+    }
+
+
 def bench_pairs():
     """Every arm each engine that can run here runs, with that engine's baseline and the
     arm's bench record: the one bench job times them all (rule bench). Per bench.runtimes,
@@ -274,7 +285,6 @@ def bench_pairs():
     for engine in STUDY.runnable_engines:
         for arm_id in STUDY.arms_for(engine):
             checkpoints = arm_and_baseline(engine.id, arm_id)
-            ids = {"engine": engine.id, "arm": arm_id}
             choice = "none"
             if has_variants(engine.name) and not STUDY.bench_refusals[engine.name]:
                 choice = (
@@ -297,13 +307,7 @@ def bench_pairs():
                     "refusal": STUDY.bench_refusals[engine.name],
                     "variant_choice": choice,
                     "records": (
-                        {
-                            "ppl_quantized": rules.ppl.output.quantized.format(**ids),
-                            "ppl_dense": rules.ppl.output.dense.format(**ids),
-                            "fidelity": rules.fidelity.output.fidelity.format(**ids),
-                        }
-                        if choice == "best_faithful"
-                        else {}
+                        verdict_records(engine.id, arm_id) if choice == "best_faithful" else {}
                     ),
                 }
             )
@@ -346,7 +350,6 @@ def serve_arms():
         refusal = STUDY.unavailable.get(engine.name)
         runs = [arm_id for arm_id, arm in STUDY.arms.items() if engine.runs(arm)]
         for arm_id in ["baseline", *runs]:
-            ids = {"engine": engine.id, "arm": arm_id}
             served.append(
                 {
                     "refusal": refusal,
@@ -357,11 +360,7 @@ def serve_arms():
                     "model": scored_checkpoint(engine.id, arm_id, "quantized"),
                     "cache": compile_cache(engine.id, arm_id, "serve"),
                     "records": (
-                        {
-                            "ppl_quantized": rules.ppl.output.quantized.format(**ids),
-                            "ppl_dense": rules.ppl.output.dense.format(**ids),
-                            "fidelity": rules.fidelity.output.fidelity.format(**ids),
-                        }
+                        verdict_records(engine.id, arm_id)
                         if best_faithful and arm_id != "baseline" and not refusal
                         else {}
                     ),
@@ -447,13 +446,10 @@ def all_results():
             }
         }
         for arm_id in STUDY.arms_for(engine):
-            ids = {"engine": engine.id, "arm": arm_id}
             records[engine.id][arm_id] = {
-                "ppl_quantized": rules.ppl.output.quantized.format(**ids),
-                "ppl_dense": rules.ppl.output.dense.format(**ids),
+                **verdict_records(engine.id, arm_id),
                 # rule bench's outputs are its pairs' "out" paths (bench_pairs), unnamed
                 "bench": f"{EVAL_DIR}/{engine.id}/{arm_id}/bench.json",
-                "fidelity": rules.fidelity.output.fidelity.format(**ids),
             }
     return records
 
