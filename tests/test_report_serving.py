@@ -10,11 +10,9 @@ import pytest
 from test_report import WEIGHTS, results, run_report, study  # noqa: F401  (a fixture)
 
 from fourbit.report.loading import ReportInputError
-from fourbit.report.plots import plot_serving
+from fourbit.report.plots import Point, pareto_front, plot_serving
 from fourbit.report.serving import (
-    Point,
     one_user_against_bench,
-    pareto_front,
     read_serving,
     serving_section,
     serving_verdicts,

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from fourbit.report.frontier import Frontier, frontier_of
-from fourbit.report.serving import Point, Served, Serving, pareto_front, timed_levels
+from fourbit.report.serving import Served, Serving, Spread
 from fourbit.report.tasks import TaskResult, bits_per_weight
 
 # By the rule's output name: the title, the row key on the x axis and its label.
@@ -110,6 +111,37 @@ def plot_frontier(plt, frontier: Frontier, title: str):
             axes.legend(fontsize=7)
     figure.suptitle(title)
     return figure
+
+
+@dataclass(frozen=True)
+class Point:
+    """One served build at one level: where the Pareto plot places it."""
+
+    served: Served
+    concurrency: int
+    tok_s: float  # output tok/s, median over passes
+    tpot_p99_ms: float  # median over passes
+
+
+def timed_levels(serving: Serving) -> list[tuple[Served, list[tuple[int, dict[str, Spread]]]]]:
+    """Each served build with its timed levels (concurrency, summary), in the record's order;
+    a build with none (refused, or over capacity at every level) left out."""
+    timed = []
+    for s in serving.served:
+        levels = [(n, s.levels[n].summary) for n in serving.concurrency
+                  if s.status == "measured" and s.levels[n].status == "measured"]
+        if levels:
+            timed.append((s, levels))
+    return timed
+
+
+def pareto_front(points: list[Point]) -> list[Point]:
+    """The points no other point beats on both axes (at least as many tok/s at no higher TPOT
+    p99, better on one), by tok/s."""
+    def beaten(p: Point) -> bool:
+        return any(q.tok_s >= p.tok_s and q.tpot_p99_ms <= p.tpot_p99_ms
+                   and (q.tok_s, q.tpot_p99_ms) != (p.tok_s, p.tpot_p99_ms) for q in points)
+    return sorted((p for p in points if not beaten(p)), key=lambda p: p.tok_s)
 
 
 # By the rule's output name: the title. Written only when the study served its arms.

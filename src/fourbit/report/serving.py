@@ -353,37 +353,3 @@ def serving_rules(serving: Serving | None) -> list[str]:
         "the most output tok/s (median) is named, unless another's output tok/s [min–max] "
         "overlaps its: then they are named together as not separable.",
     ]
-
-
-# --- what the plots draw --------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Point:
-    """One served build at one level: where the Pareto plot places it."""
-
-    served: Served
-    concurrency: int
-    tok_s: float  # output tok/s, median over passes
-    tpot_p99_ms: float  # median over passes
-
-
-def timed_levels(serving: Serving) -> list[tuple[Served, list[tuple[int, dict[str, Spread]]]]]:
-    """Each served build with its timed levels (concurrency, summary), in the record's order;
-    a build with none (refused, or over capacity at every level) left out."""
-    timed = []
-    for s in serving.served:
-        levels = [(n, s.levels[n].summary) for n in serving.concurrency
-                  if s.status == "measured" and s.levels[n].status == "measured"]
-        if levels:
-            timed.append((s, levels))
-    return timed
-
-
-def pareto_front(points: list[Point]) -> list[Point]:
-    """The points no other point beats on both axes (at least as many tok/s at no higher TPOT
-    p99, better on one), by tok/s."""
-    def beaten(p: Point) -> bool:
-        return any(q.tok_s >= p.tok_s and q.tpot_p99_ms <= p.tpot_p99_ms
-                   and (q.tok_s, q.tpot_p99_ms) != (p.tok_s, p.tpot_p99_ms) for q in points)
-    return sorted((p for p in points if not beaten(p)), key=lambda p: p.tok_s)
