@@ -96,12 +96,12 @@ def test_a_variant_the_engine_would_run_another_way_is_refused_not_timed_as_itse
 
 
 def test_unknown_variant_names_are_refused_with_the_known_ones():
-    with pytest.raises(ValueError, match=r"unknown variant\(s\) \['vllm fp16 w4a8'\].*vllm float32 w4a16"):
-        variants.check_names(["vllm float32 w4a8", "vllm fp16 w4a8"])
+    with pytest.raises(ValueError, match=r"bench.runtimes.variants: unknown variant\(s\) \['vllm fp16 w4a8'\].*vllm float32 w4a16"):
+        variants.check_names(["vllm float32 w4a8", "vllm fp16 w4a8"], "bench.runtimes.variants")
     # vLLM's own kernels are engines of their own (each scored), not variants of one
-    with pytest.raises(ValueError, match=r"unknown variant\(s\) \['vllm_native bfloat16 cpu_gemm_wna16'\]"):
-        variants.check_names(["vllm_native bfloat16 cpu_gemm_wna16"])
-    variants.check_names(["vllm bfloat16 w4a8_group"])
+    with pytest.raises(ValueError, match=r"serve.runtime: unknown variant\(s\) \['vllm_native bfloat16 cpu_gemm_wna16'\]"):
+        variants.check_names(["vllm_native bfloat16 cpu_gemm_wna16"], "serve.runtime")
+    variants.check_names(["vllm bfloat16 w4a8_group"], "serve.runtime")
 
 
 def test_the_record_keeps_each_timed_variant_and_each_refusal(tmp_path):

@@ -120,6 +120,23 @@ def test_runtime_variants_name_known_variants_and_arms_before_any_job(runtimes, 
         study(good)
 
 
+@pytest.mark.parametrize(("runtime", "message"), [
+    (["vllm bfloat16 w4a8_group", "vllm float16 w4a8"],
+     r"serve.runtime: unknown variant\(s\) \['vllm float16 w4a8'\].*'vllm bfloat16 w4a8'"),
+    ([], r"serve.runtime"),
+    ("fastest", r"serve.runtime"),
+])
+def test_serve_runtime_names_known_variants_before_any_job(runtime, message):
+    bad = copy.deepcopy(BASE)
+    bad["serve"] = {"runtime": runtime}
+    with pytest.raises(ConfigError, match=message):
+        study(bad)
+    good = copy.deepcopy(BASE)
+    assert study(good).config["serve"]["runtime"] == "as_scored"  # the schema's default
+    good["serve"] = {"runtime": ["vllm bfloat16 w4a8_group", "vllm float32 w4a8_group"]}
+    assert study(good).config["serve"]["runtime"][0] == "vllm bfloat16 w4a8_group"
+
+
 def test_model_identity_follows_the_model_not_the_arms():
     other = copy.deepcopy(BASE)
     other["arms"] = other["arms"][:1]

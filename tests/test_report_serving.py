@@ -278,3 +278,30 @@ def test_one_user_on_the_server_is_set_beside_the_bench_decode_of_the_same_build
     _, without_one = read_serving(serve_record(tmp_path / "eight.json", [
         served("int4-aaaaaaaaaa", VLLM, [level(8, 90.0, 80.0)])], concurrency=(8,)))
     assert one_user_against_bench(without_one, rows) == [] and one_user_against_bench(None, rows) == []
+
+
+def test_a_build_served_as_a_runtime_variant_is_named_so_and_set_beside_that_variants_bench(tmp_path):
+    """serve.runtime served the arm as the bfloat16 variant and passed over another: the
+    section names both, says no control ran in it, and its one user is compared with the
+    bench's tg128 of that variant (49-51), not of the arm as scored (20)."""
+    entry = served("int4-aaaaaaaaaa", VLLM, [level(1, 30.0, 40.0), level(8, 90.0, 80.0)])
+    entry["runtime_choice"] = {
+        "preferred": ["vllm bfloat16 w4a8_group", "vllm float32 w4a8"],
+        "variant": "vllm float32 w4a8",
+        "passed_over": [{"name": "vllm bfloat16 w4a8_group", "reason": "needs avx512_bf16, which this CPU lacks"}]}
+    _, serving = read_serving(serve_record(tmp_path / "serve.json", [entry]))
+    section = "\n".join(serving_section(serving))
+    assert f"- `int4-aaaaaaaaaa` on {VLLM} as vllm float32 w4a8 (vllm): vllm runtime; answering after 12.5 s; " \
+           "`vllm-server --model int4-aaaaaaaaaa`" in section
+    assert ("  - served as vllm float32 w4a8 (serve.runtime), not as it scored: no control ran in this "
+            "runtime, so the quality columns are the scored runtime's.") in section
+    assert ("  - preferred (serve.runtime) but not run here: vllm bfloat16 w4a8_group: needs avx512_bf16, "
+            "which this CPU lacks.") in section
+    assert f"| {VLLM} | `int4-aaaaaaaaaa` as vllm float32 w4a8 | 30.0 [29.0–31.0] |" in section
+    row = {"engine": VLLM, "arm_id": "int4-aaaaaaaaaa", "tg128_median": 20.0, "tg128_min": 19.0, "tg128_max": 21.0}
+    variant = {"vllm float32 w4a8": {"median": 50.0, "min": 49.0, "max": 51.0}}
+    assert one_user_against_bench(serving, [{**row, "_variant_tg128": variant}])[-1] == (
+        f"- `int4-aaaaaaaaaa` on {VLLM} as vllm float32 w4a8: 50.0 [47.6–52.6] tok/s served, against tg128 "
+        "50.0 [49.0–51.0] in the bench; their spreads overlap.")
+    # the bench did not time that variant: nothing to set it beside
+    assert one_user_against_bench(serving, [{**row, "_variant_tg128": {}}]) == []

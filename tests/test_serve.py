@@ -18,7 +18,10 @@ import pytest
 from arm_records import arm_records
 from conftest import save_tiny_tokenizer
 from fourbit.serving.process import ServerError
-from fourbit.steps.serve import ServedArm, choose_arms, serve_study
+from fourbit.bench.hostprobe import vllm_runtimes
+from fourbit.cpuinfo import isa_flags
+from fourbit.steps.serve import ServedArm, as_deployed, choose_arms, serve_study
+from test_hostprobe import EPYC_AVX512, LAPTOP_AVX2, SAPPHIRE_RAPIDS
 
 SHA = "0" * 64
 TOLERANCES = {"exact": 1e-4, "bf16_activations": 1e-2, "int8_activations": 1e-2}
@@ -49,6 +52,59 @@ def test_named_arms_are_served_on_every_engine_that_runs_them(tmp_path):
     arms = [_arm(tmp_path, "a"), _arm(tmp_path, "b"), _arm(tmp_path, "a", engine="llamacpp-2")]
     chosen = choose_arms(arms, {"arms": ["a", "not-here"], "baseline": False}, TOLERANCES)
     assert [(a.engine_id, a.arm_name) for a in chosen] == [("vllm-1", "a"), ("llamacpp-2", "a")]
+
+
+def _checkpoint(folder: Path, quantized: bool) -> Path:
+    """A checkpoint folder as the engine reads it to name how it runs it: its config.json."""
+    folder.mkdir()
+    quant = {"quantization_config": {"quant_method": "fourbit_int4", "kernel": "w4a16"}} if quantized else {}
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", **quant}))
+    return folder
+
+
+def _probed(flags: set[str]) -> dict[str, dict]:
+    return {row["name"]: row for row in vllm_runtimes(flags)}
+
+
+@pytest.mark.parametrize(("flags", "variant", "passed_over"), [
+    (SAPPHIRE_RAPIDS, "vllm bfloat16 w4a8_group", []),
+    (EPYC_AVX512, "vllm bfloat16 w4a8_group", []),
+    (LAPTOP_AVX2, "vllm float32 w4a8_group", ["vllm bfloat16 w4a8_group"]),
+], ids=["amx", "avx512", "avx2"])
+def test_serve_runtime_takes_the_first_preferred_variant_this_host_runs(tmp_path, flags, variant, passed_over):
+    arm = ServedArm("vllm-1", {**VLLM, "name": "vllm"}, "t-0000000000", "t",
+                    _checkpoint(tmp_path / "t", quantized=True), tmp_path / "cache")
+    preferred = ["vllm bfloat16 w4a8_group", "vllm float32 w4a8_group"]
+    deployed = as_deployed(arm, preferred, _probed(flags))
+    dtype, kernel = variant.split()[1:]
+    assert (deployed.engine["dtype"], deployed.engine["quant"]["kernel"]) == (dtype, kernel)
+    assert deployed.cache == tmp_path / "cache" / variant.replace(" ", "-")  # its own compiled graph
+    assert deployed.runtime_choice["variant"] == variant
+    assert [p["name"] for p in deployed.runtime_choice["passed_over"]] == passed_over
+    assert all("avx512_bf16" in p["reason"] for p in deployed.runtime_choice["passed_over"])
+    # as_scored, a refused arm and an engine without variants are served as they come
+    assert as_deployed(arm, "as_scored", _probed(flags)) is arm
+    refused = ServedArm("vllm-1", VLLM, "t-0000000000", "t", tmp_path / "t", refusal="no")
+    assert as_deployed(refused, preferred, _probed(flags)) is refused
+    native = ServedArm("vllm_native-1", {**VLLM, "name": "vllm_native"}, "t-0000000000", "t", tmp_path / "t")
+    assert as_deployed(native, preferred, _probed(flags)) is native
+
+
+def test_with_no_preferred_variant_runnable_here_the_arm_is_served_as_scored_and_says_why(tmp_path):
+    arm = ServedArm("vllm-1", VLLM, "t-0000000000", "t", _checkpoint(tmp_path / "t", quantized=True))
+    deployed = as_deployed(arm, ["vllm bfloat16 w4a8"], _probed(LAPTOP_AVX2))
+    assert deployed.engine == VLLM and deployed.cache is None
+    assert deployed.runtime_choice["variant"] is None
+    [(name, reason)] = [(p["name"], p["reason"]) for p in deployed.runtime_choice["passed_over"]]
+    assert name == "vllm bfloat16 w4a8" and reason.startswith("needs avx512_bf16, which this CPU lacks")
+
+
+def test_a_dense_baseline_takes_the_preferred_variants_dtype(tmp_path):
+    baseline = ServedArm("vllm-1", VLLM, "baseline", "baseline", _checkpoint(tmp_path / "b", quantized=False),
+                         tmp_path / "cache")
+    deployed = as_deployed(baseline, ["vllm bfloat16 w4a8_group"], _probed(EPYC_AVX512))
+    assert deployed.engine["dtype"] == "bfloat16" and deployed.runtime_choice["variant"] == "vllm bfloat16 w4a8_group"
+    assert as_deployed(baseline, ["vllm bfloat16 w4a8_group"], _probed(LAPTOP_AVX2)).engine == VLLM
 
 
 def test_a_request_longer_than_the_models_positions_is_refused_before_any_server(tmp_path):
@@ -119,6 +175,24 @@ def test_vllm_serves_the_4bit_arm_through_the_plugin_and_names_a_level_it_cannot
         assert level["summary"]["tpot_ms_p99"]["min"] <= level["summary"]["tpot_ms_p99"]["max"]
     assert four["status"] == "over_capacity" and "2 requests of 48 tokens" in four["reason"], four
     assert json.loads((tmp_path / "serve.json").read_text()) == json.loads(json.dumps(record))
+
+
+@pytest.mark.slow
+def test_a_real_server_serves_the_arm_as_the_first_preferred_variant_this_host_runs(served_checkpoint, tmp_path):
+    """The bfloat16 build where the CPU has avx512_bf16 (or AMX), else the float32 one of the
+    same kernel: the server runs the variant's dtype and kernel, not the arm as scored."""
+    arm, windows = served_checkpoint
+    preferred = ["vllm bfloat16 w4a8_group", "vllm float32 w4a8_group"]
+    runnable = {row["name"]: row for row in vllm_runtimes(isa_flags()) if row["available"]}
+    expected = runnable[next(name for name in preferred if name in runnable)]
+    record = _serve(tmp_path, arm, windows, VLLM, concurrency=[1, 2], runtime=preferred)
+    [served] = record["served"]
+    assert served["status"] == "measured" and served["runtime_choice"]["variant"] == expected["name"]
+    assert f"{expected['dtype']} compiled" in served["runtime"] and "W4A8_GROUP" in served["runtime"]
+    assert served["command"][served["command"].index("--dtype") + 1] == expected["dtype"]
+    assert (tmp_path / "cache" / expected["name"].replace(" ", "-")).is_dir()  # its own compiled graph
+    assert all(level["status"] == "measured" and all(p["completed"] == 4 for p in level["passes"])
+               for level in served["levels"])
 
 
 @pytest.mark.slow

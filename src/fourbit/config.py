@@ -161,6 +161,7 @@ class Study:
             raise ConfigError("no arm of the config can run on this model:\n  "
                               + "\n  ".join(r["reason"] for r in refused))
         _check_runtimes(config["bench"]["runtimes"], config["arms"], engines, arms)
+        _check_variant_names(config["serve"]["runtime"], "serve.runtime")
         return cls(
             config=sorted_keys(config),
             results=config["results"],
@@ -235,11 +236,7 @@ def _check_unique_names(arms: list[dict]) -> None:
 def _check_runtimes(runtimes: dict, config_arms: list[dict], engines: dict, arms: dict) -> None:
     """bench.runtimes names variants the host probe knows, and arms of this config that an
     engine with runtime variants runs."""
-    if runtimes["variants"] != "auto":
-        try:
-            variants.check_names(runtimes["variants"])
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
+    _check_variant_names(runtimes["variants"], "bench.runtimes.variants")
     wanted = runtimes["arms"]
     if wanted == "best_faithful":
         return
@@ -254,6 +251,16 @@ def _check_runtimes(runtimes: dict, config_arms: list[dict], engines: dict, arms
         raise ConfigError(f"bench.runtimes.arms: {sorted(set(wanted) - runs)} run on no engine "
                           "with runtime variants (engines: vllm); the arms that do: "
                           f"{sorted(runs)}")
+
+
+def _check_variant_names(names: str | list[str], key: str) -> None:
+    """A list of runtime variants (a keyword such as auto or as_scored aside) names ones the
+    host probe knows."""
+    if isinstance(names, list):
+        try:
+            variants.check_names(names, key)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
 
 
 def _model_config(config: dict, model_id: str) -> dict:

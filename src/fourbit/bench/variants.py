@@ -33,14 +33,14 @@ def has_variants(engine_name: str) -> bool:
     return len(engine_variants(engine_name)) > 1
 
 
-def check_names(names: list[str]) -> None:
-    """bench.runtimes.variants names variants of an engine that has several, or a
+def check_names(names: list[str], key: str) -> None:
+    """``names`` (the config's ``key``) are variants of an engine that has several, or a
     ValueError listing them (vLLM's own kernels are engines of their own, each scored)."""
     known = [runtime.name for runtime in VLLM_RUNTIMES if has_variants(runtime.engine)]
     unknown = [name for name in names if name not in known]
     if unknown:
-        raise ValueError(f"bench.runtimes.variants: unknown variant(s) {unknown}; each is "
-                         f"'auto' or a list of names from fourbit.bench.hostprobe: {known}")
+        raise ValueError(f"{key}: unknown variant(s) {unknown}; name them from "
+                         f"fourbit.bench.hostprobe: {known}")
 
 
 def variant_settings(engine: dict, runtime: VllmRuntime) -> dict:
@@ -84,21 +84,41 @@ def plan_variants(runs: Any, engine: dict, checkpoint: Path, wanted: str | list[
         candidates = [r for r in candidates if r.name in wanted]
     variants = []
     for runtime in candidates:
-        if not probed[runtime.name]["available"]:
-            if wanted != "auto":  # asked for by name: say why it did not run
-                variants.append(Variant(pair, runtime.name, None, None, probed[runtime.name]["reason"]))
-            continue
-        settings = variant_settings(engine, runtime)
-        named = runs.runtime_variant(checkpoint, settings)
-        if named != runtime.name:  # the engine would run it another way: not this variant
-            variants.append(Variant(pair, runtime.name, None, None,
-                                    f"the engine runs this checkpoint as {named!r} under it"))
+        if not probed[runtime.name]["available"] and wanted == "auto":
+            continue  # not asked for by name: nothing to say
+        settings, refusal = settings_under(runs, engine, checkpoint, runtime, probed)
+        if refusal:
+            variants.append(Variant(pair, runtime.name, None, None, refusal))
             continue
         numerics = {rows: runs.numerics(checkpoint, settings, count)
                     for rows, count in (("decode", 1), ("prefill", prompt_tokens))}
-        variants.append(Variant(pair, runtime.name, settings,
-                                cache_root / runtime.name.replace(" ", "-"), numerics=numerics))
+        variants.append(Variant(pair, runtime.name, settings, cache_root / cache_name(runtime.name),
+                                numerics=numerics))
     return variants
+
+
+def cache_name(name: str) -> str:
+    """The folder of a variant's compile cache: its graph is not the scored one's."""
+    return name.replace(" ", "-")
+
+
+def by_name(name: str) -> VllmRuntime:
+    return next(runtime for runtime in VLLM_RUNTIMES if runtime.name == name)
+
+
+def settings_under(runs: Any, engine: dict, checkpoint: Path, runtime: VllmRuntime,
+                   probed: dict[str, dict]) -> tuple[dict | None, str | None]:
+    """``engine``'s settings to run ``checkpoint`` as ``runtime`` (``runs``: its Engine;
+    ``probed``: fourbit.bench.hostprobe.vllm_runtimes of this CPU by name), or None and why
+    not: this CPU lacks its flags, or the engine would run the checkpoint another way under
+    them."""
+    if not probed[runtime.name]["available"]:
+        return None, probed[runtime.name]["reason"]
+    settings = variant_settings(engine, runtime)
+    named = runs.runtime_variant(checkpoint, settings)
+    if named != runtime.name:
+        return None, f"the engine runs this checkpoint as {named!r} under it"
+    return settings, None
 
 
 def record(chosen: bool, planned: list[Variant], records_by_pair: dict[str, dict]) -> dict:

@@ -195,7 +195,7 @@ def plot_serving(serving: Serving, paths: Mapping[str, str | os.PathLike]) -> li
 
 
 def _served_name(s: Served) -> str:
-    return f"{s.arm_name} ({s.engine})"
+    return f"{s.arm_name} ({s.variant or s.engine})"
 
 
 def _style(index: int, s: Served) -> dict:

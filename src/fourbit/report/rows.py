@@ -58,7 +58,8 @@ def build_rows(
                        arm["ppl_dense"].data, tolerances)
             engine_rows.append({**row, "family": family(arms[arm_id]["quant"], engine["name"]),
                                 **_throughput([bench], "arm"), **_fidelity(fidelity),
-                                "_measures": distribution_measures(fidelity)})
+                                "_measures": distribution_measures(fidelity),
+                                "_variant_tg128": _variant_decode(bench)})
         base_row = _row(engine_id, "baseline", unquantized, baseline, baseline, None, tolerances)
         rows += [{**base_row, "family": None, **_throughput(benches[engine_id], "baseline"),
                   **_fidelity(None), "_measures": None},
@@ -114,6 +115,13 @@ def control(scored: dict, dense: dict, tolerances: Mapping[str, float]) -> dict:
     tolerance = tolerances[scored["numerics"]]
     return {"control_delta_nll": delta, "control_tolerance": tolerance,
             "control": "faithful" if abs(delta) <= tolerance else "NOT faithful"}
+
+
+def _variant_decode(bench: dict) -> dict[str, dict]:
+    """Each runtime variant the bench timed beside the arm (bench.runtimes) by name: its
+    tg128 {median, min, max, ...} over passes."""
+    timed = (bench.get("variants") or {}).get("timed", []) if bench.get("measured") else []
+    return {variant["name"]: variant["stats"][METRICS["tg128"]] for variant in timed}
 
 
 def _throughput(benches: list[dict], side: str) -> dict:

@@ -64,10 +64,14 @@ class Served:
     command: list[str] | None
     startup_s: float | None
     levels: dict[int, Level]  # by concurrency
+    # serve.runtime's outcome (the record's runtime_choice): None when served as scored
+    variant: str | None = None
+    passed_over: tuple[tuple[str, str], ...] = ()  # (variant, why not) preferred but not run
 
     @property
     def label(self) -> str:
-        return f"`{self.arm}` on {self.engine_id}"
+        way = f" as {self.variant}" if self.variant else ""
+        return f"`{self.arm}` on {self.engine_id}{way}"
 
 
 @dataclass(frozen=True)
@@ -125,8 +129,11 @@ def _unreadable(path: str | os.PathLike, problem: str) -> NoReturn:
 def _served(entry: dict) -> Served:
     _known_status(entry["status"], ("measured", "refused"), f"{entry['arm']} on {entry['engine_id']}")
     refused = entry["status"] == "refused"
+    choice = entry.get("runtime_choice") or {}
     identity = {"engine_id": entry["engine_id"], "engine": entry["engine"], "arm": entry["arm"],
-                "arm_name": entry["arm_name"], "status": entry["status"]}
+                "arm_name": entry["arm_name"], "status": entry["status"],
+                "variant": choice.get("variant"),
+                "passed_over": tuple((p["name"], p["reason"]) for p in choice.get("passed_over", ()))}
     if refused:
         return Served(**identity, reason=entry["reason"], runtime=None, command=None, startup_s=None,
                       levels={})
@@ -193,6 +200,11 @@ def serving_section(serving: Serving | None) -> list[str]:
         else:
             lines.append(f"- {s.label} ({s.engine}): {s.runtime}; answering after {s.startup_s:.1f} s; "
                          f"`{shlex.join(s.command)}`")
+        if s.variant and s.status == "measured":
+            lines.append(f"  - served as {s.variant} (serve.runtime), not as it scored: no control "
+                         "ran in this runtime, so the quality columns are the scored runtime's.")
+        lines += [f"  - preferred (serve.runtime) but not run here: {name}: {why}."
+                  for name, why in s.passed_over]
     for n in serving.concurrency:
         lines += ["", f"### {_users(n)}", ""] + level_table(serving, n)
     return lines
@@ -200,20 +212,25 @@ def serving_section(serving: Serving | None) -> list[str]:
 
 def one_user_against_bench(serving: Serving | None, rows: list[dict]) -> list[str]:
     """Per build served to one user, its decode rate on the server (1000 / TPOT p50: prompt
-    processing is not in it) beside the bench's tg128 of the same build, and whether their
-    [min–max] over passes overlap. A server's per-request work (HTTP, detokenizing,
-    scheduling) is what separates them. Nothing when the study did not serve one user."""
+    processing is not in it) beside the bench's tg128 of the same build in the same runtime
+    (as scored, or the variant it was served as, when the bench timed that variant too), and
+    whether their [min–max] over passes overlap. A server's per-request work (HTTP,
+    detokenizing, scheduling) is what separates them. Nothing when the study did not serve
+    one user."""
     if serving is None or 1 not in serving.concurrency:
         return []
-    tg128 = {(r["engine"], r["arm_id"]): r for r in rows if r.get("tg128_median") is not None}
+    # (engine id, arm id) -> by runtime (None: as scored, else a variant's name): tg128's spread
+    tg128 = {(r["engine"], r["arm_id"]): {None: {k: r[f"tg128_{k}"] for k in ("median", "min", "max")},
+                                          **r.get("_variant_tg128", {})}
+             for r in rows if r.get("tg128_median") is not None}
     lines = []
     for s in serving.served:
         level = s.levels.get(1)
-        bench = tg128.get((s.engine_id, s.arm))
+        bench = tg128.get((s.engine_id, s.arm), {}).get(s.variant)
         if s.status != "measured" or level is None or level.status != "measured" or bench is None:
             continue
         tpot = level.summary["tpot_ms_p50"]
-        bench_rate = Spread(bench["tg128_median"], bench["tg128_min"], bench["tg128_max"])
+        bench_rate = Spread(bench["median"], bench["min"], bench["max"])
         if tpot.low <= 0:  # a pass whose tokens all came in one chunk (a starved server process)
             lines.append(f"- {s.label}: no decode rate from the server: in a pass its tokens arrived "
                          f"in one chunk (TPOT p50 {tpot.shown()} ms), so the time between them is "
@@ -247,7 +264,8 @@ def level_table(serving: Serving, n: int) -> list[str]:
         else:
             cells = [level.summary[key].shown() for key in MEASURES]
             note = f"{level.passes} passes, {level.failed_requests} failed requests"
-        lines.append("| " + " | ".join([s.engine_id, f"`{s.arm}`", *cells, note]) + " |")
+        arm = f"`{s.arm}`" + (f" as {s.variant}" if s.variant else "")
+        lines.append("| " + " | ".join([s.engine_id, arm, *cells, note]) + " |")
     return lines
 
 

@@ -16,7 +16,10 @@ ids from the evaluation windows, ``output_tokens`` each with EOS ignored, at mos
 What is served (serve.arms): the arms named, on every engine that runs them, or per engine
 the arm the report's fidelity verdict recommends (best_faithful: fourbit.report.verdicts.
 closest_to_baseline, from the arms' ppl and fidelity records), and each engine's baseline
-(serve.baseline).
+(serve.baseline). How a vLLM arm runs (serve.runtime): as scored, or as the first runtime
+variant of a preference list this CPU runs (fourbit.bench.variants; the job probes the CPU,
+so on a cluster the node decides), e.g. the bfloat16 engine a user deploys on a CPU with
+avx512_bf16, where the study scores in float32 to keep its control exact.
 
 Refused, not failed: an arm its engine cannot run here (found before the job, e.g. a
 missing ISA) or a GGUF llama-server will not load; its entry says why and the other arms
@@ -31,17 +34,20 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
 from fourbit import records
+from fourbit.bench import variants
 from fourbit.bench.contention import check_quiet
 from fourbit.bench.hostmemory import available_memory_bytes
+from fourbit.bench.hostprobe import vllm_runtimes
 from fourbit.bench.passes import summarize
 from fourbit.bench.pinning import choose_cores, pinned
 from fourbit.bench.provenance import provenance
 from fourbit.bench.residency import cache_state, warm_and_check
+from fourbit.cpuinfo import isa_flags
 from fourbit.engines import engine_spec, get_engine
 from fourbit.hashing import require_sha256
 from fourbit.steps.faithful import best_faithful
@@ -77,6 +83,9 @@ class ServedArm:
     # best_faithful: the arm's records the choice reads ({"ppl_quantized", "ppl_dense",
     # "fidelity"}: paths), empty for a baseline.
     records: dict[str, Path] = field(default_factory=dict)
+    # serve.runtime's outcome, set by the job: {"preferred", "variant" (None: as scored),
+    # "passed_over": [{"name", "reason"}]}; None when it is as_scored or has no variants.
+    runtime_choice: dict | None = None
 
     @property
     def key(self) -> str:
@@ -98,7 +107,9 @@ def serve_study(arms: list[ServedArm], serve_settings: dict, bench_settings: dic
     # Served as deployed: vLLM compiled unless the study's bench.vllm_compiled is false.
     arms = [ServedArm(**{**vars(a), "model": Path(a.model), "engine": engine_spec(
         a.engine["name"]).deployed_settings(a.engine, gate["vllm_compiled"])}) for a in arms]
-    chosen = choose_arms(arms, settings, control_tolerance)
+    probed = {row["name"]: row for row in vllm_runtimes(isa_flags())}
+    chosen = [as_deployed(arm, settings["runtime"], probed)
+              for arm in choose_arms(arms, settings, control_tolerance)]
     _check_context(chosen, settings["prompt_tokens"] + settings["output_tokens"])
     prompts = prompts_from_windows(windows, prompt_tokens=settings["prompt_tokens"],
                                    requests=settings["requests_per_level"])
@@ -152,6 +163,32 @@ def choose_arms(arms: list[ServedArm], settings: dict, tolerances: dict) -> list
             if a.key in keep or (a.arm == BASELINE and settings["baseline"])]
 
 
+def as_deployed(arm: ServedArm, preferred: str | list[str], probed: dict[str, dict]) -> ServedArm:
+    """``arm`` under the first of the ``preferred`` runtime variants (serve.runtime) this CPU
+    runs (``probed``: fourbit.bench.hostprobe.vllm_runtimes by name), with a compile cache of
+    its own; as scored when none does or ``preferred`` is as_scored. A dense checkpoint runs
+    one way: the variant sets its dtype, and its kernel has nothing to run."""
+    if preferred == "as_scored" or arm.refusal or not variants.has_variants(arm.engine["name"]):
+        return arm
+    runs = get_engine(arm.engine["name"])
+    dense = runs.runtime_variant(arm.model, arm.engine) is None
+    passed_over = []
+    for name in preferred:
+        runtime = variants.by_name(name)
+        if dense and probed[name]["available"]:
+            settings, reason = variants.variant_settings(arm.engine, runtime), None
+        else:
+            settings, reason = variants.settings_under(runs, arm.engine, arm.model, runtime, probed)
+        if settings is not None:
+            return replace(arm, engine=settings,
+                           cache=arm.cache and arm.cache / variants.cache_name(name),
+                           runtime_choice={"preferred": list(preferred), "variant": name,
+                                           "passed_over": passed_over})
+        passed_over.append({"name": name, "reason": reason})
+    return replace(arm, runtime_choice={"preferred": list(preferred), "variant": None,
+                                        "passed_over": passed_over})
+
+
 def _best_faithful(candidates: list[ServedArm], tolerances: dict) -> ServedArm | None:
     """The report's choice among one engine's arms, from their records."""
     by_id = {arm.arm: arm for arm in candidates if not arm.refusal}
@@ -184,6 +221,8 @@ def _start_servers(arms: list[ServedArm], settings: dict, cores: list[int],
     for arm in arms:
         entry = {"engine_id": arm.engine_id, "engine": arm.engine["name"], "arm": arm.arm,
                  "arm_name": arm.arm_name, "model": str(arm.model)}
+        if arm.runtime_choice is not None:
+            entry["runtime_choice"] = arm.runtime_choice
         entries[arm.key] = entry
         if arm.refusal:
             entry |= {"status": "refused", "reason": arm.refusal}
