@@ -134,6 +134,10 @@ def test_serve_runtime_names_known_variants_before_any_job(runtime, message):
     good = copy.deepcopy(BASE)
     assert study(good).config["serve"]["runtime"] == "as_scored"  # the schema's default
     good["serve"] = {"runtime": ["vllm bfloat16 w4a8_group", "vllm float32 w4a8_group"]}
+    with pytest.raises(ConfigError, match=r"serve.runtime names runtime variants, but no engine of this "
+                                          r"study has them \(engines: vllm\)"):
+        study(good)  # the reference engine alone
+    good["engines"] = {"vllm": {}}
     assert study(good).config["serve"]["runtime"][0] == "vllm bfloat16 w4a8_group"
 
 

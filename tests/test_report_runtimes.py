@@ -3,6 +3,7 @@ compiling cost the bench's engine starts."""
 
 from __future__ import annotations
 
+from fourbit.report.rows import _variant_decode
 from fourbit.report.runtimes import (
     compile_note,
     runtime_candidates,
@@ -108,6 +109,15 @@ def variant_bench(timed, refused=(), chosen=True):
 
 
 STUDY = {"engines": {"vllm-0": {"arms": ["a-1", "b-2"]}}}
+
+
+def test_an_arms_row_carries_the_tg128_of_each_variant_the_bench_timed_beside_it():
+    """For the serving section, which sets one user on a variant beside the same variant."""
+    timed = [variant("vllm bfloat16 w4a8_group", (400.0, 390.0, 410.0), (70.0, 66.0, 72.0),
+                     (2.0, 1.9, 2.1), (1.1, 1.0, 1.2), "int8_activations")]
+    assert _variant_decode(variant_bench(timed)) == {"vllm bfloat16 w4a8_group": stats(70.0, 66.0, 72.0)}
+    assert _variant_decode(variant_bench([], chosen=False)) == {}
+    assert _variant_decode({"measured": False, "reason": "the engine cannot time this model"}) == {}
 
 
 def test_an_arms_variants_are_tabled_beside_it_as_scored_and_the_fastest_named_per_phase():

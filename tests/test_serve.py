@@ -99,12 +99,37 @@ def test_with_no_preferred_variant_runnable_here_the_arm_is_served_as_scored_and
     assert name == "vllm bfloat16 w4a8" and reason.startswith("needs avx512_bf16, which this CPU lacks")
 
 
-def test_a_dense_baseline_takes_the_preferred_variants_dtype(tmp_path):
+def test_a_dense_baseline_and_a_variant_that_is_how_the_arm_scored_are_served_as_scored(tmp_path):
     baseline = ServedArm("vllm-1", VLLM, "baseline", "baseline", _checkpoint(tmp_path / "b", quantized=False),
                          tmp_path / "cache")
-    deployed = as_deployed(baseline, ["vllm bfloat16 w4a8_group"], _probed(EPYC_AVX512))
-    assert deployed.engine["dtype"] == "bfloat16" and deployed.runtime_choice["variant"] == "vllm bfloat16 w4a8_group"
-    assert as_deployed(baseline, ["vllm bfloat16 w4a8_group"], _probed(LAPTOP_AVX2)).engine == VLLM
+    assert as_deployed(baseline, ["vllm bfloat16 w4a8_group"], _probed(EPYC_AVX512)) is baseline
+    # the arm scored as float32 W4A16: preferring that is no variant (no other cache, no caveat)
+    arm = ServedArm("vllm-1", VLLM, "t-0000000000", "t", _checkpoint(tmp_path / "t", quantized=True),
+                    tmp_path / "cache")
+    deployed = as_deployed(arm, ["vllm bfloat16 w4a8", "vllm float32 w4a16"], _probed(LAPTOP_AVX2))
+    assert (deployed.engine, deployed.cache) == (VLLM, tmp_path / "cache")
+    assert deployed.runtime_choice["variant"] is None
+    assert [p["name"] for p in deployed.runtime_choice["passed_over"]] == ["vllm bfloat16 w4a8"]
+
+
+def test_the_workflows_cache_folder_string_is_a_path_when_a_variant_is_chosen(tmp_path):
+    """The workflow hands the job every path as a string; a variant's cache is a folder of it."""
+    model = _checkpoint(tmp_path / "t", quantized=True)
+    (model / "config.json").write_text(json.dumps({
+        "model_type": "llama", "max_position_embeddings": 40,
+        "quantization_config": {"quant_method": "fourbit_int4", "kernel": "w4a16"}}))
+    windows = tmp_path / "windows.json"
+    windows.write_text(json.dumps({"window": 64, "windows": [list(range(64))]}))
+    arm = ServedArm("vllm-1", VLLM, "t-0000000000", "t", str(model), str(tmp_path / "cache"))
+    # stops at the context check, after the runtime is chosen and before any server
+    with pytest.raises(ValueError, match="48, more than the 40 positions"):
+        serve_study([arm], {**SERVE, "runtime": ["vllm float32 w4a8_group"]}, {}, windows=windows,
+                    out=tmp_path / "serve.json", server_logs=tmp_path / "logs", threads=1,
+                    model_weights_sha256=SHA, control_tolerance=TOLERANCES)
+    with pytest.raises(ValueError, match=r"serve.runtime: unknown variant\(s\) \['vllm fp8 w4a8'\]"):
+        serve_study([arm], {**SERVE, "runtime": ["vllm fp8 w4a8"]}, {}, windows=windows,
+                    out=tmp_path / "serve.json", server_logs=tmp_path / "logs", threads=1,
+                    model_weights_sha256=SHA, control_tolerance=TOLERANCES)
 
 
 def test_a_request_longer_than_the_models_positions_is_refused_before_any_server(tmp_path):

@@ -15,7 +15,6 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
 from fourbit.bench import variants
 from fourbit.engines import engine_spec, unavailable_here
 from fourbit.hashing import file_sha256, short_hash
@@ -161,7 +160,7 @@ class Study:
             raise ConfigError("no arm of the config can run on this model:\n  "
                               + "\n  ".join(r["reason"] for r in refused))
         _check_runtimes(config["bench"]["runtimes"], config["arms"], engines, arms)
-        _check_variant_names(config["serve"]["runtime"], "serve.runtime")
+        _check_variant_names(config["serve"]["runtime"], "serve.runtime", engines)
         return cls(
             config=sorted_keys(config),
             results=config["results"],
@@ -253,14 +252,18 @@ def _check_runtimes(runtimes: dict, config_arms: list[dict], engines: dict, arms
                           f"{sorted(runs)}")
 
 
-def _check_variant_names(names: str | list[str], key: str) -> None:
+def _check_variant_names(names: str | list[str], key: str, engines: dict | None = None) -> None:
     """A list of runtime variants (a keyword such as auto or as_scored aside) names ones the
-    host probe knows."""
-    if isinstance(names, list):
-        try:
-            variants.check_names(names, key)
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
+    host probe knows; with ``engines``, an engine of this study must have them."""
+    if not isinstance(names, list):
+        return
+    try:
+        variants.check_names(names, key)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if engines is not None and not any(variants.has_variants(e.name) for e in engines.values()):
+        raise ConfigError(f"{key} names runtime variants, but no engine of this study has them "
+                          "(engines: vllm); add the vllm engine or say as_scored")
 
 
 def _model_config(config: dict, model_id: str) -> dict:

@@ -105,8 +105,11 @@ def serve_study(arms: list[ServedArm], serve_settings: dict, bench_settings: dic
     settings = block("serve", serve_settings)
     gate = block("bench", bench_settings)
     # Served as deployed: vLLM compiled unless the study's bench.vllm_compiled is false.
-    arms = [ServedArm(**{**vars(a), "model": Path(a.model), "engine": engine_spec(
-        a.engine["name"]).deployed_settings(a.engine, gate["vllm_compiled"])}) for a in arms]
+    if settings["runtime"] != "as_scored":
+        variants.check_names(settings["runtime"], "serve.runtime")
+    arms = [ServedArm(**{**vars(a), "model": Path(a.model), "cache": a.cache and Path(a.cache),
+                         "engine": engine_spec(a.engine["name"]).deployed_settings(
+                             a.engine, gate["vllm_compiled"])}) for a in arms]
     probed = {row["name"]: row for row in vllm_runtimes(isa_flags())}
     chosen = [as_deployed(arm, settings["runtime"], probed)
               for arm in choose_arms(arms, settings, control_tolerance)]
@@ -166,24 +169,25 @@ def choose_arms(arms: list[ServedArm], settings: dict, tolerances: dict) -> list
 def as_deployed(arm: ServedArm, preferred: str | list[str], probed: dict[str, dict]) -> ServedArm:
     """``arm`` under the first of the ``preferred`` runtime variants (serve.runtime) this CPU
     runs (``probed``: fourbit.bench.hostprobe.vllm_runtimes by name), with a compile cache of
-    its own; as scored when none does or ``preferred`` is as_scored. A dense checkpoint runs
-    one way: the variant sets its dtype, and its kernel has nothing to run."""
+    its own; as scored when none does, when that one is how it scored, or when ``preferred``
+    is as_scored. A dense checkpoint (a baseline) runs one way: as scored."""
     if preferred == "as_scored" or arm.refusal or not variants.has_variants(arm.engine["name"]):
         return arm
     runs = get_engine(arm.engine["name"])
-    dense = runs.runtime_variant(arm.model, arm.engine) is None
+    scored = runs.runtime_variant(arm.model, arm.engine)
+    if scored is None:
+        return arm
     passed_over = []
     for name in preferred:
-        runtime = variants.by_name(name)
-        if dense and probed[name]["available"]:
-            settings, reason = variants.variant_settings(arm.engine, runtime), None
-        else:
-            settings, reason = variants.settings_under(runs, arm.engine, arm.model, runtime, probed)
+        settings, reason = variants.settings_under(runs, arm.engine, arm.model,
+                                                   variants.by_name(name), probed)
         if settings is not None:
-            return replace(arm, engine=settings,
-                           cache=arm.cache and arm.cache / variants.cache_name(name),
-                           runtime_choice={"preferred": list(preferred), "variant": name,
-                                           "passed_over": passed_over})
+            chosen = {"preferred": list(preferred), "variant": None if name == scored else name,
+                      "passed_over": passed_over}
+            if name == scored:
+                return replace(arm, runtime_choice=chosen)
+            return replace(arm, engine=settings, runtime_choice=chosen,
+                           cache=arm.cache and arm.cache / variants.cache_name(name))
         passed_over.append({"name": name, "reason": reason})
     return replace(arm, runtime_choice={"preferred": list(preferred), "variant": None,
                                         "passed_over": passed_over})
