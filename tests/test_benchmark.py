@@ -624,8 +624,8 @@ def test_a_bench_worker_that_fails_names_the_checkpoint_and_the_error(tmp_path):
 
 @pytest.mark.slow
 def test_a_bench_worker_is_stopped_between_its_passes_and_ends_with_the_session(int4_checkpoints):
-    """An idle engine's threads would preempt the engine being timed: between passes its
-    worker is stopped (state T), and it still exits when the session closes."""
+    """An idle engine's threads would preempt the engine being timed: once open and between
+    passes its worker is stopped (state T), and it still exits when the session closes."""
     from fourbit.engines.vllm import throughput_session
 
     def workers() -> dict[int, str]:
@@ -639,6 +639,9 @@ def test_a_bench_worker_is_stopped_between_its_passes_and_ends_with_the_session(
 
     settings = engine_settings("vllm", kv_cache_gib=0.0625)
     with throughput_session(int4_checkpoints[1], settings, 1, **LLAMA_BENCH_SIZES) as one_pass:
+        # open and stopped before its first pass, its start recorded (fourbit.bench.starts)
+        one_pass.wait_ready()
+        assert list(workers().values()) == ["T"] and one_pass.start["engine_init_s"] > 0
         for _ in range(2):
             assert one_pass()["tg128_tok_s"] > 0
             assert list(workers().values()) == ["T"]

@@ -40,6 +40,7 @@ timings makes their fraction of it meaningful. docs/measurement.md tells the res
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 from dataclasses import dataclass, field, replace
@@ -56,6 +57,7 @@ from fourbit.bench.passes import run_rounds
 from fourbit.bench.pinning import choose_cores, pinned
 from fourbit.bench.provenance import provenance
 from fourbit.bench.residency import cache_state, warm_and_check
+from fourbit.bench.starts import open_group
 from fourbit.bench.weight_bytes import decode_weight_bytes
 from fourbit.schema import block
 from fourbit.engines import Bench, EngineSpec, NotBenchmarked, engine_spec, get_engine
@@ -226,11 +228,13 @@ def _time_pairs(pairs: list[BenchPair], specs: dict[str, EngineSpec],
                          number, len(groups), ", ".join(p.name for p in group),
                          sum(held.get(key, 0) for key in keys) / 2**30, available / 2**30)
             with contextlib.ExitStack() as open_engines:
-                runs = {key: _open(open_engines, sides[key], len(cores), settings, failed, key,
-                                   variant=key in variant_engines) for key in keys}
+                runs = open_group(open_engines, {key: functools.partial(
+                    _pass_runner, sides[key], len(cores), prompt_tokens=settings["prompt_tokens"],
+                    decode_tokens=settings["decode_tokens"]) for key in keys},
+                    optional=variant_engines, failed=failed)
                 group = [p for p in group if _side_key(p, "arm") not in failed]
                 if group:
-                    if not settings["allow_busy"]:  # their compile caches' write-back, first
+                    if not settings["allow_busy"]:  # what their starts left behind, first
                         wait_until_quiet(cores, settings["busy_threshold"], timeout_s=SETTLE_S,
                                          when=f"after group {number}'s engines started")
                     results |= run_rounds(
@@ -252,22 +256,6 @@ def _time_pairs(pairs: list[BenchPair], specs: dict[str, EngineSpec],
             else _record(pair, sides, results[pair.name], settings, bandwidth, job,
                          group_of[pair.name], memory, starts)
             for pair in pairs}
-
-
-def _open(open_engines: contextlib.ExitStack, side: "_Side", threads: int, settings: dict,
-          failed: dict, key: str, *, variant: bool):
-    """``side``'s pass runner, open until ``open_engines`` closes. A runtime variant's
-    engine that fails to start is its own refusal (in ``failed``), not the job's failure."""
-    try:
-        return open_engines.enter_context(_pass_runner(
-            side, threads, prompt_tokens=settings["prompt_tokens"],
-            decode_tokens=settings["decode_tokens"]))
-    except Exception as error:  # noqa: BLE001 - any start failure; it is recorded
-        if not variant:
-            raise
-        log.warning("a runtime variant's engine failed to start: %s", error)
-        failed[key] = f"its engine failed to start: {type(error).__name__}: {error}"
-        return None
 
 
 def _note_engines(runs: dict, peaks: dict, starts: dict) -> None:

@@ -244,8 +244,8 @@ def throughput_session(
 
     The engine lives in a worker process (fourbit.engines.vllm.throughput_worker, which says
     why), started here with this process's CPU affinity and stopped on exit. Entering
-    returns as soon as the worker is launched; the first call waits until its engine is
-    open, so all the engines of a job start side by side.
+    returns as soon as the worker is launched, so all the engines of a job start side by
+    side; ``wait_ready`` (or the first call) waits until its engine is open.
 
     Between its passes the worker is stopped (SIGSTOP; SIGCONT before the next pass). An
     idle vLLM engine is not idle: its gloo threads wake up, 0.8-1.2% of a core per
@@ -298,10 +298,17 @@ class _BenchWorker:
         self.peak_rss_bytes = message["peak_rss_bytes"]
         return message[key]
 
-    def __call__(self) -> dict[str, float]:
+    def wait_ready(self) -> None:
+        """Return once the engine is open (loaded, compiled, warmed up), the worker stopped
+        until its first pass as it is between passes (fourbit.bench.starts says why)."""
         if self.waiting_for_ready:
             self.start = self._reply("ready")
             self.waiting_for_ready = False
+            self.process.send_signal(signal.SIGSTOP)
+            _wait_until_stopped(self.process.pid)
+
+    def __call__(self) -> dict[str, float]:
+        self.wait_ready()
         self.process.send_signal(signal.SIGCONT)
         try:
             self.process.stdin.write("pass\n")
