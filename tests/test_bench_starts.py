@@ -54,11 +54,18 @@ def test_an_optional_engine_that_fails_to_start_is_refused_and_any_other_fails_t
     events, failed = [], {}
     with contextlib.ExitStack() as stack:
         runs = open_group(stack, {"arm": opener("arm", events),
-                                  "variant": opener("variant", events, fail=True)},
-                          optional={"variant"}, failed=failed)
-    assert runs["variant"] is None and runs["arm"].key == "arm"
+                                  "variant": opener("variant", events, fail=True),
+                                  "other": lambda: _raises("other variant: no such kernel")},
+                          optional={"variant", "other"}, failed=failed)
+    assert runs["variant"] is None and runs["other"] is None and runs["arm"].key == "arm"
     assert failed == {"variant": "its engine failed to start: RuntimeError: variant: engine core "
-                                 "failed to compile"}
+                                 "failed to compile",
+                      "other": "its engine failed to start: RuntimeError: other variant: no such kernel"}
+    assert ("close", "variant") in events  # a failed start is still closed with the group
     with pytest.raises(RuntimeError, match="arm: engine core failed to compile"):
         with contextlib.ExitStack() as stack:
             open_group(stack, {"arm": opener("arm", [], fail=True)}, optional=set(), failed={})
+
+
+def _raises(message: str):
+    raise RuntimeError(message)

@@ -321,8 +321,14 @@ class _BenchWorker:
         return rates
 
     def close(self) -> None:
-        """Let the worker run on to the end of its input and exit (killed after 120 s)."""
+        """Let the worker run on to the end of its input and exit (killed after 120 s); one
+        whose engine is still starting (the job failed meanwhile) is killed at once, rather
+        than left to compile for nothing."""
         worker = self.process
+        if self.waiting_for_ready and worker.poll() is None:
+            worker.kill()
+            worker.wait()
+            return
         with contextlib.suppress(ProcessLookupError):
             worker.send_signal(signal.SIGCONT)
         with contextlib.suppress(OSError):
