@@ -3,7 +3,7 @@
 The engines a bench group holds open compile at their start (vLLM: minutes each with a
 cold compile cache). Launched together they compile side by side, and the group's first
 pass, and the settle wait before it, must not begin until every start has ended: a settle
-wait that began at their launch ran out while eleven of them were still compiling
+wait that began at their launch ran out while ten of them were still compiling
 (docs/measurement.md, "Guards"). A pass runner whose engine
 starts in the background (fourbit.engines.vllm.throughput's held-open worker) offers
 ``wait_ready``, which returns once its engine is open and stops it until its first pass.
