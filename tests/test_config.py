@@ -97,6 +97,12 @@ def test_two_arms_of_one_name_are_refused_even_with_different_quant():
         study(bad)
 
 
+def refused_with(blocks: dict, message: str) -> None:
+    """BASE with ``blocks`` set is refused before any job, with ``message``."""
+    with pytest.raises(ConfigError, match=message):
+        study({**copy.deepcopy(BASE), **blocks})
+
+
 @pytest.mark.parametrize(("runtimes", "message"), [
     ({"variants": ["vllm float16 w4a8"]},
      r"bench.runtimes.variants: unknown variant\(s\) \['vllm float16 w4a8'\].*'vllm bfloat16 w4a8'"),
@@ -106,10 +112,7 @@ def test_two_arms_of_one_name_are_refused_even_with_different_quant():
     ({"variants": ["vllm_native bfloat16 cpu_gemm_wna16"]}, r"unknown variant\(s\)"),
 ])
 def test_runtime_variants_name_known_variants_and_arms_before_any_job(runtimes, message):
-    bad = copy.deepcopy(BASE)
-    bad["bench"] = {"runtimes": runtimes}
-    with pytest.raises(ConfigError, match=message):
-        study(bad)
+    refused_with({"bench": {"runtimes": runtimes}}, message)
     good = copy.deepcopy(BASE)
     good["bench"] = {"runtimes": {"arms": ["a"], "variants": ["vllm bfloat16 w4a8_group"]}}
     good["engines"] = {"vllm": {}}
@@ -127,10 +130,7 @@ def test_runtime_variants_name_known_variants_and_arms_before_any_job(runtimes, 
     ("fastest", r"serve.runtime"),
 ])
 def test_serve_runtime_names_known_variants_before_any_job(runtime, message):
-    bad = copy.deepcopy(BASE)
-    bad["serve"] = {"runtime": runtime}
-    with pytest.raises(ConfigError, match=message):
-        study(bad)
+    refused_with({"serve": {"runtime": runtime}}, message)
     good = copy.deepcopy(BASE)
     assert study(good).config["serve"]["runtime"] == "as_scored"  # the schema's default
     good["serve"] = {"runtime": ["vllm bfloat16 w4a8_group", "vllm float32 w4a8_group"]}
