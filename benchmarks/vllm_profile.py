@@ -1,4 +1,10 @@
-"""torch.profiler's view of one vLLM step, for benchmarks that miss a target; not a test.
+"""Where a vLLM decode step's time goes, for benchmarks that miss a target; not a test.
+
+profile_step: torch.profiler's table of one step (ops by self CPU time). step_breakdown:
+the wall clock of a whole greedy decode split among vLLM's own step parts (scheduler,
+input preparation, sampling, output processing), the model's forward (its attention
+layers apart) and the head, so vLLM's per-step cost outside the model is a measured
+number rather than the remainder of an op table.
 
 Imported by benchmarks/vllm_speed.py (and any benchmark beside it: python puts this
 folder on sys.path when it runs a script here).
@@ -6,8 +12,12 @@ folder on sys.path when it runs a script here).
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib
 import json
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -52,3 +62,102 @@ def profile_step(checkpoint: str | os.PathLike, settings: Mapping[str, Any] | Vl
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             run()
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
+
+# The parts step_breakdown times, as (module, class, method, label). Nested parts are
+# inside the ones above them: the engine's step holds execute_model and the scheduler's
+# calls; execute_model holds the input preparation, the model's forward and the head; the
+# forward holds the attention layers (vLLM's Python wrappers and its C++ kernels).
+# Sampling is the engine step's own call after execute_model.
+STEP_PARTS = (
+    ("vllm.v1.engine.llm_engine", "LLMEngine", "step", "engine step (all of it)"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule", "  scheduler: schedule"),
+    ("vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output",
+     "  scheduler: update from output"),
+    ("vllm.v1.engine.output_processor", "OutputProcessor", "process_outputs",
+     "  output processing"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model", "  execute_model"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_prepare_inputs",
+     "    input preparation"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_model_forward",
+     "    model forward (compiled graph or eager modules)"),
+    ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl", "forward",
+     "      attention (every layer)"),
+    ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl", "do_kv_cache_update",
+     "      KV cache writes (every layer)"),
+    ("vllm.model_executor.layers.logits_processor", "LogitsProcessor", "forward",
+     "    head (logits)"),
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "sample_tokens", "  sampling"),
+)
+
+
+def _timer(original, label: str, totals: dict[str, float], calls: dict[str, int]):
+    """``original`` adding each call's wall seconds to totals[label]."""
+    @functools.wraps(original)
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            totals[label] += time.perf_counter() - start
+            calls[label] += 1
+
+    return timed
+
+
+@contextlib.contextmanager
+def _timed_methods(parts, totals: dict[str, float], calls: dict[str, int]):
+    """Each (module, class, method, label) of ``parts`` timed into totals[label] inside the
+    block, restored on exit; a part this vLLM lacks is reported as nan."""
+    saved = []
+    try:
+        for module, owner, method, label in parts:
+            cls = getattr(importlib.import_module(module), owner, None)
+            original = getattr(cls, method, None) if cls is not None else None
+            if original is None:
+                totals[label] = float("nan")
+                continue
+            setattr(cls, method, _timer(original, label, totals, calls))
+            saved.append((cls, method, original))
+        yield
+    finally:
+        for cls, method, original in saved:
+            setattr(cls, method, original)
+
+
+def step_breakdown(checkpoint: str | os.PathLike, settings: Mapping[str, Any] | VllmSettings,
+                   threads: int, decode_tokens: int = 128, runs: int = 5) -> str:
+    """Milliseconds per token of each STEP_PARTS part over ``runs`` greedy decodes of
+    ``decode_tokens`` + 1 tokens from a 1-token prompt (batch 1, after two untimed ones),
+    with the wall clock of the whole decode beside them. Wrapping costs about a microsecond
+    a call, a few per token."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    settings = resolve(settings)
+    vocab = json.loads((Path(checkpoint) / "config.json").read_text())["vocab_size"]
+    prompt = TokensPrompt(prompt_token_ids=synthetic_prompt(1, vocab))
+    params = SamplingParams(max_tokens=decode_tokens + 1, temperature=0.0, ignore_eos=True,
+                            detokenize=False)
+    totals: dict[str, float] = {label: 0.0 for *_, label in STEP_PARTS}
+    calls: dict[str, int] = {label: 0 for *_, label in STEP_PARTS}
+    options = llm_options(settings, checkpoint)
+    with (torch_threads(threads),
+          open_llm(checkpoint, max_model_len=decode_tokens + 2, **options) as llm):
+        def run():
+            llm.generate([prompt], params, use_tqdm=False)
+
+        run()
+        run()
+        with _timed_methods(STEP_PARTS, totals, calls):
+            start = time.perf_counter()
+            for _ in range(runs):
+                run()
+            wall = time.perf_counter() - start
+    tokens = runs * (decode_tokens + 1)
+    lines = [f"{'part':52s} {'ms/token':>9s} {'share':>6s} {'calls/token':>11s}",
+             f"{'wall clock of the decodes':52s} {wall / tokens * 1e3:9.3f} {1:6.0%} {'':>11s}"]
+    for label, seconds in totals.items():
+        lines.append(f"{label:52s} {seconds / tokens * 1e3:9.3f} {seconds / wall:6.0%} "
+                     f"{calls[label] / tokens:11.2f}")
+    return "\n".join(lines)
