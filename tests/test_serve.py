@@ -19,6 +19,7 @@ from arm_records import arm_records
 from conftest import save_tiny_tokenizer
 from fourbit.serving.process import ServerError
 from fourbit.bench.hostprobe import vllm_runtimes
+from fourbit.bench.variants import probed_by_name
 from fourbit.cpuinfo import isa_flags
 from fourbit.steps.serve import ServedArm, as_deployed, choose_arms, serve_study
 from test_hostprobe import EPYC_AVX512, LAPTOP_AVX2, SAPPHIRE_RAPIDS
@@ -62,10 +63,6 @@ def _checkpoint(folder: Path, quantized: bool) -> Path:
     return folder
 
 
-def _probed(flags: set[str]) -> dict[str, dict]:
-    return {row["name"]: row for row in vllm_runtimes(flags)}
-
-
 @pytest.mark.parametrize(("flags", "variant", "passed_over"), [
     (SAPPHIRE_RAPIDS, "vllm bfloat16 w4a8_group", []),
     (EPYC_AVX512, "vllm bfloat16 w4a8_group", []),
@@ -75,7 +72,7 @@ def test_serve_runtime_takes_the_first_preferred_variant_this_host_runs(tmp_path
     arm = ServedArm("vllm-1", {**VLLM, "name": "vllm"}, "t-0000000000", "t",
                     _checkpoint(tmp_path / "t", quantized=True), tmp_path / "cache")
     preferred = ["vllm bfloat16 w4a8_group", "vllm float32 w4a8_group"]
-    deployed = as_deployed(arm, preferred, _probed(flags))
+    deployed = as_deployed(arm, preferred, probed_by_name(flags))
     dtype, kernel = variant.split()[1:]
     assert (deployed.engine["dtype"], deployed.engine["quant"]["kernel"]) == (dtype, kernel)
     assert deployed.cache == tmp_path / "cache" / variant.replace(" ", "-")  # its own compiled graph
@@ -83,16 +80,16 @@ def test_serve_runtime_takes_the_first_preferred_variant_this_host_runs(tmp_path
     assert [p["name"] for p in deployed.runtime_choice["passed_over"]] == passed_over
     assert all("avx512_bf16" in p["reason"] for p in deployed.runtime_choice["passed_over"])
     # as_scored, a refused arm and an engine without variants are served as they come
-    assert as_deployed(arm, "as_scored", _probed(flags)) is arm
+    assert as_deployed(arm, "as_scored", probed_by_name(flags)) is arm
     refused = ServedArm("vllm-1", VLLM, "t-0000000000", "t", tmp_path / "t", refusal="no")
-    assert as_deployed(refused, preferred, _probed(flags)) is refused
+    assert as_deployed(refused, preferred, probed_by_name(flags)) is refused
     native = ServedArm("vllm_native-1", {**VLLM, "name": "vllm_native"}, "t-0000000000", "t", tmp_path / "t")
-    assert as_deployed(native, preferred, _probed(flags)) is native
+    assert as_deployed(native, preferred, probed_by_name(flags)) is native
 
 
 def test_with_no_preferred_variant_runnable_here_the_arm_is_served_as_scored_and_says_why(tmp_path):
     arm = ServedArm("vllm-1", VLLM, "t-0000000000", "t", _checkpoint(tmp_path / "t", quantized=True))
-    deployed = as_deployed(arm, ["vllm bfloat16 w4a8"], _probed(LAPTOP_AVX2))
+    deployed = as_deployed(arm, ["vllm bfloat16 w4a8"], probed_by_name(LAPTOP_AVX2))
     assert deployed.engine == VLLM and deployed.cache is None
     assert deployed.runtime_choice["variant"] is None
     [(name, reason)] = [(p["name"], p["reason"]) for p in deployed.runtime_choice["passed_over"]]
@@ -102,11 +99,11 @@ def test_with_no_preferred_variant_runnable_here_the_arm_is_served_as_scored_and
 def test_a_dense_baseline_and_a_variant_that_is_how_the_arm_scored_are_served_as_scored(tmp_path):
     baseline = ServedArm("vllm-1", VLLM, "baseline", "baseline", _checkpoint(tmp_path / "b", quantized=False),
                          tmp_path / "cache")
-    assert as_deployed(baseline, ["vllm bfloat16 w4a8_group"], _probed(EPYC_AVX512)) is baseline
+    assert as_deployed(baseline, ["vllm bfloat16 w4a8_group"], probed_by_name(EPYC_AVX512)) is baseline
     # the arm scored as float32 W4A16: preferring that is no variant (no other cache, no caveat)
     arm = ServedArm("vllm-1", VLLM, "t-0000000000", "t", _checkpoint(tmp_path / "t", quantized=True),
                     tmp_path / "cache")
-    deployed = as_deployed(arm, ["vllm bfloat16 w4a8", "vllm float32 w4a16"], _probed(LAPTOP_AVX2))
+    deployed = as_deployed(arm, ["vllm bfloat16 w4a8", "vllm float32 w4a16"], probed_by_name(LAPTOP_AVX2))
     assert (deployed.engine, deployed.cache) == (VLLM, tmp_path / "cache")
     assert deployed.runtime_choice["variant"] is None
     assert [p["name"] for p in deployed.runtime_choice["passed_over"]] == ["vllm bfloat16 w4a8"]

@@ -78,7 +78,7 @@ def plan_variants(runs: Any, engine: dict, checkpoint: Path, wanted: str | list[
     scored = runs.runtime_variant(checkpoint, engine)
     if scored is None:
         return []
-    probed = {row["name"]: row for row in vllm_runtimes(flags)}
+    probed = probed_by_name(flags)
     candidates = [r for r in engine_variants(engine["name"]) if r.name != scored]
     if wanted != "auto":
         candidates = [r for r in candidates if r.name in wanted]
@@ -97,6 +97,11 @@ def plan_variants(runs: Any, engine: dict, checkpoint: Path, wanted: str | list[
     return variants
 
 
+def probed_by_name(flags: set[str]) -> dict[str, dict]:
+    """fourbit.bench.hostprobe.vllm_runtimes of a CPU with ``flags``, by runtime name."""
+    return {row["name"]: row for row in vllm_runtimes(flags)}
+
+
 def cache_name(name: str) -> str:
     """The folder of a variant's compile cache: its graph is not the scored one's."""
     return name.replace(" ", "-")
@@ -109,7 +114,7 @@ def by_name(name: str) -> VllmRuntime:
 def settings_under(runs: Any, engine: dict, checkpoint: Path, runtime: VllmRuntime,
                    probed: dict[str, dict]) -> tuple[dict | None, str | None]:
     """``engine``'s settings to run ``checkpoint`` as ``runtime`` (``runs``: its Engine;
-    ``probed``: fourbit.bench.hostprobe.vllm_runtimes of this CPU by name), or None and why
+    ``probed``: probed_by_name of this CPU), or None and why
     not: this CPU lacks its flags, or the engine would run the checkpoint another way under
     them."""
     if not probed[runtime.name]["available"]:

@@ -42,7 +42,6 @@ from fourbit import records
 from fourbit.bench import variants
 from fourbit.bench.contention import check_quiet
 from fourbit.bench.hostmemory import available_memory_bytes
-from fourbit.bench.hostprobe import vllm_runtimes
 from fourbit.bench.passes import summarize
 from fourbit.bench.pinning import choose_cores, pinned
 from fourbit.bench.provenance import provenance
@@ -110,7 +109,7 @@ def serve_study(arms: list[ServedArm], serve_settings: dict, bench_settings: dic
     arms = [ServedArm(**{**vars(a), "model": Path(a.model), "cache": a.cache and Path(a.cache),
                          "engine": engine_spec(a.engine["name"]).deployed_settings(
                              a.engine, gate["vllm_compiled"])}) for a in arms]
-    probed = {row["name"]: row for row in vllm_runtimes(isa_flags())}
+    probed = variants.probed_by_name(isa_flags())
     chosen = [as_deployed(arm, settings["runtime"], probed)
               for arm in choose_arms(arms, settings, control_tolerance)]
     _check_context(chosen, settings["prompt_tokens"] + settings["output_tokens"])
@@ -168,7 +167,7 @@ def choose_arms(arms: list[ServedArm], settings: dict, tolerances: dict) -> list
 
 def as_deployed(arm: ServedArm, preferred: str | list[str], probed: dict[str, dict]) -> ServedArm:
     """``arm`` under the first of the ``preferred`` runtime variants (serve.runtime) this CPU
-    runs (``probed``: fourbit.bench.hostprobe.vllm_runtimes by name), with a compile cache of
+    runs (``probed``: fourbit.bench.variants.probed_by_name), with a compile cache of
     its own; as scored when none does, when that one is how it scored, or when ``preferred``
     is as_scored. A dense checkpoint (a baseline) runs one way: as scored."""
     if preferred == "as_scored" or arm.refusal or not variants.has_variants(arm.engine["name"]):
