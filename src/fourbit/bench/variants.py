@@ -114,9 +114,8 @@ def by_name(name: str) -> VllmRuntime:
 def settings_under(runs: Any, engine: dict, checkpoint: Path, runtime: VllmRuntime,
                    probed: dict[str, dict]) -> tuple[dict | None, str | None]:
     """``engine``'s settings to run ``checkpoint`` as ``runtime`` (``runs``: its Engine;
-    ``probed``: probed_by_name of this CPU), or None and why
-    not: this CPU lacks its flags, or the engine would run the checkpoint another way under
-    them."""
+    ``probed``: probed_by_name of this CPU), or None and why not: this CPU lacks its flags,
+    or the engine would run the checkpoint another way under them."""
     if not probed[runtime.name]["available"]:
         return None, probed[runtime.name]["reason"]
     settings = variant_settings(engine, runtime)
