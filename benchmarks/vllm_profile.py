@@ -65,10 +65,14 @@ def profile_step(checkpoint: str | os.PathLike, settings: Mapping[str, Any] | Vl
 
 
 # The parts step_breakdown times, as (module, class, method, label). Nested parts are
-# inside the ones above them: the engine's step holds execute_model and the scheduler's
-# calls; execute_model holds the input preparation, the model's forward and the head; the
-# forward holds the attention layers (vLLM's Python wrappers and its C++ kernels).
-# Sampling is the engine step's own call after execute_model.
+# inside the ones above them: the engine's step holds the scheduler's calls, execute_model
+# and sampling (its own call after execute_model); execute_model holds the input
+# preparation, the model's forward and the head; the forward holds the CPU attention
+# backend's calls (its Python and C++ kernels; vLLM's custom-op wrappers around them,
+# unified_attention_with_output and unified_kv_cache_update, count in the forward's
+# remainder). The engine core runs inside LLMEngine.step, and the CPU model runner is
+# GPUModelRunner's subclass, because fourbit.engines.vllm.lifecycle opens vLLM in-process
+# (VLLM_ENABLE_V1_MULTIPROCESSING=0) on the V1 runner (VLLM_USE_V2_MODEL_RUNNER=0).
 STEP_PARTS = (
     ("vllm.v1.engine.llm_engine", "LLMEngine", "step", "engine step (all of it)"),
     ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule", "  scheduler: schedule"),
@@ -82,9 +86,9 @@ STEP_PARTS = (
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_model_forward",
      "    model forward (compiled graph or eager modules)"),
     ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl", "forward",
-     "      attention (every layer)"),
+     "      attention backend (every layer)"),
     ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl", "do_kv_cache_update",
-     "      KV cache writes (every layer)"),
+     "      attention backend's KV cache writes (every layer)"),
     ("vllm.model_executor.layers.logits_processor", "LogitsProcessor", "forward",
      "    head (logits)"),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "sample_tokens", "  sampling"),
@@ -108,21 +112,28 @@ def _timer(original, label: str, totals: dict[str, float], calls: dict[str, int]
 @contextlib.contextmanager
 def _timed_methods(parts, totals: dict[str, float], calls: dict[str, int]):
     """Each (module, class, method, label) of ``parts`` timed into totals[label] inside the
-    block, restored on exit; a part this vLLM lacks is reported as nan."""
+    block and put back as it was on exit (an inherited method by removing the wrapper); a
+    part this vLLM lacks is reported as nan."""
     saved = []
     try:
         for module, owner, method, label in parts:
-            cls = getattr(importlib.import_module(module), owner, None)
+            try:
+                cls = getattr(importlib.import_module(module), owner, None)
+            except ImportError:
+                cls = None
             original = getattr(cls, method, None) if cls is not None else None
             if original is None:
                 totals[label] = float("nan")
                 continue
+            saved.append((cls, method, cls.__dict__.get(method)))
             setattr(cls, method, _timer(original, label, totals, calls))
-            saved.append((cls, method, original))
         yield
     finally:
-        for cls, method, original in saved:
-            setattr(cls, method, original)
+        for cls, method, own in reversed(saved):
+            if own is None:
+                delattr(cls, method)
+            else:
+                setattr(cls, method, own)
 
 
 def step_breakdown(checkpoint: str | os.PathLike, settings: Mapping[str, Any] | VllmSettings,
@@ -155,9 +166,10 @@ def step_breakdown(checkpoint: str | os.PathLike, settings: Mapping[str, Any] | 
                 run()
             wall = time.perf_counter() - start
     tokens = runs * (decode_tokens + 1)
-    lines = [f"{'part':52s} {'ms/token':>9s} {'share':>6s} {'calls/token':>11s}",
-             f"{'wall clock of the decodes':52s} {wall / tokens * 1e3:9.3f} {1:6.0%} {'':>11s}"]
+    width = max(len(label) for label in totals)
+    lines = [f"{'part':{width}s} {'ms/token':>9s} {'share':>6s} {'calls/token':>11s}",
+             f"{'wall clock of the decodes':{width}s} {wall / tokens * 1e3:9.3f} {1:6.0%}"]
     for label, seconds in totals.items():
-        lines.append(f"{label:52s} {seconds / tokens * 1e3:9.3f} {seconds / wall:6.0%} "
+        lines.append(f"{label:{width}s} {seconds / tokens * 1e3:9.3f} {seconds / wall:6.0%} "
                      f"{calls[label] / tokens:11.2f}")
     return "\n".join(lines)
