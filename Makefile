@@ -9,8 +9,19 @@ ENV_FILES := envs/requirements.txt envs/vllm-deps.txt envs/fourbit.post-deploy.s
 	setup.py src/fourbit/kernels/csrc/int4_cpu.cpp src/fourbit/kernels/csrc/multirow.inc
 STAMP := $(VENV)/.installed-$(shell cat $(ENV_FILES) | sha256sum | cut -c1-16)
 
-.PHONY: venv llamacpp setup report test dry-run architectures
+.PHONY: venv llamacpp setup report test dry-run architectures disk-check
 venv: $(STAMP)
+
+# A new venv takes about 4 GB (torch, vLLM and what they need), and `make test` about 2 GB
+# more (llama.cpp's build, the tests' folders, compile caches): refused up front with the
+# free space, not by pip's "No space left on device" halfway through an install.
+SETUP_NEED_GB ?= 6
+disk-check:
+	@free_kb=$$(df -Pk . | awk 'NR == 2 {print $$4}'); \
+	if [ "$$free_kb" -lt $$(( $(SETUP_NEED_GB) * 1048576 )) ]; then \
+	  echo "make: setting up needs $(SETUP_NEED_GB) GB free on the filesystem of $(CURDIR) (the venv about 4 GB, the tests about 2 GB); $$(( free_kb / 1048576 )) GB are free there" >&2; \
+	  exit 1; \
+	fi
 
 # llama.cpp's tools, built once per machine from the llama-cpp-python sdist and
 # cached outside the work tree (~/.cache/fourbit/llama.cpp); a no-op when cached.
@@ -25,7 +36,7 @@ setup:
 	$(MAKE) --no-print-directory -j2 venv llamacpp
 
 $(STAMP): $(ENV_FILES)
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	test -x $(BIN)/python || { $(MAKE) --no-print-directory disk-check && $(PYTHON) -m venv $(VENV); }
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -r envs/requirements.txt -r envs/vllm-deps.txt
 	PATH=$(abspath $(BIN)):$$PATH envs/fourbit.post-deploy.sh

@@ -59,3 +59,38 @@ def test_the_llamacpp_build_runs_before_the_venv_exists():
         capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert "PYTHONPATH=src $(PYTHON) -m fourbit.llamacpp.build" in (ENVS.parent / "Makefile").read_text()
+
+
+def test_setup_refuses_a_disk_without_room_for_the_venv_and_says_how_much_is_free():
+    """`make venv` runs disk-check before it creates the venv; the need is a make variable,
+    so both outcomes run here on the real filesystem."""
+    import subprocess
+
+    def disk_check(need_gb: int) -> subprocess.CompletedProcess:
+        return subprocess.run(["make", "-s", "disk-check", f"SETUP_NEED_GB={need_gb}"],
+                              cwd=ENVS.parent, capture_output=True, text=True)
+
+    assert disk_check(0).returncode == 0
+    refused = disk_check(10**9)
+    assert refused.returncode != 0
+    assert f"setting up needs {10**9} GB free on the filesystem of {ENVS.parent}" in refused.stderr
+    assert "GB are free there" in refused.stderr
+
+
+def test_make_venv_on_a_full_disk_stops_before_it_creates_the_venv(tmp_path):
+    """The recipe's wiring, on a copy of the project's set-up files without a venv."""
+    import shutil
+    import subprocess
+
+    root = ENVS.parent
+    shutil.copy(root / "Makefile", tmp_path)
+    makefile = (root / "Makefile").read_text()
+    files = makefile.split("ENV_FILES := ")[1].split("\nSTAMP")[0].replace("\\\n", " ").split()
+    for name in files:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(root / name, tmp_path / name)
+    run = subprocess.run(["make", "-s", "venv", f"SETUP_NEED_GB={10**9}"], cwd=tmp_path,
+                         capture_output=True, text=True)
+    assert run.returncode != 0
+    assert "GB are free there" in run.stderr
+    assert not (tmp_path / ".venv").exists()
