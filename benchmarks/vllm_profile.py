@@ -28,6 +28,12 @@ from fourbit.engines.vllm.settings import VllmSettings, resolve
 from fourbit.threads import torch_threads
 
 
+def _prompt(checkpoint: str | os.PathLike, length: int) -> list[int]:
+    """The benchmarks' synthetic token ids, within the checkpoint's vocabulary."""
+    vocab = json.loads((Path(checkpoint) / "config.json").read_text())["vocab_size"]
+    return synthetic_prompt(length, vocab)
+
+
 def profile_step(checkpoint: str | os.PathLike, settings: Mapping[str, Any] | VllmSettings,
                  what: str, threads: int, rows: int = 15, batch: int = 1) -> str:
     """torch.profiler's table (top ops by self CPU time) of one decode step (``batch``
@@ -45,8 +51,7 @@ def profile_step(checkpoint: str | os.PathLike, settings: Mapping[str, Any] | Vl
     if what not in ("decode", "prefill"):
         raise ValueError(f"what={what!r}; profile 'decode' or 'prefill'")
     settings = resolve(settings)
-    vocab = json.loads((Path(checkpoint) / "config.json").read_text())["vocab_size"]
-    ids = synthetic_prompt(512, vocab)
+    ids = _prompt(checkpoint, 512)
     if what == "prefill" and batch != 1:
         raise ValueError("a prefill is profiled for one sequence (batch=1)")
     # decode: a different 1-token prompt per sequence, so no two share a cached prefix
@@ -146,8 +151,7 @@ def step_breakdown(checkpoint: str | os.PathLike, settings: Mapping[str, Any] | 
     from vllm.inputs import TokensPrompt
 
     settings = resolve(settings)
-    vocab = json.loads((Path(checkpoint) / "config.json").read_text())["vocab_size"]
-    prompt = TokensPrompt(prompt_token_ids=synthetic_prompt(1, vocab))
+    prompt = TokensPrompt(prompt_token_ids=_prompt(checkpoint, 1))
     params = SamplingParams(max_tokens=decode_tokens + 1, temperature=0.0, ignore_eos=True,
                             detokenize=False)
     totals: dict[str, float] = {label: 0.0 for *_, label in STEP_PARTS}

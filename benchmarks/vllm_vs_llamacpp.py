@@ -221,19 +221,18 @@ def report(label: str, timed: dict, model: dict, cores: list[int], workdir: Path
               f"tg128 {summary([r['tg128_tok_s'] for r in runs])} tok/s")
     vllm_names = [name for name in rates if name != LLAMA]
 
-    def decode_ratios(name: str) -> list[float]:
-        return [v["tg128_tok_s"] / q["tg128_tok_s"]
-                for v, q in zip(rates[name], rates[LLAMA], strict=True)]
+    def ratios(name: str, metric: str = "tg128_tok_s") -> list[float]:
+        """``name``'s rate over llama.cpp's, pass by pass."""
+        return [v[metric] / q[metric] for v, q in zip(rates[name], rates[LLAMA], strict=True)]
 
     # by the pass-by-pass ratio, the figure judged, not by the medians of tok/s (on a host
     # that drifts between passes the two can name different variants)
-    best = max(vllm_names, key=lambda name: summarize(decode_ratios(name))["median"])
+    best = max(vllm_names, key=lambda name: summarize(ratios(name))["median"])
     for name in vllm_names:
         for metric, kind in (("tg128_tok_s", "decode"), ("pp512_tok_s", "prefill")):
-            ratios = [v[metric] / q[metric] for v, q in zip(rates[name], rates[LLAMA], strict=True)]
             marker = "  <- best vLLM 4-bit arm" if name == best and kind == "decode" else ""
-            print(f"  {name} / {LLAMA} {kind}, pass by pass: {summary(ratios)}{marker}")
-    decode = summarize(decode_ratios(best))["median"]
+            print(f"  {name} / {LLAMA} {kind}, pass by pass: {summary(ratios(name, metric))}{marker}")
+    decode = summarize(ratios(best))["median"]
     print(f"{label}: decode ratio, best vLLM 4-bit arm ({best}) / {LLAMA}: {decode:.2f}")
     if decode < 1:
         from vllm_profile import profile_step, step_breakdown
