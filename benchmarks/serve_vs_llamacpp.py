@@ -19,8 +19,9 @@ the servers' order rotated from pass to pass. Printed: output tok/s per level, m
 [min-max] over the passes, and the ratio of the best vLLM arm to llama-server, pass by
 pass, and at one user the decode rate a user sees (1000 / TPOT p50); the host's load before
 and after. With --tg128, the servers once stopped, each model's batch-1 pp512 / tg128 as
-the bench times them (benchmarks/vllm_vs_llamacpp.py's runs: vLLM in-process with the same
-settings, llama-bench), passes rotated likewise, to set beside one user on the server.
+the bench times them (benchmarks/vllm_vs_llamacpp.py's runs: each vLLM engine held open in
+a worker with the same settings, llama-bench), passes rotated likewise, to set beside one
+user on the server.
 With --profile-batch N, then torch.profiler's table of one decode step of N sequences
 on the first vLLM checkpoint: where a batched step's time goes. Run it under the bench
 lock on a quiet host:
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import statistics
 import tempfile
@@ -159,7 +161,9 @@ def _qwen_shaped(workdir: Path, threads: int) -> tuple[list[Path], Path, Path]:
 
 def _batch_one(served: dict, args: argparse.Namespace, cores: list[int], logs: Path) -> None:
     """Each model's pp512 / tg128 as the bench times them, passes rotated."""
-    from vllm_vs_llamacpp import LLAMA, one_run  # the same folder
+    from vllm_vs_llamacpp import held_engine, llama_run  # the same folder
+
+    from fourbit.bench.starts import open_group
 
     # benchmarks/vllm_vs_llamacpp.py's variant of the served engine (the checkpoint carries
     # its kernel knob, so "plugin bf16 compiled" on a w4a8_group checkpoint runs W4A8_GROUP)
@@ -169,15 +173,19 @@ def _batch_one(served: dict, args: argparse.Namespace, cores: list[int], logs: P
     variant = f"plugin {short}" + (" compiled" if args.compiled else "")
     runs = {name: [] for name in served}
     names = list(served)
-    for number in range(args.passes):
-        for name in names[number % len(names):] + names[:number % len(names)]:
-            _, model, _ = served[name]
-            is_llama = name.startswith("llama")
-            rates = one_run(LLAMA if is_llama else variant,
-                            {"gguf": model} if is_llama else {"vllm": model}, cores, logs / "bench")
-            runs[name].append(rates)
-            print(f"pass {number + 1} {name}: pp512 {rates['pp512_tok_s']:.1f}, tg128 "
-                  f"{rates['tg128_tok_s']:.1f} tok/s", flush=True)
+    with pinned(cores), contextlib.ExitStack() as stack:
+        engines = open_group(stack, {
+            name: functools.partial(held_engine, variant, {"vllm": model}, cores, logs / "bench")
+            for name, (_, model, _) in served.items() if not name.startswith("llama")},
+            optional=set(), failed={})
+        for number in range(args.passes):
+            for name in names[number % len(names):] + names[:number % len(names)]:
+                _, model, _ = served[name]
+                rates = (llama_run({"gguf": model}, cores) if name.startswith("llama")
+                         else engines[name]())
+                runs[name].append(rates)
+                print(f"pass {number + 1} {name}: pp512 {rates['pp512_tok_s']:.1f}, tg128 "
+                      f"{rates['tg128_tok_s']:.1f} tok/s", flush=True)
     print("batch 1 as the bench times it, tok/s, median [min-max] over passes:")
     for name, rates in runs.items():
         print(f"  {name:40s} pp512 {summary([r['pp512_tok_s'] for r in rates])}   "

@@ -25,8 +25,12 @@ of them by median decode is "the best vLLM 4-bit arm". Each pass runs every
 variant once, the order rotated from pass to pass, and the decode ratio vLLM /
 llama.cpp is taken within a pass: pp512 and tg128 as llama-bench defines them
 (fourbit.engines.vllm.throughput for vLLM; llama-bench with 3 repetitions, their
-median, for llama.cpp). Before every run the checkpoint files are read through and
-checked resident (mincore), and the pinned cores' busy fraction is recorded (a busy
+median, for llama.cpp). Each engine runs as the study's bench job runs it
+(fourbit.steps.bench): every vLLM variant's engine is started once, in a worker of its
+own, and held open across the passes, stopped between them (throughput_session), in
+groups that fit in memory together; llama-bench starts for each run. Before every run
+the GGUF is read through and checked resident (mincore), a held engine's files have
+their cache state recorded, and the pinned cores' busy fraction is recorded (a busy
 core is flagged, never refused, here). If the best ratio is below 1, a profile of
 one vLLM decode step follows, then where a whole decode's wall clock goes among vLLM's
 step parts (vllm_profile.step_breakdown). --workdir keeps the Qwen-shaped files for the next run.
@@ -35,7 +39,9 @@ step parts (vllm_profile.step_breakdown). --workdir keeps the Qwen-shaped files 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
+import functools
 import os
 import time
 from pathlib import Path
@@ -165,49 +171,92 @@ def variants(model: dict, chosen: list[str]) -> list[str]:
     return names
 
 
-def one_run(variant: str, model: dict, cores: list[int], workdir: Path) -> dict:
-    """pp512 and tg128 of one variant, tok/s."""
-    from fourbit.bench.pinning import pinned
-    from fourbit.engines import get_engine
-    from fourbit.engines.base import TimesPasses, capable
+def llama_run(model: dict, cores: list[int]) -> dict:
+    """pp512 and tg128 of llama.cpp Q4_K_M, tok/s: one llama-bench run, 3 repetitions."""
     from fourbit.llamacpp.build import ensure_llamacpp
     from fourbit.llamacpp.throughput import llama_bench
 
-    if variant == LLAMA:
-        result = llama_bench(model["gguf"], tools=ensure_llamacpp(), threads=len(cores),
-                             cores=cores, repetitions=3)
-        return {"pp512_tok_s": result["pp512"]["median"], "tg128_tok_s": result["tg128"]["median"]}
+    result = llama_bench(model["gguf"], tools=ensure_llamacpp(), threads=len(cores), cores=cores,
+                         repetitions=3)
+    return {"pp512_tok_s": result["pp512"]["median"], "tg128_tok_s": result["tg128"]["median"]}
+
+
+def held_engine(variant: str, model: dict, cores: list[int], workdir: Path):
+    """The variant's engine, open in a worker until the context closes; called, it times
+    one pass (pp512 and tg128, tok/s)."""
+    from fourbit.engines import get_engine
+    from fourbit.engines.base import TimesInSession, capable
+
     checkpoint, engine, given = VLLM_VARIANTS[variant]
     settings = vllm_settings(given, workdir / "cache" / variant.replace(" ", "_"), engine)
-    with pinned(cores):
-        return capable(get_engine(engine), TimesPasses).throughput(
-            model[checkpoint], settings, len(cores), **llama_bench_sizes())
+    return capable(get_engine(engine), TimesInSession).throughput_session(
+        model[checkpoint], settings, len(cores), **llama_bench_sizes())
 
 
 def side_by_side(model: dict, cores: list[int], passes: int, threshold: float,
                  workdir: Path, chosen: list[str]) -> dict:
-    from fourbit.bench.contention import check_quiet
-    from fourbit.bench.residency import warm_and_check
+    """Every pass of every group: its variants and llama.cpp, the order rotated. Returns
+    each one's rates, pass by pass, and for each variant llama.cpp's in the same passes."""
+    from fourbit.bench.contention import ContentionError, wait_until_quiet
+    from fourbit.bench.hostmemory import available_memory_bytes
+    from fourbit.bench.memory_groups import held_open_bytes, plan_groups
+    from fourbit.bench.pinning import pinned
+    from fourbit.bench.starts import open_group
+    from fourbit.steps.bench import SETTLE_S
 
-    names = [*variants(model, chosen), LLAMA]
-    rates = {name: [] for name in names}
+    vllm_names = variants(model, chosen)
+    held = {name: held_open_bytes(model[VLLM_VARIANTS[name][0]], VLLM_VARIANTS[name][2]["dtype"])
+            for name in vllm_names}
+    groups = plan_groups({name: {name} for name in vllm_names}, held, available_memory_bytes())
+    rates = {name: [] for name in [*vllm_names, LLAMA]}
+    paired = {name: [] for name in vllm_names}  # llama.cpp's runs in the passes each variant ran
     flagged = 0
-    for number in range(1, passes + 1):
-        shift = (number - 1) % len(names)
-        for name in names[shift:] + names[:shift]:
-            files = [model["gguf"] if name == LLAMA else model[VLLM_VARIANTS[name][0]]]
-            resident = warm_and_check(files)
-            gate = check_quiet(cores, threshold, override=True, when=f"before pass {number}")
-            busy = max(gate["busy"].values())
-            flagged += busy > threshold
-            started = time.monotonic()
-            run = one_run(name, model, cores, workdir)
-            rates[name].append(run)
-            print(f"  pass {number}: {name:18s} pp512 {run['pp512_tok_s']:8.1f}  tg128 "
-                  f"{run['tg128_tok_s']:7.2f} tok/s  [busiest core {busy:.0%} before; resident "
-                  f"{resident['resident_fraction']:.0%}; {time.monotonic() - started:.0f} s]",
-                  flush=True)
-    return {"rates": rates, "flagged": flagged, "runs": passes * len(names)}
+    with pinned(cores):  # the workers inherit it
+        for group in groups:
+            if len(groups) > 1:
+                print(f"  group of {len(group)}: {', '.join(group)}", flush=True)
+            with contextlib.ExitStack() as stack:
+                runs = open_group(stack, {name: functools.partial(held_engine, name, model, cores,
+                                                                  workdir) for name in group},
+                                  optional=set(), failed={})
+                try:  # what the starts left behind (compile workers, cache writes) settles first
+                    wait_until_quiet(cores, threshold, timeout_s=SETTLE_S, when="after the starts")
+                except ContentionError as error:
+                    print(f"  {error} (flagged, not refused)")
+                names = [*group, LLAMA]
+                for number in range(1, passes + 1):
+                    shift = (number - 1) % len(names)
+                    this_pass = {}
+                    for name in names[shift:] + names[:shift]:
+                        this_pass[name], busy = timed_run(name, number, runs, model, cores,
+                                                          threshold)
+                        rates[name].append(this_pass[name])
+                        flagged += busy
+                    for name in group:
+                        paired[name].append(this_pass[LLAMA])
+    return {"rates": rates, "paired": paired, "flagged": flagged,
+            "runs": sum(passes * (len(group) + 1) for group in groups)}
+
+
+def timed_run(name: str, number: int, runs: dict, model: dict, cores: list[int],
+              threshold: float) -> tuple[dict, bool]:
+    """One run in pass ``number`` (llama-bench, or a pass of the held engine ``runs[name]``)
+    after its checks, printed; and whether a pinned core was busier than ``threshold``."""
+    from fourbit.bench.contention import check_quiet
+    from fourbit.bench.residency import cache_state, warm_and_check
+
+    if name == LLAMA:
+        resident = warm_and_check([model["gguf"]])
+    else:  # a held engine read its files at its start: their cache state is only recorded
+        resident = cache_state([model[VLLM_VARIANTS[name][0]]])
+    gate = check_quiet(cores, threshold, override=True, when=f"before pass {number}")
+    busy = max(gate["busy"].values())
+    started = time.monotonic()
+    run = llama_run(model, cores) if name == LLAMA else runs[name]()
+    print(f"  pass {number}: {name:18s} pp512 {run['pp512_tok_s']:8.1f}  tg128 "
+          f"{run['tg128_tok_s']:7.2f} tok/s  [busiest core {busy:.0%} before; resident "
+          f"{resident['resident_fraction']:.0%}; {time.monotonic() - started:.0f} s]", flush=True)
+    return run, busy > threshold
 
 
 def report(label: str, timed: dict, model: dict, cores: list[int], workdir: Path) -> None:
@@ -223,7 +272,8 @@ def report(label: str, timed: dict, model: dict, cores: list[int], workdir: Path
 
     def ratios(name: str, metric: str = "tg128_tok_s") -> list[float]:
         """``name``'s rate over llama.cpp's, pass by pass."""
-        return [v[metric] / q[metric] for v, q in zip(rates[name], rates[LLAMA], strict=True)]
+        return [v[metric] / q[metric]
+                for v, q in zip(rates[name], timed["paired"][name], strict=True)]
 
     # by the pass-by-pass ratio, the figure judged, not by the medians of tok/s (on a host
     # that drifts between passes the two can name different variants)
