@@ -20,8 +20,8 @@ arm's kernel knob at w4a8 or w4a8_group (Qwen-shaped model only: a checkpoint of
 own each; eager and compiled), a bfloat16 engine compiled (dense bfloat16 GEMM for
 prefills, fourbit's kernel for single rows, W4A16 or W4A8), and,
 where the host has it (AVX-512), the GPTQ checkpoint on vLLM's own cpu_gemm_wna16 in
-bfloat16; ``--variants`` picks a subset. The best
-of them by median decode is "the best vLLM 4-bit arm". Each pass runs every
+bfloat16; ``--variants`` picks a subset. The best of them by the median of its
+pass-by-pass decode ratio is "the best vLLM 4-bit arm". Each pass runs every
 variant once, the order rotated from pass to pass, and the decode ratio vLLM /
 llama.cpp is taken within a pass: pp512 and tg128 as llama-bench defines them
 (fourbit.engines.vllm.throughput for vLLM; llama-bench with 3 repetitions, their
