@@ -28,8 +28,8 @@ built checkpoints for the next run (building them takes a few minutes).
 On a shared host: pin to the quietest cores (--cores 1 uses one thread on CPU 1; two
 threads with a neighbour on one core wait at every barrier for their descheduled half).
 Rates are printed twice: over the wall clock, as llama-bench reports them and as the
-targets are judged, and over this process's CPU time, which other jobs' turns on the
-core do not stretch.
+targets are judged, and over the engine's CPU time (its worker process's), which other
+jobs' turns on the core do not stretch.
 """
 
 from __future__ import annotations
@@ -311,7 +311,7 @@ def main() -> None:
     flagged = sum(max(g["busy"].values()) > args.busy_threshold for g in timed["gates"])
     print(f"\n{flagged} of {len(timed['gates'])} timed runs started with a pinned core busier "
           f"than {args.busy_threshold:.0%}. The wall clock is what llama-bench reports; the CPU "
-          "clock (this process's CPU time) is not stretched by other jobs' turns on the core.")
+          "clock (the engine worker's CPU time) is not stretched by other jobs' turns on the core.")
     missed = {kind for clock in ("wall", "cpu")
               for kind in speed_report(timed["rates"][clock], clock, checkpoints, bandwidth)}
     memory_report(checkpoints, args.workdir)

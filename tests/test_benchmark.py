@@ -648,3 +648,26 @@ def test_a_bench_worker_is_stopped_between_its_passes_and_ends_with_the_session(
             # the engine's weights and vLLM's libraries are resident: well over 100 MB
             assert one_pass.peak_rss_bytes > 100 << 20
     assert workers() == {}  # exited and reaped
+
+
+@pytest.mark.slow
+def test_one_pass_in_an_engine_of_its_own_runs_in_a_worker_and_reports_its_cpu_clock(
+        int4_checkpoints):
+    """throughput opens its engine in a worker process, never in this one (engines opened one
+    after another in one process decode more slowly each time), and still gives the rates
+    over the engine's CPU time."""
+    import vllm.v1.engine.core as engine_core
+
+    from fourbit.engines.vllm import throughput
+
+    opened_here = []
+    original = engine_core.EngineCore.__init__
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine_core.EngineCore, "__init__",
+                      lambda self, *a, **k: (opened_here.append(1), original(self, *a, **k))[1])
+        cpu = {}
+        wall = throughput(int4_checkpoints[1], engine_settings("vllm", kv_cache_gib=0.0625), 1,
+                          cpu_rates=cpu, **LLAMA_BENCH_SIZES)
+    assert opened_here == []
+    assert set(cpu) == set(wall) == {"pp512_tok_s", "tg128_tok_s"}
+    assert all(rate > 0 for rate in [*wall.values(), *cpu.values()])

@@ -98,7 +98,7 @@ class VllmEngine(TimesInSession, KeepsSides):
                    prompt_tokens: int, decode_tokens: int,
                    cpu_rates: dict[str, float] | None = None) -> Rates:
         """As the interface's; ``cpu_rates``, if given, is filled with the same rates over
-        this process's CPU time."""
+        the engine's CPU time."""
         return throughput(checkpoint, self.settings_to_run(settings, checkpoint), threads,
                           prompt_tokens=prompt_tokens, decode_tokens=decode_tokens,
                           cpu_rates=cpu_rates)

@@ -202,15 +202,17 @@ def throughput(
     decode_tokens: int,
     cpu_rates: dict[str, float] | None = None,
 ) -> dict[str, float]:
-    """One timed pass in an engine of its own (see bench_engine); wall-clock rates.
+    """One timed pass in an engine of its own (see bench_engine), in a worker process of its
+    own (throughput_session's); wall-clock rates. Not in this process: engines opened one
+    after another in one process decode more slowly each time (docs/measurement.md).
 
-    ``cpu_rates``, if given, is filled with the same rates over this process's CPU time.
+    ``cpu_rates``, if given, is filled with the same rates over the worker's CPU time.
     """
-    with bench_engine(checkpoint, settings, threads, prompt_tokens=prompt_tokens,
-                      decode_tokens=decode_tokens) as one_pass:
-        wall, cpu = one_pass()
+    with throughput_session(checkpoint, settings, threads, prompt_tokens=prompt_tokens,
+                            decode_tokens=decode_tokens) as one_pass:
+        wall = one_pass()
     if cpu_rates is not None:
-        cpu_rates.update(cpu)
+        cpu_rates.update(one_pass.cpu_rates)
     return wall
 
 
@@ -271,7 +273,8 @@ class _BenchWorker:
     """One fourbit.engines.vllm.throughput_worker process and its side of the protocol; called,
     it times one pass. ``peak_rss_bytes``: the worker's largest resident set so far (None
     until its engine is open); ``start``: what its engine's untimed start cost
-    (bench_engine's ``start``; None until it is open)."""
+    (bench_engine's ``start``; None until it is open); ``cpu_rates``: the last pass's rates
+    over the worker's CPU time."""
 
     def __init__(self, checkpoint: str | os.PathLike, request: dict[str, Any]):
         self.checkpoint = checkpoint
@@ -282,6 +285,7 @@ class _BenchWorker:
         self.waiting_for_ready = True
         self.peak_rss_bytes: int | None = None
         self.start: dict[str, Any] | None = None
+        self.cpu_rates: dict[str, float] | None = None
 
     def _gone(self) -> RuntimeError:
         return RuntimeError(f"the bench worker for {self.checkpoint} exited with "
@@ -296,6 +300,7 @@ class _BenchWorker:
         if "error" in message:
             raise RuntimeError(f"the bench worker for {self.checkpoint} failed:\n{message['error']}")
         self.peak_rss_bytes = message["peak_rss_bytes"]
+        self.cpu_rates = message.get("cpu_rates")
         return message[key]
 
     def wait_ready(self) -> None:

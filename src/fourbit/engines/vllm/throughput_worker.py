@@ -15,6 +15,7 @@ Protocol (one JSON object per line):
                "peak_rss_bytes": ..} once the engine is open and warmed up; "ready" holds
                what its untimed start cost (throughput.bench_engine's ``start``)
     in        "pass"  ->  out {"rates": {"pp512_tok_s": .., "tg128_tok_s": ..},
+                               "cpu_rates": the same over the worker's CPU time,
                                "peak_rss_bytes": ..}
 
 peak_rss_bytes is the process's largest resident set so far (VmHWM), which the job
@@ -64,8 +65,8 @@ def main() -> int:
             for line in sys.stdin:
                 if line.strip() != "pass":
                     raise ValueError(f"unknown command {line.strip()!r}; the worker knows 'pass'")
-                wall, _ = one_pass()
-                send({"rates": wall, "peak_rss_bytes": peak_rss_bytes()})
+                wall, cpu = one_pass()
+                send({"rates": wall, "cpu_rates": cpu, "peak_rss_bytes": peak_rss_bytes()})
     except BaseException:  # noqa: BLE001 (every failure must reach the job as its error line)
         send({"error": traceback.format_exc()})
         return 1
